@@ -1,0 +1,176 @@
+"""Configuration: dataclass defaults <- ``--config file.yaml`` <- ``--field value`` flags.
+
+Every recipe declares a ``Config`` dataclass whose defaults are its built-in demo.
+:func:`parse_config` layers a YAML file and command-line flags on top; every field is a flag of
+the same name. An unknown key (in the file or on the command line) is an error naming the
+closest valid key, and a value of the wrong type is an error naming the field. Both raise
+:class:`ConfigError`, which the recipes' ``main`` turns into one ``error: ...`` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+
+from common import UserError
+
+C = TypeVar("C")
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+class ConfigError(UserError):
+    """An unknown key, a wrong type or an unreadable config file."""
+
+
+def _closest(key: str, valid: Sequence[str]) -> str:
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _coerce(name: str, value: Any, hint: Any, from_cli: bool) -> Any:
+    """Convert ``value`` to the field type ``hint``; raise ConfigError when it does not fit.
+
+    YAML already typed file values; command-line values arrive as strings and are parsed
+    by the field's type, so ``--lr 3e-4`` is a float and ``--data 10`` stays a string.
+    """
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # Optional[X]: None or X
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (from_cli and str(value).lower() in ("none", "null")):
+            return None
+        return _coerce(name, value, args[0], from_cli)
+    if origin in (list, tuple):
+        (item_hint, *_) = typing.get_args(hint) or (Any,)
+        if from_cli and isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            value = [] if value is None else value
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config field '{name}' expects a list, got {value!r}")
+        items = [_coerce(name, v, item_hint, from_cli or isinstance(v, str)) for v in value]
+        return tuple(items) if origin is tuple else items
+    if hint is Any:
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"config field '{name}' expects true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config field '{name}' expects an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config field '{name}' expects a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config field '{name}' expects a string, got {value!r}")
+    raise TypeError(f"unsupported config field type {hint!r} for '{name}'")  # a recipe bug
+
+
+def _apply(cfg: Any, values: dict[str, Any], hints: dict[str, Any], source: str, from_cli: bool) -> None:
+    valid = [f.name for f in dataclasses.fields(cfg)]
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown config key '{key}' in {source}{_closest(key, valid)}")
+        setattr(cfg, key, _coerce(key, value, hints[key], from_cli))
+
+
+def usage(cls: type) -> str:
+    """One line per field: ``--name TYPE (default: value)``."""
+    hints = typing.get_type_hints(cls)
+    lines = [f"usage: {Path(sys.argv[0]).name} [--config FILE.yaml] [--FIELD VALUE ...]", "", "fields:"]
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        type_name = getattr(hints[f.name], "__name__", str(hints[f.name]))
+        lines.append(f"  --{f.name} {type_name} (default: {default!r})")
+    return "\n".join(lines)
+
+
+def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
+    """Build ``cls`` from its defaults, then ``--config FILE.yaml``, then ``--field value`` flags.
+
+    A bool flag given alone (``--compile``) means true. ``--help`` prints the fields and exits.
+    The YAML file's path is kept in ``cfg.config`` when the dataclass has such a field.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(usage(cls))
+        raise SystemExit(0)
+    hints = typing.get_type_hints(cls)
+    cli: dict[str, Any] = {}
+    config_file = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument '{arg}': flags look like --field value")
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if hints.get(key) is bool and (nxt is None or nxt.startswith("--")):
+                value = "true"  # a bare boolean flag
+            elif nxt is None:
+                raise ConfigError(f"flag '--{key}' needs a value")
+            else:
+                value, i = nxt, i + 1
+        if key == "config" and "config" not in hints:
+            config_file = value
+        elif key in cli:
+            raise ConfigError(f"flag '--{key}' given twice")
+        else:
+            cli[key] = value
+        i += 1
+    if "config" in hints and "config" in cli:
+        config_file = cli["config"]
+
+    cfg = cls()
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file '{config_file}' does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{config_file}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{config_file}' must hold a mapping of field: value")
+        _apply(cfg, loaded, hints, f"'{config_file}'", from_cli=False)
+        if "config" in hints:
+            cfg.config = str(config_file)  # type: ignore[attr-defined]
+    _apply(cfg, cli, hints, "the command line", from_cli=True)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain YAML-serialisable values (tuples become lists)."""
+    out = dataclasses.asdict(cfg)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config; ``--config`` on this file reproduces the run."""
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,286 @@
+"""Image datasets (hub name, local folder, built-in set) and reproducible data loaders.
+
+Everything becomes a ``datasets.Dataset`` with an image column and a label column, whatever the
+source, so one code path serves a hub dataset, an imagefolder on disk and the built-in sets.
+
+Reproducibility: the training order is a function of ``(seed, epoch)`` only, and every sample's
+augmentation randomness is seeded from ``(seed, epoch, index)``. A batch is therefore the same
+whatever the number of workers or processes, and a run resumed mid-epoch sees exactly the
+batches, crops and flips the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+
+from common import UserError
+
+BUILTIN = ("digits",)
+EVAL_SPLITS = ("validation", "val", "valid", "test")
+
+
+# --------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------
+def digits_dataset():
+    """scikit-learn's bundled 1,797 handwritten digits (8x8 grey) as a hub-style ``DatasetDict``.
+
+    Columns ``image`` (``datasets.Image``) and ``label`` (``ClassLabel`` '0'..'9'), as the hub's
+    MNIST; a fixed, stratified, seeded split: 1,437 ``train`` and 360 ``test`` images.
+    """
+    import datasets
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    pixels = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)  # 0..16 -> 0..255
+    order = np.arange(len(pixels))
+    train_idx, test_idx = train_test_split(order, test_size=0.2, random_state=0, stratify=digits.target)
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(10)])}
+    )
+
+    def split(idx: np.ndarray):
+        return datasets.Dataset.from_dict(
+            {"image": [Image.fromarray(pixels[i], mode="L") for i in idx], "label": digits.target[idx].tolist()},
+            features=features,
+        )
+
+    return datasets.DatasetDict({"train": split(train_idx), "test": split(test_idx)})
+
+
+def _load_source(data: str):
+    """A ``DatasetDict`` (or ``Dataset``) from a built-in name, a local folder or a hub name."""
+    import datasets
+
+    if data == "digits":
+        return digits_dataset()
+    path = Path(data)
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"data '{data}' is a file; expected a folder (imagefolder layout or a saved dataset)")
+        if any((path / f).exists() for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
+            return datasets.load_from_disk(str(path))
+        return datasets.load_dataset("imagefolder", data_dir=str(path))
+    try:
+        return datasets.load_dataset(data)
+    except Exception as e:  # hub errors come in many types; the first line says what happened
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(
+            f"dataset '{data}' could not be loaded ({first}); expected one of {', '.join(BUILTIN)}, "
+            "an existing folder, or a hub dataset name (with network, or already in the cache)"
+        ) from None
+
+
+def _detect_columns(ds, image_column: str, label_column: str) -> tuple[str, str]:
+    import datasets
+
+    cols = ds.features
+    if not image_column:
+        image_column = next((k for k, f in cols.items() if isinstance(f, datasets.Image)), "")
+        if not image_column:
+            raise UserError(f"no image column found among {list(cols)}; set --image_column")
+    if not label_column:
+        label_column = next((k for k, f in cols.items() if isinstance(f, datasets.ClassLabel)), "")
+        label_column = label_column or next((k for k in ("label", "labels", "fine_label") if k in cols), "")
+        if not label_column:
+            raise UserError(f"no label column found among {list(cols)}; set --label_column")
+    for name in (image_column, label_column):
+        if name not in cols:
+            raise UserError(f"column '{name}' not in the dataset; it has {list(cols)}")
+    return image_column, label_column
+
+
+@dataclasses.dataclass
+class ClassificationData:
+    train: Any  # datasets.Dataset, images left undecoded
+    eval: Any
+    image_column: str
+    label_column: str
+    classes: list[str]
+
+
+def load_classification(
+    data: str,
+    image_column: str = "",
+    label_column: str = "",
+    train_split: str = "train",
+    eval_split: str = "",
+    eval_fraction: float = 0.1,
+    seed: int = 0,
+) -> ClassificationData:
+    """Load train and evaluation splits of an image-classification dataset.
+
+    ``eval_split`` empty: the first of validation/val/valid/test that exists, else a seeded
+    ``eval_fraction`` of the training split. Images stay undecoded (bytes or a path) until a
+    DataLoader worker decodes them, so an unreadable file is reported by name.
+    """
+    import datasets
+
+    source = _load_source(data)
+    if isinstance(source, datasets.Dataset):
+        source = datasets.DatasetDict({train_split: source})
+    if train_split not in source:
+        raise UserError(f"dataset '{data}' has no split '{train_split}'; it has {list(source)}")
+    train = source[train_split]
+    eval_split = eval_split or next((s for s in EVAL_SPLITS if s in source and s != train_split), "")
+    if eval_split and eval_split not in source:
+        raise UserError(f"dataset '{data}' has no split '{eval_split}'; it has {list(source)}")
+    image_column, label_column = _detect_columns(train, image_column, label_column)
+    if eval_split:
+        evaluation = source[eval_split]
+    else:
+        stratify = label_column if isinstance(train.features[label_column], datasets.ClassLabel) else None
+        parts = train.train_test_split(test_size=eval_fraction, seed=seed, stratify_by_column=stratify)
+        train, evaluation = parts["train"], parts["test"]
+    for name, ds in (("training", train), ("evaluation", evaluation)):
+        if len(ds) == 0:
+            raise UserError(f"the {name} split of '{data}' is empty")
+
+    feature = train.features[label_column]
+    if isinstance(feature, datasets.ClassLabel):
+        classes = list(feature.names)
+    else:
+        classes = [str(i) for i in range(int(max(train[label_column])) + 1)]
+    train = train.cast_column(image_column, datasets.Image(decode=False))
+    evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False))
+    return ClassificationData(train, evaluation, image_column, label_column, classes)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding and per-sample seeding
+# --------------------------------------------------------------------------------------------
+def decode_image(value: dict[str, Any] | Image.Image, name: str) -> Image.Image:
+    """An RGB PIL image from a ``datasets.Image(decode=False)`` value; UserError naming the file."""
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    path = value.get("path") or name
+    try:
+        image = Image.open(io.BytesIO(value["bytes"])) if value.get("bytes") else Image.open(value["path"])
+        image.load()
+        return image.convert("RGB")
+    except Exception as e:
+        raise UserError(f"cannot read image '{path}': {type(e).__name__}: {e}") from None
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 63-bit seed unique to (run seed, epoch, sample index); index -1 seeds the epoch's order."""
+    high, low = np.random.SeedSequence([seed, epoch, index + 1]).generate_state(2)
+    return (int(high) >> 1) << 32 | int(low)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Seed torch, numpy and random for one sample's augmentations.
+
+    In a worker process the global generators belong to that sample alone. In the main process
+    (``num_workers=0``) their state is restored afterwards so the training loop's own random
+    stream (dropout, mixup) does not depend on how the data was loaded.
+    """
+    in_main = torch.utils.data.get_worker_info() is None
+    saved = (random.getstate(), np.random.get_state()) if in_main else None
+    with torch.random.fork_rng(devices=[], enabled=in_main):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+        yield
+    if saved is not None:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+
+
+class ClassificationDataset(torch.utils.data.Dataset):
+    """``(image tensor, label)`` pairs from a hub-style dataset, transformed reproducibly.
+
+    Indexed by ``(epoch, index)`` (what :class:`EpochBatchSampler` yields) or by a plain index
+    (epoch 0, for evaluation).
+    """
+
+    def __init__(self, ds: Any, image_column: str, label_column: str, transform: Callable, seed: int = 0) -> None:
+        self.ds, self.image_column, self.label_column = ds, image_column, label_column
+        self.transform, self.seed = transform, seed
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        row = self.ds[int(index)]
+        image = decode_image(row[self.image_column], f"row {index} of column '{self.image_column}'")
+        with seeded(sample_seed(self.seed, epoch, index)):
+            return self.transform(image), int(row[self.label_column])
+
+
+# --------------------------------------------------------------------------------------------
+# Loaders
+# --------------------------------------------------------------------------------------------
+class EpochBatchSampler(torch.utils.data.Sampler):
+    """Batches of ``(epoch, index)`` pairs; the order depends only on ``(seed, epoch)``.
+
+    ``batch_size`` is per process: Accelerate hands process ``r`` of ``W`` the batches
+    ``r, r + W, ...``, so one optimizer step of W processes covers the same samples as one
+    step of a single process with batch ``W * batch_size``. With ``drop_last`` the epoch ends
+    at the last complete round of ``W`` batches, which is again what the single process does.
+    """
+
+    def __init__(self, size: int, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True, num_processes: int = 1) -> None:
+        if drop_last and size < batch_size * num_processes:
+            raise UserError(
+                f"the training split has {size} images, fewer than one global batch "
+                f"({batch_size} x {num_processes} processes); lower --batch_size"
+            )
+        self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
+        self.drop_last, self.num_processes = drop_last, num_processes
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.size // (self.batch_size * self.num_processes) * self.num_processes
+        return -(-self.size // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1)))
+        else:
+            order = torch.arange(self.size)
+        order = order.tolist()
+        for b in range(len(self)):
+            yield [(self.epoch, i) for i in order[b * self.batch_size : (b + 1) * self.batch_size]]
+
+
+def loader_kwargs(num_workers: int) -> dict[str, Any]:
+    """DataLoader settings of the performance contract: workers, pinned memory, persistent workers,
+    and a private generator so creating an iterator never draws from the global torch RNG."""
+    kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": torch.cuda.is_available(),
+                              "generator": torch.Generator()}
+    if num_workers > 0:
+        kwargs.update(persistent_workers=True, prefetch_factor=4)
+    return kwargs
+
+
+def train_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, seed: int, num_workers: int,
+                     num_processes: int, collate_fn: Callable | None = None):
+    """A shuffling, drop-last training DataLoader and its :class:`EpochBatchSampler` (call ``set_epoch``)."""
+    sampler = EpochBatchSampler(len(dataset), batch_size, True, seed, True, num_processes)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs(num_workers))
+    return loader, sampler
+
+
+def eval_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int,
+                    collate_fn: Callable | None = None):
+    """A sequential evaluation DataLoader; Accelerate pads the last round, ``gather_for_metrics`` un-pads."""
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False,
+                                       collate_fn=collate_fn, **loader_kwargs(num_workers))

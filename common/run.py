@@ -1,0 +1,343 @@
+"""Run plumbing: Accelerator, run folder, trackers, checkpoints and resume, signals, non-finite guard.
+
+A recipe makes one :class:`Run` from its config and uses it for everything that is not the
+method: ``run.accelerator``, ``run.log(values, step)``, ``run.save_checkpoint(state)``,
+``run.resume()``, ``run.should_stop()``, ``run.guard.observe(step, losses)``.
+
+Run folder (``runs/<recipe>/<name>/``): ``config.yaml``, ``metrics.jsonl`` (every logged value,
+always), ``checkpoints/step_XXXXXXXX/`` (Accelerate state + ``train_state.json``, last K kept),
+safetensors weights written by the recipe, ``plots/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, broadcast_object_list, set_seed
+
+from common import UserError
+from common.config import save_config, to_dict
+from common.meters import format_seconds
+
+#: Fault injection for tests and cluster checks: the non-finite guard sees the losses of this
+#: step as NaN (the weights are not touched), exactly as if the loss had diverged there.
+FAULT_NAN_STEP_ENV = "CV_RECIPES_FAULT_NAN_AT_STEP"
+
+
+class NonFiniteLoss(RuntimeError):
+    """A loss term became NaN or infinite; the message names the step and every term."""
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Where the loop is; saved next to each checkpoint as ``train_state.json``.
+
+    ``step`` counts optimizer steps; ``batches_in_epoch`` counts the (micro-)batches of
+    ``epoch`` already consumed, so a resumed run skips exactly those. ``extra`` holds
+    recipe-specific JSON values (best metric so far, ...).
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class NonFiniteGuard:
+    """Remembers, on the device, the first step whose losses were not finite.
+
+    ``observe`` queues a few tiny kernels and never synchronises; ``check`` (at log intervals
+    and before every checkpoint) reads the result once and raises :class:`NonFiniteLoss`.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.names: list[str] = []
+        self.bad_step = torch.full((), -1.0, device=device)
+        self.terms: torch.Tensor | None = None
+        fault = os.environ.get(FAULT_NAN_STEP_ENV, "")
+        self._fault_step = int(fault) if fault.strip() else None
+
+    def observe(self, step: int, losses: dict[str, torch.Tensor]) -> None:
+        values = torch.stack([v.detach().float().reshape(()) for v in losses.values()])
+        if self._fault_step == step:
+            values = values * float("nan")
+        if self.terms is None:
+            self.names = list(losses)
+            self.terms = torch.zeros_like(values)
+        first = ~torch.isfinite(values).all() & (self.bad_step < 0)
+        self.bad_step = torch.where(first, float(step), self.bad_step)
+        self.terms = torch.where(first, values, self.terms)
+
+    def check(self, accelerator: Accelerator, last_checkpoint: str = "") -> None:
+        if self.terms is None:
+            return
+        packed = torch.cat([self.bad_step.reshape(1), self.terms])
+        rows = accelerator.gather(packed).reshape(-1, packed.numel()).tolist()
+        bad = [r for r in rows if r[0] >= 0]
+        if not bad:
+            return
+        row = min(bad, key=lambda r: r[0])
+        terms = ", ".join(f"{n}={v:.6g}" for n, v in zip(self.names, row[1:]))
+        where = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else "; no checkpoint was saved"
+        raise NonFiniteLoss(f"non-finite loss at step {int(row[0])}: {terms}{where}")
+
+
+def _wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def _has_run(folder: Path) -> bool:
+    return (folder / "metrics.jsonl").exists() or (folder / "checkpoints").is_dir()
+
+
+def _choose_output_dir(cfg: Any, recipe: str) -> Path:
+    """The run folder. An explicit ``output_dir`` that already holds a run is refused unless resuming;
+    the default ``runs/<recipe>/<config name>`` moves on to ``-2``, ``-3``, ... instead."""
+    if cfg.output_dir:
+        out = Path(cfg.output_dir)
+        if _has_run(out) and not cfg.resume:
+            raise UserError(
+                f"run folder '{out}' already holds a run; pass --resume auto to continue it "
+                "or choose another --output_dir"
+            )
+        return out
+    name = Path(getattr(cfg, "config", "") or "default").stem
+    out = base = Path("runs") / recipe / name
+    k = 1
+    while _has_run(out) and cfg.resume != "auto":
+        k += 1
+        out = base.with_name(f"{name}-{k}")
+    return out
+
+
+def _complete(path: Path) -> bool:
+    return (path / "train_state.json").is_file()
+
+
+class Run:
+    """Everything around the training loop that is the same for every recipe."""
+
+    def __init__(self, cfg: Any, recipe: str) -> None:
+        self.cfg = cfg
+        self.recipe = recipe
+        if cfg.report_to not in ("wandb", "tensorboard", "none"):
+            raise UserError(f"report_to must be wandb, tensorboard or none, got '{cfg.report_to}'")
+        mixed = getattr(cfg, "mixed_precision", "") or None  # empty: whatever `accelerate launch` set
+        if mixed not in (None, "no", "fp16", "bf16"):
+            raise UserError(f"mixed_precision must be no, fp16 or bf16, got '{mixed}'")
+        if cfg.grad_accum_steps < 1:
+            raise UserError(f"grad_accum_steps must be at least 1, got {cfg.grad_accum_steps}")
+
+        self.accelerator = Accelerator(
+            mixed_precision=mixed,
+            gradient_accumulation_steps=cfg.grad_accum_steps,
+            log_with=None if cfg.report_to == "none" else cfg.report_to,
+            dynamo_backend="inductor" if cfg.compile else "no",
+            step_scheduler_with_optimizer=False,
+            dataloader_config=DataLoaderConfiguration(non_blocking=True),
+        )
+        acc = self.accelerator
+        set_seed(cfg.seed)
+
+        # Decide the folder on the main process only, then share it: other processes must not
+        # see the folder rank 0 has just created and move on to "-2".
+        choice = [str(_choose_output_dir(cfg, recipe)) if acc.is_main_process else None]
+        if acc.num_processes > 1:
+            broadcast_object_list(choice)
+        self.dir = Path(choice[0])
+        self.checkpoint_dir = self.dir / "checkpoints"
+        self.plots_dir = self.dir / "plots"
+        cfg.output_dir = str(self.dir)
+        acc.project_configuration = ProjectConfiguration(project_dir=str(self.dir), logging_dir=str(self.dir))
+        if acc.is_main_process:
+            for d in (self.dir, self.checkpoint_dir, self.plots_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.dir / "config.yaml")
+        acc.wait_for_everyone()
+
+        self.guard = NonFiniteGuard(acc.device)
+        self.last_checkpoint = ""
+        self._stop_signal: int | None = None
+        self._stop_group = None
+        if acc.num_processes > 1 and dist.is_initialized():
+            # Stop requests are agreed on over gloo (CPU) so that checking every step never
+            # waits on the GPU stream.
+            self._stop_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+        if cfg.report_to != "none":
+            self._init_trackers()
+        self.print(f"run folder: {self.dir}")
+
+    # -- output -----------------------------------------------------------------------------
+    def print(self, *args: Any) -> None:
+        """Print on the main process only, without breaking a progress bar."""
+        if self.accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            tqdm.write(" ".join(str(a) for a in args), file=sys.stdout)
+
+    def _init_trackers(self) -> None:
+        kwargs: dict[str, Any] = {}
+        if self.cfg.report_to == "wandb":
+            if not _wandb_has_credentials():
+                os.environ["WANDB_MODE"] = "offline"
+                self.print("wandb: no credentials found (WANDB_API_KEY or `wandb login`), logging offline "
+                           f"under {self.dir}/wandb; upload later with `wandb sync`")
+            kwargs["wandb"] = {"name": self.dir.name, "dir": str(self.dir)}
+        # Trackers such as tensorboard's hparams take only scalars: lists go as strings.
+        config = {k: (str(v) if isinstance(v, (list, dict)) else v) for k, v in to_dict(self.cfg).items()}
+        self.accelerator.init_trackers(f"cv-recipes-{self.recipe}", config=config, init_kwargs=kwargs)
+
+    def log(self, values: dict[str, float], step: int, echo: bool = True) -> None:
+        """Send host floats to the trackers and ``metrics.jsonl`` (main process), and print a line."""
+        acc = self.accelerator
+        if not acc.is_main_process:
+            return
+        record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in values.items()}}
+        with open(self.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.cfg.report_to != "none":
+            acc.log(values, step=step)
+        if echo:
+            parts = []
+            for k, v in values.items():
+                if k.endswith("eta_s"):
+                    parts.append(f"eta {format_seconds(v)}")
+                elif isinstance(v, float):
+                    parts.append(f"{k} {v:.4g}")
+            self.print(f"step {step}: " + "  ".join(parts))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, state: TrainState) -> None:
+        """Write Accelerate state to a temporary folder, then rename it into place.
+
+        A kill at any moment leaves either the old set of checkpoints or the new one, never a
+        half-written folder that ``--resume auto`` would pick. Refuses to save (raising
+        :class:`NonFiniteLoss`) once a loss went non-finite, so the last good one stays newest.
+        """
+        acc = self.accelerator
+        self.guard.check(acc, self.last_checkpoint)
+        final = self.checkpoint_dir / f"step_{state.step:08d}"
+        tmp = self.checkpoint_dir / f".tmp-step_{state.step:08d}"
+        if acc.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            state_file = tmp / "train_state.json"
+            state_file.write_text(json.dumps(dataclasses.asdict(state)))
+            with open(state_file) as f:
+                os.fsync(f.fileno())
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in self.checkpoints()[: -max(self.cfg.keep_checkpoints, 1)]:
+                shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        self.last_checkpoint = str(final)
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.checkpoint_dir.is_dir():
+            return []
+        found = [p for p in self.checkpoint_dir.glob("step_*") if p.is_dir() and _complete(p)]
+        return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+    def resume(self) -> TrainState:
+        """Load the checkpoint ``cfg.resume`` names (``auto``: the newest complete one, if any).
+
+        Model, optimizer, scaler, RNG states and every object registered with
+        ``accelerator.register_for_checkpointing`` come back; the returned state says where to
+        continue. ``metrics.jsonl`` lines past the checkpoint are dropped, as they will be logged
+        again. Returns a fresh state when there is nothing to resume.
+        """
+        if not self.cfg.resume:
+            return TrainState()
+        if self.cfg.resume == "auto":
+            found = self.checkpoints()
+            if not found:
+                self.print("resume auto: no checkpoint yet, starting from scratch")
+                return TrainState()
+            path = found[-1]
+        else:
+            path = Path(self.cfg.resume)
+            if not (path.is_dir() and _complete(path)):
+                raise UserError(f"--resume '{path}' is not a complete checkpoint folder (no train_state.json)")
+        self.accelerator.load_state(str(path))
+        state = TrainState(**json.loads((path / "train_state.json").read_text()))
+        self.last_checkpoint = str(path)
+        metrics = self.dir / "metrics.jsonl"
+        if self.accelerator.is_main_process and metrics.exists():
+            kept = [ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= state.step]
+            tmp = metrics.with_suffix(".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            os.replace(tmp, metrics)
+        self.accelerator.wait_for_everyone()
+        self.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batches_in_epoch})")
+        return state
+
+    # -- signals -------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._stop_signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self._stop_signal = signum
+        self.print(f"{signal.Signals(signum).name} received: finishing the step, saving a checkpoint, then exiting")
+
+    def should_stop(self) -> bool:
+        """True on every process once any process got SIGTERM/SIGINT (cheap: a CPU all-reduce)."""
+        if self._stop_group is None:
+            return self._stop_signal is not None
+        flag = torch.tensor([0 if self._stop_signal is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group)
+        return bool(flag.item())
+
+    @property
+    def stop_reason(self) -> str:
+        return signal.Signals(self._stop_signal).name if self._stop_signal is not None else ""
+
+    def finish(self) -> None:
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
+
+
+def cli_main(main: Callable[[], Any]) -> None:
+    """Run a recipe's ``main``; bad input and a diverged loss become one ``error:`` line and exit 2 / 1."""
+    try:
+        main()
+    except UserError as e:
+        message = str(e)
+        if "Original Traceback" in message:  # re-raised from a DataLoader worker: keep the cause
+            message = message.strip().splitlines()[-1].split(": ", 1)[-1]
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def steps_total(epochs: int, steps_per_epoch: Callable[[int], int], max_steps: int = 0) -> int:
+    """Optimizer steps in the whole run: the sum over epochs, capped by ``max_steps`` (0 = no cap)."""
+    total = sum(steps_per_epoch(e) for e in range(epochs))
+    return min(total, max_steps) if max_steps > 0 else total
+
+
+def is_finite(x: float) -> bool:
+    return math.isfinite(x)

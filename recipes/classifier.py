@@ -1,0 +1,398 @@
+"""Image classification with any timm model, on HuggingFace Accelerate.
+
+Trains ``timm.create_model(cfg.model)`` with timm's transforms, Mixup/CutMix, label smoothing and
+optimizer factory (no weight decay on biases and norms), per-step warmup + cosine learning rate,
+gradient clipping and accumulation, optional model EMA, and reports top-1/top-5 gathered exactly
+across processes. The best weights (raw or EMA, by top-1) are saved as safetensors that
+``timm.create_model(cfg.model, num_classes=K, checkpoint_path=".../best.safetensors")`` loads.
+
+Launch (defaults = the built-in digits demo):
+
+    accelerate launch recipes/classifier.py
+    accelerate launch recipes/classifier.py --config configs/classifier/cifar10_resnet50.yaml
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 recipes/classifier.py   # 2 CPU processes
+
+Expected: the default run (resnet18 at 32 px, 20 epochs) reaches about 98-99 % top-1 on the
+360 held-out digits in about 2 minutes on 2 CPU cores; see the README for measured figures.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Recipes import the shared `common/` package from the repository root: the nearest parent
+# folder that contains it. This keeps `accelerate launch recipes/x.py` working from any
+# working directory, and a copied recipe anywhere inside the repository too (README, "Layout").
+for _root in Path(__file__).resolve().parents:
+    if (_root / "common" / "__init__.py").is_file():
+        if str(_root) not in sys.path:
+            sys.path.insert(0, str(_root))
+        break
+
+import json
+
+import numpy as np
+import safetensors.torch
+import timm
+import torch
+import torch.nn.functional as F
+from timm.data import Mixup, create_transform, resolve_data_config
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from tqdm.auto import tqdm
+
+from common import UserError
+from common.config import parse_config
+from common.data import ClassificationDataset, eval_loader_for, load_classification, train_loader_for
+from common.ema import ModelEma
+from common.meters import Meters, prefixed
+from common.run import Run, TrainState, cli_main, steps_total
+from common.schedules import schedule, set_group_values
+
+
+# ============================================================================================
+# Config (defaults: the built-in digits demo)
+# ============================================================================================
+@dataclass
+class Config:
+    config: str = ""  # the YAML file this run was read from (set by --config)
+    # data
+    data: str = "digits"  # built-in name, local folder (imagefolder / saved dataset) or hub name
+    image_column: str = ""  # empty: detected
+    label_column: str = ""
+    train_split: str = "train"
+    eval_split: str = ""  # empty: validation/val/valid/test, else a seeded 10 % of train
+    img_size: int = 32  # training and evaluation resolution (pixels)
+    crop_pct: float = 1.0  # eval: resize to img_size / crop_pct, then centre crop
+    scale: list[float] = field(default_factory=lambda: [0.6, 1.0])  # RandomResizedCrop area range
+    ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])
+    hflip: float = 0.0  # digits must not be mirrored; 0.5 for natural images
+    color_jitter: float = 0.0
+    auto_augment: str = ""  # e.g. rand-m9-mstd0.5-inc1
+    reprob: float = 0.0  # random erasing probability
+    interpolation: str = "bicubic"
+    mixup: float = 0.0  # Mixup alpha (0: off)
+    cutmix: float = 0.0  # CutMix alpha (0: off)
+    mixup_prob: float = 1.0
+    mixup_switch_prob: float = 0.5
+    smoothing: float = 0.1  # label smoothing
+    num_workers: int = 2
+    # model
+    model: str = "resnet18"
+    pretrained: bool = False  # timm's hub weights (needs network)
+    init_weights: str = ""  # safetensors to start from, e.g. a DINO backbone; the head is re-initialised
+    drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    bn_momentum: float = 0.0  # 0: the model's default (PyTorch convention: weight of the new batch)
+    bn_momentum_end: float = 0.0  # >0: anneal bn_momentum to this by epochs (cosine)
+    channels_last: bool = False
+    compile: bool = False
+    # optimization
+    epochs: int = 20
+    max_steps: int = 0  # >0: stop after this many optimizer steps
+    batch_size: int = 64  # per process
+    eval_batch_size: int = 0  # 0: 2 x batch_size
+    grad_accum_steps: int = 1
+    grad_accum_switch_epoch: int = 0  # >0: from this epoch on, accumulate grad_accum_steps_after_switch
+    grad_accum_steps_after_switch: int = 0
+    opt: str = "adamw"  # any timm optimizer name: sgd, adamw, lamb, lars, ...
+    lr: float = 2e-3  # peak learning rate (not scaled by batch size)
+    min_lr: float = 1e-5
+    warmup_lr: float = 1e-5
+    warmup_epochs: float = 2.0
+    sched: str = "cosine"  # cosine, linear, step, poly, constant
+    decay_milestones: list[int] = field(default_factory=list)  # epochs, for sched=step
+    decay_rate: float = 0.1
+    weight_decay: float = 0.05
+    momentum: float = 0.9  # SGD momentum
+    layer_decay: float = 0.0  # >0: timm layer-wise lr decay (ViT fine-tuning)
+    clip_grad: float = 0.0  # >0: clip the global gradient norm to this
+    ema_decay: float = 0.0  # >0: keep a model EMA and evaluate it too
+    ema_warmup: bool = True
+    mixed_precision: str = ""  # no, fp16, bf16; empty: as `accelerate launch` says
+    # run
+    output_dir: str = ""  # empty: runs/classifier/<config name>
+    seed: int = 0
+    log_every: int = 20  # optimizer steps
+    eval_every: int = 1  # epochs
+    checkpoint_every: int = 200  # optimizer steps; also at the end of training
+    keep_checkpoints: int = 3
+    resume: str = ""  # auto, a checkpoint folder, or empty
+    report_to: str = "wandb"  # wandb (offline without credentials), tensorboard, none
+
+
+# ============================================================================================
+# Model
+# ============================================================================================
+def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
+    kwargs = dict(pretrained=cfg.pretrained, num_classes=num_classes, drop_rate=cfg.drop_rate,
+                  drop_path_rate=cfg.drop_path_rate)
+    try:
+        try:  # transformers build position embeddings for img_size; convnets take no such argument
+            model = timm.create_model(cfg.model, img_size=cfg.img_size, **kwargs)
+        except TypeError:
+            model = timm.create_model(cfg.model, **kwargs)
+    except RuntimeError as e:
+        if "nknown model" in str(e) or "nvalid model" in str(e):
+            raise UserError(f"unknown timm model '{cfg.model}'; see timm.list_models()") from None
+        raise
+    if cfg.init_weights:
+        load_init_weights(model, cfg.init_weights)
+    if cfg.bn_momentum > 0:
+        set_bn_momentum(model, cfg.bn_momentum)
+    return model
+
+
+def load_init_weights(model: torch.nn.Module, path: str) -> None:
+    """Start from a safetensors file (e.g. a DINO teacher backbone); classifier head may differ.
+
+    The model family's own checkpoint filter (timm's ``checkpoint_filter_fn``, which resizes ViT
+    position embeddings) runs first. Head tensors whose shape differs are dropped; any other
+    missing or unexpected key is an error naming it.
+    """
+    if not Path(path).is_file():
+        raise UserError(f"init_weights '{path}' does not exist")
+    state = safetensors.torch.load_file(path)
+    filter_fn = getattr(sys.modules[type(model).__module__], "checkpoint_filter_fn", None)
+    if filter_fn is not None:
+        try:
+            state = filter_fn(state, model)
+        except Exception:
+            pass  # filters expect the family's own key layout; a plain state dict passes unchanged
+    head = model.pretrained_cfg.get("classifier", "")
+    heads = (head,) if isinstance(head, str) else tuple(head)
+    own = model.state_dict()
+    for k in list(state):
+        if k.startswith(heads) and (k not in own or own[k].shape != state[k].shape):
+            del state[k]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith(heads)]
+    if missing or unexpected:
+        raise UserError(f"init_weights '{path}' does not fit model '{type(model).__name__}': "
+                        f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def set_bn_momentum(model: torch.nn.Module, momentum: float) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.momentum = momentum
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], path: Path, cfg: Config, classes: list[str]) -> None:
+    """Safetensors with the class names and model name in the metadata; written then renamed."""
+    tmp = path.with_suffix(".tmp")
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    meta = {"model": cfg.model, "num_classes": str(len(classes)), "img_size": str(cfg.img_size),
+            "classes": json.dumps(classes)}
+    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+# ============================================================================================
+# Evaluation: top-1 / top-5, exact across processes and uneven last batches
+# ============================================================================================
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, eval_loader, accelerator, num_classes: int, channels_last: bool) -> dict[str, float]:
+    model.eval()
+    k = min(5, num_classes)
+    hits, losses = [], []
+    for images, targets in eval_loader:
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with accelerator.autocast():
+            logits = model(images)
+        loss = F.cross_entropy(logits.float(), targets, reduction="none")
+        topk = logits.topk(k, dim=1).indices
+        # gather_for_metrics drops the samples Accelerate duplicated to even out the last batch.
+        topk, targets, loss = accelerator.gather_for_metrics((topk, targets, loss))
+        match = topk == targets[:, None]  # [B, k]
+        hits.append(torch.stack([match[:, 0], match.any(dim=1)], dim=1).float())
+        losses.append(loss)
+    acc1, acc5 = (torch.cat(hits).mean(dim=0) * 100).tolist()
+    return {"top1": acc1, "top5": acc5, "loss": torch.cat(losses).mean().item()}
+
+
+# ============================================================================================
+# Training
+# ============================================================================================
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    cfg = parse_config(Config, argv)
+    if cfg.bn_momentum_end > 0 and (cfg.bn_momentum <= 0 or cfg.compile):
+        raise UserError("bn_momentum_end needs bn_momentum > 0, and cannot be combined with compile "
+                        "(each new momentum value would force torch.compile to recompile)")
+    run = Run(cfg, "classifier")
+    accelerator = run.accelerator
+
+    # ---- data ------------------------------------------------------------------------------
+    with accelerator.main_process_first():  # the main process fills the datasets cache first
+        data = load_classification(cfg.data, cfg.image_column, cfg.label_column, cfg.train_split,
+                                   cfg.eval_split, seed=cfg.seed)
+    num_classes = len(data.classes)
+
+    # ---- model -----------------------------------------------------------------------------
+    model = create_model(cfg, num_classes)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    data_cfg = resolve_data_config({"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct,
+                                    "interpolation": cfg.interpolation}, model=model)
+    train_tf = create_transform(**data_cfg, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
+                                hflip=cfg.hflip, color_jitter=cfg.color_jitter or None,
+                                auto_augment=cfg.auto_augment or None, re_prob=cfg.reprob)
+    eval_tf = create_transform(**data_cfg, is_training=False)
+    train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed)
+    eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed)
+    train_loader, sampler = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
+                                             accelerator.num_processes)
+    eval_loader = eval_loader_for(eval_set, cfg.eval_batch_size or 2 * cfg.batch_size, cfg.num_workers)
+
+    # ---- loss --------------------------------------------------------------------------------
+    mixup_fn = None
+    if cfg.mixup > 0 or cfg.cutmix > 0:
+        if cfg.batch_size % 2:
+            raise UserError("Mixup/CutMix pair samples within a batch: batch_size must be even")
+        mixup_fn = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
+                         switch_prob=cfg.mixup_switch_prob, label_smoothing=cfg.smoothing, num_classes=num_classes)
+        criterion = SoftTargetCrossEntropy()  # Mixup already smoothed the targets
+    elif cfg.smoothing > 0:
+        criterion = LabelSmoothingCrossEntropy(cfg.smoothing)
+    else:
+        criterion = torch.nn.CrossEntropyLoss()
+
+    # ---- optimizer and schedules --------------------------------------------------------------
+    # timm's factory puts biases and norm parameters in a group with weight_decay 0 (and, with
+    # layer_decay, writes per-group lr_scale that set_group_values honours).
+    fused = {"fused": True} if accelerator.device.type == "cuda" and cfg.opt in ("adamw", "adam", "sgd") else {}
+    optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                    momentum=cfg.momentum, layer_decay=cfg.layer_decay or None, **fused)
+    ema = ModelEma(model, cfg.ema_decay, cfg.ema_warmup) if cfg.ema_decay > 0 else None
+
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if ema is not None:
+        ema.module.to(accelerator.device)
+        accelerator.register_for_checkpointing(ema)
+    unwrapped = accelerator.unwrap_model(model)
+
+    def accum_steps(epoch: int) -> int:
+        switched = 0 < cfg.grad_accum_switch_epoch <= epoch and cfg.grad_accum_steps_after_switch > 0
+        return cfg.grad_accum_steps_after_switch if switched else cfg.grad_accum_steps
+
+    def steps_in_epoch(epoch: int) -> int:  # Accelerate steps at the end of the loader even mid-accumulation
+        return math.ceil(len(train_loader) / accum_steps(epoch))
+
+    total_steps = steps_total(cfg.epochs, steps_in_epoch, cfg.max_steps)
+    milestones = [sum(steps_in_epoch(e) for e in range(m)) for m in cfg.decay_milestones]
+    lr_values = schedule(cfg.sched, cfg.lr, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_in_epoch(0)),
+                         cfg.warmup_lr, milestones, cfg.decay_rate)
+
+    # ---- resume ------------------------------------------------------------------------------
+    state = run.resume()
+    step, best = state.step, state.extra.get("best_top1", -1.0)
+    meters = Meters(accelerator.device)
+    results: dict[str, float] = {}
+    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process,
+                    desc="classifier", dynamic_ncols=True)
+
+    # ---- training loop -------------------------------------------------------------------------
+    for epoch in range(state.epoch, cfg.epochs):
+        if step >= total_steps:
+            break
+        sampler.set_epoch(epoch)
+        accelerator.gradient_accumulation_steps = accum_steps(epoch)
+        if cfg.bn_momentum_end > 0:
+            set_bn_momentum(unwrapped, cfg.bn_momentum_end + (cfg.bn_momentum - cfg.bn_momentum_end)
+                            * 0.5 * (1 + math.cos(math.pi * epoch / max(cfg.epochs - 1, 1))))
+        model.train()
+        skip = state.batches_in_epoch if epoch == state.epoch else 0
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        epoch_done, stopping, batch_idx = True, False, skip - 1
+        tick = time.perf_counter()
+        for batch_idx, (images, targets) in enumerate(batches, start=skip):
+            meters.data_time(time.perf_counter() - tick)
+            if cfg.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            soft_targets = targets
+            if mixup_fn is not None:
+                images, soft_targets = mixup_fn(images, targets)
+            set_group_values(optimizer, "lr", float(lr_values[min(step, total_steps - 1)]))
+
+            with accelerator.accumulate(model):
+                logits = model(images)
+                loss = criterion(logits, soft_targets)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.clip_grad > 0:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+                    meters.update(grad_norm=grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            run.guard.observe(step, {"loss": loss})
+            meters.update(n=len(images), loss=loss)
+            meters.images(len(images))
+            tick = time.perf_counter()
+            if not accelerator.sync_gradients:
+                continue
+
+            # -- one optimizer step done --
+            step += 1
+            meters.step()
+            progress.update(1)
+            if ema is not None:
+                ema.update(unwrapped, step)
+            if step % cfg.log_every == 0:
+                values = meters.summary(accelerator, steps_left=total_steps - step)
+                run.guard.check(accelerator, run.last_checkpoint)
+                run.log({**prefixed(values, "train"), "train/lr": float(lr_values[step - 1]), "epoch": epoch}, step)
+            last_batch = batch_idx + 1 == len(train_loader)
+            stopping = run.should_stop()
+            if stopping or (step % cfg.checkpoint_every == 0 and not last_batch):
+                run.save_checkpoint(TrainState(step, epoch, batch_idx + 1, {"best_top1": best}))
+            if stopping or step >= total_steps:
+                epoch_done = last_batch
+                break
+        if stopping:
+            run.print(f"stopped by {run.stop_reason} at step {step}; checkpoint {run.last_checkpoint}; "
+                      "continue with --resume auto")
+            progress.close()
+            run.finish()
+            return results
+
+        # ---- evaluation and best weights ------------------------------------------------------
+        last_epoch = epoch + 1 == cfg.epochs or step >= total_steps
+        if (epoch + 1) % cfg.eval_every == 0 or last_epoch:
+            results = {f"eval/{k}": v for k, v in evaluate(model, eval_loader, accelerator, num_classes,
+                                                           cfg.channels_last).items()}
+            candidates = [(results["eval/top1"], "raw")]
+            if ema is not None:
+                results.update({f"eval_ema/{k}": v for k, v in evaluate(ema.module, eval_loader, accelerator,
+                                                                        num_classes, cfg.channels_last).items()})
+                candidates.append((results["eval_ema/top1"], "ema"))
+            top1, which = max(candidates)
+            results["eval/best_top1"] = best = max(best, top1)
+            run.log({**results, "epoch": epoch}, step)
+            if top1 >= best:
+                weights = accelerator.get_state_dict(model) if which == "raw" else ema.module.state_dict()
+                if accelerator.is_main_process:
+                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes)
+        if epoch_done and (step % cfg.checkpoint_every == 0 or last_epoch):
+            run.save_checkpoint(TrainState(step, epoch + 1, 0, {"best_top1": best}))
+        elif last_epoch:
+            run.save_checkpoint(TrainState(step, epoch, batch_idx + 1, {"best_top1": best}))
+
+    # ---- saving ---------------------------------------------------------------------------------
+    progress.close()
+    final = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        save_weights(final, run.dir / "final.safetensors", cfg, data.classes)
+        if ema is not None:
+            save_weights(ema.module.state_dict(), run.dir / "final_ema.safetensors", cfg, data.classes)
+        run.print(f"done: best top-1 {best:.2f} %, weights in {run.dir}")
+    run.finish()
+    return results
+
+
+if __name__ == "__main__":
+    cli_main(main)
