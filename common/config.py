@@ -139,10 +139,8 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
                 value, i = nxt, i + 1
         if key == "config" and "config" not in hints:
             config_file = value
-        elif key in cli:
-            raise ConfigError(f"flag '--{key}' given twice")
         else:
-            cli[key] = value
+            cli[key] = value  # given twice: the last one wins, as with argparse
         i += 1
     if "config" in hints and "config" in cli:
         config_file = cli["config"]

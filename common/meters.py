@@ -64,14 +64,20 @@ class Meters:
         process spent waiting for batches, 0..1), ``s_per_step`` and ``eta_s`` (from the last
         interval's speed, for ``steps_left`` more steps).
         """
-        names = list(self._sums)
+        distributed = accelerator is not None and accelerator.num_processes > 1
+        names = sorted(self._sums)
+        if distributed:  # a value only some processes logged still needs one agreed layout
+            from accelerate.utils import gather_object
+
+            names = sorted(set(gather_object(names)))
         elapsed = max(time.perf_counter() - self._started, 1e-9)
+        zero = torch.zeros((), device=self.device)
         packed = torch.stack(
-            [self._sums[k] for k in names]
-            + [torch.tensor(self._counts[k], device=self.device) for k in names]
+            [self._sums.get(k, zero) for k in names]
+            + [torch.tensor(self._counts.get(k, 0.0), device=self.device) for k in names]
             + [torch.tensor(float(self._images), device=self.device)]
         )
-        if accelerator is not None and accelerator.num_processes > 1:
+        if distributed:
             packed = accelerator.reduce(packed, reduction="sum")
         flat = packed.tolist()  # the one host-device synchronisation of the interval
         sums, counts, images = flat[: len(names)], flat[len(names) : 2 * len(names)], flat[-1]

@@ -12,7 +12,7 @@ Launch (defaults = the built-in digits demo):
     accelerate launch recipes/classifier.py --config configs/classifier/cifar10_resnet50.yaml
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 recipes/classifier.py   # 2 CPU processes
 
-Expected: the default run (resnet18 at 32 px, 20 epochs) reaches about 98-99 % top-1 on the
+Expected: the default run (resnet18 at 32 px, 12 epochs) reaches about 98-99 % top-1 on the
 360 held-out digits in about 2 minutes on 2 CPU cores; see the README for measured figures.
 """
 
@@ -92,7 +92,7 @@ class Config:
     channels_last: bool = False
     compile: bool = False
     # optimization
-    epochs: int = 20
+    epochs: int = 12
     max_steps: int = 0  # >0: stop after this many optimizer steps
     batch_size: int = 64  # per process
     eval_batch_size: int = 0  # 0: 2 x batch_size
@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     fused = {"fused": True} if accelerator.device.type == "cuda" and cfg.opt in ("adamw", "adam", "sgd") else {}
     optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                     momentum=cfg.momentum, layer_decay=cfg.layer_decay or None, **fused)
+    if cfg.ema_decay > 0 and accelerator.distributed_type.name == "FSDP":
+        raise UserError("model EMA keeps a full replica and cannot follow FSDP's sharded weights; set --ema_decay 0")
     ema = ModelEma(model, cfg.ema_decay, cfg.ema_warmup) if cfg.ema_decay > 0 else None
 
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(step, {"loss": loss})
+            run.guard.observe(step + 1, {"loss": loss})  # the step this loss belongs to, 1-based as logged
             meters.update(n=len(images), loss=loss)
             meters.images(len(images))
             tick = time.perf_counter()

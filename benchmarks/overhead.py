@@ -1,0 +1,418 @@
+"""Overhead of the classifier recipe's training step against a bare PyTorch loop, side by side.
+
+What is measured
+    Training throughput (images/s) of the same timm model, data, optimizer, batch size and
+    precision, two ways, alternated in one process (bare, recipe, bare, recipe, ...):
+
+    bare    a plain loop as a PyTorch tutorial writes it: ``timm.create_model``, the recipe's own
+            Dataset and DataLoader construction from ``common/data.py`` (same transforms, same
+            ``num_workers``), ``torch.optim.AdamW`` over timm's no-weight-decay parameter groups,
+            ``CrossEntropyLoss``, ``loss.backward()``, ``optimizer.step()``, ``zero_grad``; with
+            ``torch.autocast`` (and a ``GradScaler`` for fp16) under mixed precision.
+    recipe  ``recipes/classifier.py``'s real ``main(argv)``, called in-process: Accelerate's
+            prepared model/optimizer/loader, ``accelerator.accumulate``/``backward``, the
+            per-step learning-rate write, meters, non-finite guard, progress bar, stop check.
+            Its throughput is read back from the run folder's ``metrics.jsonl``
+            (``train/images_per_s`` and ``train/s_per_step`` of ``common/meters.Meters``).
+
+    Both sides are timed the same way: wall clock on the host over the steps after a warm-up of
+    ``--log_every`` steps, images counted on the host. The recipe's first logged interval (data
+    loader start-up, first iterations) is the warm-up and is skipped; its evaluation, checkpoint
+    and weight saving at the end fall outside the logged intervals. The bare side synchronises
+    the device at the start and the end of its window, as ``Meters.summary`` does at each log.
+    Reported: the median images/s of each side over ``--repeats`` and the ratio of the medians
+    (recipe / bare; the target is >= 0.97).
+
+    ``--synthetic`` (default on CUDA, where the digits loader would be the bottleneck): both sides
+    consume the same pre-generated random batches that already live on the device, through the
+    same single-process DataLoader. The recipe has no data option for this, so the benchmark
+    rebinds the name ``train_loader_for`` inside the imported recipe module (the recipe file is
+    not changed) to return that loader; everything from ``accelerator.prepare`` on is the
+    recipe's own code. The recipe still loads digits for its final evaluation (untimed).
+
+Run (offline; about 4 minutes on 2 CPU cores with the defaults):
+
+    HF_HUB_OFFLINE=1 WANDB_MODE=offline python benchmarks/overhead.py
+    python benchmarks/overhead.py --device cuda --model resnet50 --img_size 224 --batch_size 256 \\
+        --mixed_precision bf16 --channels_last --steps 200 --log_every 20
+
+Threads: ``torch.set_num_threads(--threads)`` before each side (default: the CPU cores left
+after the DataLoader workers, at least 1). On a busy 2-core machine 1 thread is far steadier than
+2 oversubscribed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import itertools
+import json
+import multiprocessing
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE_PATH = ROOT / "recipes" / "classifier.py"
+NUM_CLASSES_SYNTHETIC = 10  # digits has 10 classes too: the recipe's head is sized from the data
+TARGET = 0.97
+
+
+# --------------------------------------------------------------------------------------------
+# Setup shared by both sides
+# --------------------------------------------------------------------------------------------
+def load_recipe() -> ModuleType:
+    """Import recipes/classifier.py from its path (it puts the repository root on sys.path)."""
+    spec = importlib.util.spec_from_file_location("classifier_recipe", RECIPE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and typing.get_type_hints look the module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def machine(device: torch.device, threads: int) -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import accelerate
+    import timm
+
+    parts = [f"{cpu}, {cores()} cores", f"torch {torch.__version__}", f"timm {timm.__version__}",
+             f"accelerate {accelerate.__version__}", f"torch threads {threads}"]
+    if device.type == "cuda":
+        parts.insert(1, torch.cuda.get_device_name(device))
+    return "; ".join(parts)
+
+
+class _BatchList(torch.utils.data.Dataset):
+    """Pre-generated batches; item ``i`` is batch ``i mod len(batches)``."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        self.batches, self.length = batches, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batches[i % len(self.batches)]
+
+
+class _OneByOne(torch.utils.data.Sampler):
+    """Batch sampler yielding ``[0], [1], ...``; has ``set_epoch`` like the recipe's sampler."""
+
+    def __init__(self, length: int, batch_size: int) -> None:
+        self.length, self.batch_size, self.drop_last = length, batch_size, True
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return ([i] for i in range(self.length))
+
+
+def _first(items: list[Any]) -> Any:
+    return items[0]
+
+
+def synthetic_batches(args: argparse.Namespace, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A few random (images, labels) batches on the device, channels_last when asked."""
+    g = torch.Generator(device=device).manual_seed(0)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    out = []
+    for _ in range(args.synthetic_batches):
+        x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=g, device=device)
+        y = torch.randint(0, NUM_CLASSES_SYNTHETIC, (args.batch_size,), generator=g, device=device)
+        out.append((x.contiguous(memory_format=memory_format), y))
+    return out
+
+
+def synthetic_loader(batches: list, length: int, batch_size: int):
+    """The DataLoader both sides consume under --synthetic (no workers: batches are already made)."""
+    sampler = _OneByOne(length, batch_size)
+    loader = torch.utils.data.DataLoader(_BatchList(batches, length), batch_sampler=sampler, collate_fn=_first,
+                                         num_workers=0, pin_memory=False)
+    return loader, sampler
+
+
+# --------------------------------------------------------------------------------------------
+# Bare PyTorch loop
+# --------------------------------------------------------------------------------------------
+def bare_run(args: argparse.Namespace, recipe: ModuleType, device: torch.device, make_loader: Callable) -> dict[str, float]:
+    import timm
+    from timm.optim import param_groups_weight_decay
+
+    defaults = recipe.Config()  # lr, weight decay, seed: the recipe's defaults, as the recipe side uses
+    torch.manual_seed(defaults.seed)
+    try:  # as the recipe: transformers take img_size, convnets do not
+        model = timm.create_model(args.model, num_classes=args.num_classes, img_size=args.img_size)
+    except TypeError:
+        model = timm.create_model(args.model, num_classes=args.num_classes)
+    model = model.to(device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    fused = {"fused": True} if device.type == "cuda" else {}  # the recipe asks for fused AdamW on CUDA too
+    optimizer = torch.optim.AdamW(param_groups_weight_decay(model, defaults.weight_decay), lr=defaults.lr,
+                                  weight_decay=defaults.weight_decay, **fused)
+    criterion = torch.nn.CrossEntropyLoss()
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
+    scaler = torch.amp.GradScaler(device.type) if args.mixed_precision == "fp16" else None
+    train_loader, sampler = make_loader()
+
+    model.train()
+    step, images, data_seconds, start = 0, 0, 0.0, 0.0
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        tick = time.perf_counter()
+        for x, y in train_loader:
+            if step >= args.log_every:
+                data_seconds += time.perf_counter() - tick
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            if args.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = criterion(model(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step > args.log_every:
+                images += len(x)
+            elif step == args.log_every:  # end of warm-up: start the clock
+                sync(device)
+                start = time.perf_counter()
+            if step == args.steps:
+                break
+            tick = time.perf_counter()
+        if step == args.steps:
+            break
+    sync(device)
+    elapsed = time.perf_counter() - start
+    del train_loader, sampler  # stops persistent workers before the other side runs
+    return {"images_per_s": images / elapsed, "data_wait": data_seconds / elapsed, "seconds": elapsed,
+            "final_loss": loss.item()}
+
+
+# --------------------------------------------------------------------------------------------
+# The recipe's real main()
+# --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def rebind(module: ModuleType, name: str, value: Any) -> Iterator[None]:
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+@contextlib.contextmanager
+def kept_signal_handlers() -> Iterator[None]:
+    """The recipe installs SIGTERM/SIGINT handlers for its run; give ours back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path, batches: list | None) -> dict[str, float]:
+    argv = ["--report_to", "none", "--model", args.model, "--img_size", str(args.img_size),
+            "--batch_size", str(args.batch_size), "--max_steps", str(args.steps), "--log_every", str(args.log_every),
+            "--eval_every", "100000", "--epochs", "100000", "--checkpoint_every", "10000000",
+            "--num_workers", str(args.num_workers), "--output_dir", str(out_dir), "--smoothing", "0",
+            "--mixed_precision", args.mixed_precision, "--channels_last", str(args.channels_last).lower()]
+    stack = contextlib.ExitStack()
+    with stack:
+        stack.enter_context(kept_signal_handlers())
+        used = []
+        if batches is not None:
+            def train_loader_for(dataset, batch_size, seed, num_workers, num_processes, collate_fn=None):
+                if batch_size != args.batch_size or num_processes != 1:
+                    raise RuntimeError(f"unexpected recipe loader call: batch {batch_size}, {num_processes} processes")
+                used.append(True)
+                return synthetic_loader(batches, args.synthetic_epoch, batch_size)
+
+            stack.enter_context(rebind(recipe, "train_loader_for", train_loader_for))
+        if not args.verbose:
+            log = stack.enter_context(open(out_dir.with_suffix(".log"), "w"))
+            stack.enter_context(contextlib.redirect_stdout(log))
+            stack.enter_context(contextlib.redirect_stderr(log))
+        recipe.main(argv)
+        if batches is not None and not used:
+            raise RuntimeError("--synthetic: the recipe no longer calls train_loader_for; the patch did not apply")
+    from accelerate.state import PartialState
+
+    if PartialState().device.type != args.device:
+        raise RuntimeError(f"the recipe ran on {PartialState().device}, not {args.device}")
+
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "train/images_per_s" in r]
+    timed = rows[1:]  # the first interval is warm-up
+    if not timed:
+        raise RuntimeError(f"no timed interval in {out_dir / 'metrics.jsonl'}: need --steps >= 2 x --log_every")
+    seconds = [r["train/s_per_step"] * args.log_every for r in timed]
+    images = [r["train/images_per_s"] * s for r, s in zip(timed, seconds)]
+    return {"images_per_s": sum(images) / sum(seconds),
+            "data_wait": sum(r["train/data_wait"] * s for r, s in zip(timed, seconds)) / sum(seconds),
+            "seconds": sum(seconds), "final_loss": timed[-1]["train/loss"]}
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet18", help="timm model name")
+    p.add_argument("--img_size", type=int, default=32)
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps per run, warm-up included")
+    p.add_argument("--log_every", type=int, default=10, help="recipe log interval = bare warm-up steps")
+    p.add_argument("--repeats", type=int, default=3, help="bare/recipe pairs, alternated")
+    p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers (both sides)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores minus workers, at least 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--mixed_precision", choices=("no", "bf16", "fp16"), default="no")
+    p.add_argument("--channels_last", action="store_true")
+    p.add_argument("--synthetic", action=argparse.BooleanOptionalAction, default=None,
+                   help="pre-generated random batches on the device for both sides (default: on for cuda)")
+    p.add_argument("--synthetic_batches", type=int, default=4, help="distinct synthetic batches, cycled")
+    p.add_argument("--workdir", default="", help="keep the recipe's run folders here (default: a temp dir)")
+    p.add_argument("--verbose", action="store_true", help="show the recipe's own output")
+    args = p.parse_args(argv)
+    if args.steps % args.log_every or args.steps < 2 * args.log_every:
+        p.error("--steps must be a multiple of --log_every and at least 2 x --log_every")
+    if args.synthetic is None:
+        args.synthetic = args.device == "cuda"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device")
+    if args.device == "cpu" and args.mixed_precision == "fp16":
+        p.error("fp16 needs --device cuda (bf16 works on CPU)")
+    if args.threads <= 0:
+        args.threads = max(1, cores() - (0 if args.synthetic else args.num_workers))
+    args.synthetic_epoch = args.steps + 1  # one "epoch" covers the run: no epoch boundary inside
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        os.environ["ACCELERATE_USE_CPU"] = "1"  # the recipe's Accelerator would pick a GPU otherwise
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    recipe = load_recipe()
+
+    batches = synthetic_batches(args, device) if args.synthetic else None
+    if batches is not None:
+        args.num_classes = NUM_CLASSES_SYNTHETIC
+
+        def make_loader():
+            return synthetic_loader(batches, args.synthetic_epoch, args.batch_size)
+    else:
+        # The recipe's data section, verbatim in effect: digits, timm transforms from the recipe's
+        # defaults, ClassificationDataset and train_loader_for from common/data.py.
+        from timm.data import create_transform, resolve_data_config
+        import timm
+
+        cfg = recipe.Config()
+        data = recipe.load_classification(cfg.data, seed=cfg.seed)
+        args.num_classes = len(data.classes)
+        probe = timm.create_model(args.model, num_classes=args.num_classes, pretrained=False)
+        data_cfg = resolve_data_config({"input_size": (3, args.img_size, args.img_size), "crop_pct": cfg.crop_pct,
+                                        "interpolation": cfg.interpolation}, model=probe)
+        del probe
+        train_tf = create_transform(**data_cfg, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
+                                    hflip=cfg.hflip, color_jitter=cfg.color_jitter or None,
+                                    auto_augment=cfg.auto_augment or None, re_prob=cfg.reprob)
+        train_set = recipe.ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed)
+
+        def make_loader():
+            return recipe.train_loader_for(train_set, args.batch_size, cfg.seed, args.num_workers, 1)
+
+    with contextlib.ExitStack() as stack:
+        work = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overhead-")))
+        work.mkdir(parents=True, exist_ok=True)
+        results: dict[str, list[dict[str, float]]] = {"bare": [], "recipe": []}
+        for r in range(args.repeats):
+            for side in ("bare", "recipe"):
+                torch.set_num_threads(args.threads)
+                if side == "bare":
+                    res = bare_run(args, recipe, device, make_loader)
+                else:
+                    out = work / f"recipe-{r}"
+                    if out.exists():
+                        raise SystemExit(f"{out} exists; choose another --workdir")
+                    res = recipe_run(args, recipe, out, batches)
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                results[side].append(res)
+                left = multiprocessing.active_children()
+                print(f"repeat {r + 1}/{args.repeats}  {side:<6} {res['images_per_s']:9.1f} img/s  "
+                      f"data wait {res['data_wait'] * 100:4.1f} %  timed {res['seconds']:.1f} s  "
+                      f"loss {res['final_loss']:.3f}" + (f"  ({len(left)} child processes still alive)" if left else ""),
+                      flush=True)
+                if torch.get_num_threads() != args.threads:
+                    print(f"warning: torch threads changed to {torch.get_num_threads()} during the {side} run")
+
+    bare = statistics.median(x["images_per_s"] for x in results["bare"])
+    rec = statistics.median(x["images_per_s"] for x in results["recipe"])
+    ratio = rec / bare
+    timed_steps = args.steps - args.log_every
+    print()
+    print(f"model {args.model} @ {args.img_size} px, batch {args.batch_size}, {args.device}, "
+          f"precision {args.mixed_precision}, channels_last {args.channels_last}, "
+          f"data {'synthetic (on device)' if args.synthetic else f'digits, {args.num_workers} workers'}")
+    print(f"{args.repeats} alternating repeats, {timed_steps} timed steps each after {args.log_every} warm-up steps; "
+          "median images/s")
+    print(f"machine: {machine(device, args.threads)}")
+    runs = {side: ", ".join(f"{x['images_per_s']:.1f}" for x in xs) for side, xs in results.items()}
+    print(f"bare    {bare:9.1f} img/s   (runs: {runs['bare']})")
+    print(f"recipe  {rec:9.1f} img/s   (runs: {runs['recipe']})")
+    print(f"ratio   {ratio:9.3f}         (recipe / bare; target >= {TARGET}) {'ok' if ratio >= TARGET else 'BELOW TARGET'}")
+    return {"bare": bare, "recipe": rec, "ratio": ratio}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""recipes/classifier.py through its real entry point: learning, equivalences, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from PIL import Image
+
+from conftest import ROOT, check, recipe_cmd, recipe_env, run_recipe
+
+# A small transformer without batch norm: weights can be compared across batch splittings.
+TINY = ["--model", "test_vit", "--img_size", "32", "--report_to", "none", "--num_workers", "0",
+        "--opt", "sgd", "--lr", "0.05", "--warmup_epochs", "0", "--smoothing", "0", "--log_every", "1"]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(str(path))
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_weights(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"largest weight difference {worst:.3g} > {atol}"
+
+
+@pytest.mark.slow
+def test_digits_config_reaches_97_percent(tmp_path):
+    """The default demo, as the README runs it (wandb offline), then the weights checked independently."""
+    run = tmp_path / "digits"
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    proc = subprocess.run(recipe_cmd("classifier", ["--config", "configs/classifier/digits.yaml", "--output_dir", str(run)]),
+                          cwd=ROOT, env={**recipe_env(), **{"WANDB_MODE": ""}, "HOME": str(tmp_path)} | {
+                              k: env[k] for k in ("PATH",) if k in env}, capture_output=True, text=True, timeout=900)
+    check(proc)
+    assert "wandb: no credentials found" in proc.stdout and (run / "wandb").is_dir()
+    assert (run / "config.yaml").is_file()
+    assert max(m["eval/top1"] for m in metrics(run) if "eval/top1" in m) >= 97.0
+
+    # best.safetensors loads into timm by name and classifies the held-out digits on its own.
+    import timm
+    from timm.data import create_transform, resolve_data_config
+
+    from common.data import digits_dataset
+
+    model = timm.create_model("resnet18", num_classes=10, checkpoint_path=str(run / "best.safetensors")).eval()
+    tf = create_transform(**resolve_data_config({"input_size": (3, 32, 32), "crop_pct": 1.0, "interpolation": "bicubic"},
+                                                model=model))
+    test = digits_dataset()["test"]
+    x = torch.stack([tf(img.convert("RGB")) for img in test["image"]])
+    with torch.no_grad():
+        acc = (model(x).argmax(1) == torch.tensor(test["label"])).float().mean().item()
+    assert acc >= 0.97, acc
+
+
+def test_gradient_accumulation_matches_larger_batch(tmp_path):
+    """2 accumulated micro-batches of 16 == 1 batch of 32 (fp32, no batch norm)."""
+    a, b = tmp_path / "accum", tmp_path / "big"
+    check(run_recipe("classifier", TINY + ["--batch_size", "16", "--grad_accum_steps", "2", "--max_steps", "3",
+                                           "--output_dir", str(a)]))
+    check(run_recipe("classifier", TINY + ["--batch_size", "32", "--max_steps", "3", "--output_dir", str(b)]))
+    assert_same_weights(weights(a / "final.safetensors"), weights(b / "final.safetensors"), atol=1e-6)
+    la = [m["train/loss"] for m in metrics(a) if "train/loss" in m]
+    lb = [m["train/loss"] for m in metrics(b) if "train/loss" in m]
+    assert la == pytest.approx(lb, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tmp_path):
+    """torchrun with 2 gloo processes x batch 16 == 1 process x batch 32: weights, losses and top-1."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    common_args = TINY + ["--max_steps", "4", "--eval_batch_size", "50"]  # 360 eval images: uneven last batch
+    check(run_recipe("classifier", common_args + ["--batch_size", "32", "--output_dir", str(one)]))
+    check(run_recipe("classifier", common_args + ["--batch_size", "16", "--output_dir", str(two)], nproc=2))
+    assert_same_weights(weights(one / "final.safetensors"), weights(two / "final.safetensors"), atol=1e-5)
+    m1, m2 = metrics(one), metrics(two)
+    l1 = [m["train/loss"] for m in m1 if "train/loss" in m]
+    l2 = [m["train/loss"] for m in m2 if "train/loss" in m]
+    assert l1 == pytest.approx(l2, abs=1e-5)
+    e1, e2 = [m for m in m1 if "eval/top1" in m][-1], [m for m in m2 if "eval/top1" in m][-1]
+    assert e1["eval/top1"] == pytest.approx(e2["eval/top1"], abs=1e-9)  # every eval image counted once
+    assert e1["eval/loss"] == pytest.approx(e2["eval/loss"], abs=1e-5)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (exit {proc.returncode}) before the expected moment:\n{proc.stderr.read()[-3000:]}")
+        if time.time() > end:
+            proc.kill()
+            raise AssertionError("timed out waiting for the run")
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
+    """Kill -9 after the step-10 checkpoint (mid-epoch), resume with --resume auto: identical final weights.
+
+    Exercises everything that must come back: model, optimizer, EMA, RNG for dropout and Mixup,
+    the sampler's order and each sample's augmentation in a worker process.
+    """
+    args = ["--model", "test_resnet", "--report_to", "none", "--num_workers", "1", "--batch_size", "32",
+            "--max_steps", "30", "--checkpoint_every", "10", "--log_every", "5", "--drop_rate", "0.2",
+            "--mixup", "0.4", "--ema_decay", "0.9"]
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    check(run_recipe("classifier", args + ["--output_dir", str(clean)]))
+
+    proc = subprocess.Popen(recipe_cmd("classifier", args + ["--output_dir", str(killed)]), cwd=ROOT,
+                            env=recipe_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: (killed / "checkpoints" / "step_00000010" / "train_state.json").exists(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "final.safetensors").exists(), "the run finished before it could be killed"
+    state = json.loads((killed / "checkpoints" / "step_00000010" / "train_state.json").read_text())
+    assert 0 < state["batches_in_epoch"] < 44  # mid-epoch: 1437 // 32 = 44 batches per epoch
+
+    resumed = check(run_recipe("classifier", args + ["--output_dir", str(killed), "--resume", "auto"]))
+    assert "resumed from" in resumed.stdout
+    for name in ("final.safetensors", "final_ema.safetensors"):
+        assert_same_weights(weights(clean / name), weights(killed / name), atol=0.0)
+    assert [m for m in metrics(clean) if m["step"] > 10] == [
+        {k: v for k, v in m.items()} for m in metrics(killed) if m["step"] > 10 and True
+    ] or all(  # wall-clock meters differ; every learned quantity must not
+        a.get(k) == b.get(k) for a, b in zip([m for m in metrics(clean) if m["step"] > 10],
+                                             [m for m in metrics(killed) if m["step"] > 10])
+        for k in ("step", "train/loss", "eval/top1", "eval_ema/top1"))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(tmp_path):
+    run = tmp_path / "term"
+    args = TINY + ["--batch_size", "16", "--max_steps", "100000", "--checkpoint_every", "100000",
+                   "--output_dir", str(run)]
+    proc = subprocess.Popen(recipe_cmd("classifier", args), cwd=ROOT, env=recipe_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM received" in out and "continue with --resume auto" in out
+    (ckpt,) = sorted((run / "checkpoints").glob("step_*"))
+    state = json.loads((ckpt / "train_state.json").read_text())
+    assert state["step"] >= 3 and state["batches_in_epoch"] > 0
+    assert weights(ckpt / "model.safetensors")  # loadable weights
+    again = check(run_recipe("classifier", args[:-4] + ["--max_steps", str(state["step"] + 2), "--output_dir", str(run),
+                                                        "--resume", "auto"]))
+    assert f"at step {state['step']}" in again.stdout
+
+
+def _single_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_corrupted_image_is_named(tmp_path):
+    rng = np.random.default_rng(0)
+    for cls in ("a", "b"):
+        (tmp_path / "data" / "train" / cls).mkdir(parents=True)
+        for i in range(8):
+            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(tmp_path / "data" / "train" / cls / f"{i}.png")
+    (tmp_path / "data" / "train" / "b" / "3.png").write_bytes(b"\x89PNG broken on purpose")
+    proc = run_recipe("classifier", TINY + ["--data", str(tmp_path / "data"), "--batch_size", "4", "--num_workers", "1",
+                                            "--eval_split", "", "--output_dir", str(tmp_path / "run")])
+    assert proc.returncode == 2
+    line = _single_error_line(proc)
+    assert "cannot read image" in line and str(Path("train") / "b" / "3.png") in line, line
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    run = tmp_path / "nan"
+    proc = run_recipe("classifier", TINY + ["--batch_size", "16", "--max_steps", "20", "--checkpoint_every", "5",
+                                            "--log_every", "100", "--output_dir", str(run)],
+                      CV_RECIPES_FAULT_NAN_AT_STEP="7")
+    assert proc.returncode == 1
+    line = _single_error_line(proc)
+    assert line.startswith("error: non-finite loss at step 7: loss=nan") and "step_00000005" in line, line
+    assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_00000005"]
+    good = weights(run / "checkpoints" / "step_00000005" / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in good.values())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lrr", "0.1"], "error: unknown config key 'lrr' in the command line (did you mean 'lr'?)"),
+    (["--epochs", "many"], "error: config field 'epochs' expects an integer, got 'many'"),
+    (["--config", "configs/classifier/nope.yaml"], "error: config file 'configs/classifier/nope.yaml' does not exist"),
+    (["--model", "resnet_does_not_exist"], "error: unknown timm model 'resnet_does_not_exist'"),
+    (["--data", "not/a/dataset"], "error: dataset 'not/a/dataset' could not be loaded"),
+])
+def test_bad_input_fails_with_one_line(tmp_path, args, message):
+    proc = run_recipe("classifier", ["--report_to", "none", "--output_dir", str(tmp_path / "r")] + args)
+    assert proc.returncode == 2
+    assert _single_error_line(proc).startswith(message)
+
+
+def test_existing_run_folder_is_not_overwritten(tmp_path):
+    run = tmp_path / "taken"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = run_recipe("classifier", ["--report_to", "none", "--output_dir", str(run)])
+    assert proc.returncode == 2 and "already holds a run" in _single_error_line(proc)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n' and sorted(os.listdir(run)) == ["metrics.jsonl"]
+
+
+def test_starts_from_a_backbone_weights_file(tmp_path):
+    """A headless backbone file (what DINO exports) initialises everything but the new head."""
+    import timm
+
+    donor = timm.create_model("test_vit", img_size=32, num_classes=0)
+    backbone = tmp_path / "backbone.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in donor.state_dict().items()}, str(backbone))
+    run = tmp_path / "ft"
+    check(run_recipe("classifier", TINY + ["--batch_size", "16", "--max_steps", "1", "--lr", "0",
+                                           "--init_weights", str(backbone), "--output_dir", str(run)]))
+    trained = weights(run / "final.safetensors")
+    for k, v in donor.state_dict().items():
+        assert torch.equal(trained[k], v), k  # lr 0: untouched since loading
+    bad = run_recipe("classifier", TINY + ["--model", "test_resnet", "--init_weights", str(backbone),
+                                           "--output_dir", str(tmp_path / "bad")])
+    assert bad.returncode == 2 and "does not fit model" in _single_error_line(bad)

@@ -1,0 +1,111 @@
+"""common/data.py: built-in digits, local folders, reproducible sampling, unreadable images."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common import UserError
+from common.data import (ClassificationDataset, EpochBatchSampler, decode_image, digits_dataset,
+                         load_classification)
+
+
+def test_digits_has_hub_schema_and_fixed_split():
+    import datasets
+
+    d = digits_dataset()
+    assert (len(d["train"]), len(d["test"])) == (1437, 360)
+    assert isinstance(d["train"].features["image"], datasets.Image)
+    assert d["train"].features["label"].names == [str(i) for i in range(10)]
+    again = digits_dataset()
+    assert d["test"]["label"] == again["test"]["label"]  # fixed seed: the same split every time
+    counts = np.bincount(d["test"]["label"], minlength=10)
+    assert counts.min() >= 34  # stratified: every digit is in the held-out split
+
+
+def _write_imagefolder(root, per_class=6, size=12):
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for cls in ("cat", "dog"):
+            folder = root / split / cls
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+def test_imagefolder_and_saved_dataset(tmp_path):
+    data = load_classification(str(_write_imagefolder(tmp_path / "folder")))
+    assert data.classes == ["cat", "dog"] and len(data.train) == 12 and len(data.eval) == 12
+    saved = tmp_path / "saved"
+    digits_dataset().save_to_disk(str(saved))
+    data = load_classification(str(saved))
+    assert len(data.train) == 1437 and data.image_column == "image" and data.label_column == "label"
+
+
+def test_eval_split_carved_from_train_when_missing(tmp_path):
+    import datasets
+
+    ds = digits_dataset()["train"]
+    ds.save_to_disk(str(tmp_path / "only_train"))
+    data = load_classification(str(tmp_path / "only_train"), eval_fraction=0.1, seed=3)
+    assert len(data.train) + len(data.eval) == 1437 and abs(len(data.eval) - 144) <= 1
+    assert isinstance(data.train.features["label"], datasets.ClassLabel)
+
+
+@pytest.mark.parametrize("data, message", [
+    ("no_such_dataset_anywhere", "dataset 'no_such_dataset_anywhere' could not be loaded"),
+])
+def test_missing_dataset_is_one_clear_error(data, message):
+    with pytest.raises(UserError, match=message):
+        load_classification(data)
+
+
+def test_unreadable_image_names_the_file(tmp_path):
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"definitely not a png")
+    with pytest.raises(UserError, match=r"cannot read image '.*broken\.png'"):
+        decode_image({"path": str(bad), "bytes": None}, "row 0")
+
+
+def test_sampler_is_a_function_of_seed_and_epoch():
+    s = EpochBatchSampler(100, 8, seed=1)
+    s.set_epoch(0)
+    first = list(s)
+    s.set_epoch(1)
+    second = list(s)
+    s.set_epoch(0)
+    assert list(s) == first and first != second
+    flat = [i for batch in first for _, i in batch]
+    assert len(flat) == len(set(flat)) == 96  # drop_last: 12 full batches, no repeats
+    assert all(e == 0 for batch in first for e, _ in batch)
+
+
+def test_sampler_rounds_match_single_process_global_batch():
+    two = EpochBatchSampler(100, 8, seed=0, num_processes=2)
+    one = EpochBatchSampler(100, 16, seed=0)
+    assert len(two) == 2 * len(one) == 12
+    pairs = list(two)
+    merged = [pairs[k] + pairs[k + 1] for k in range(0, len(pairs), 2)]
+    assert merged == list(one)  # process 0 + process 1 in a round == the single process's batch
+
+
+def test_augmentations_are_reproducible_per_sample():
+    ds = digits_dataset()["train"].cast_column("image", __import__("datasets").Image(decode=False))
+
+    def noisy(image):  # an augmentation that draws from all three global generators
+        import random
+        return torch.tensor([torch.rand(()).item(), np.random.rand(), random.random()])
+
+    a = ClassificationDataset(ds, "image", "label", noisy, seed=5)
+    x1, _ = a[(3, 10)]
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    x2, _ = a[(3, 10)]
+    assert torch.equal(x1, x2)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG stream is left alone
+    assert not torch.equal(a[(4, 10)][0], x1) and not torch.equal(a[(3, 11)][0], x1)
