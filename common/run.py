@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import signal
@@ -318,6 +317,15 @@ class Run:
         self.accelerator.end_training()
 
 
+def _fail(message: str, code: int) -> None:
+    from tqdm.auto import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", [])):
+        bar.close()  # end the progress bar's line so the error stands on a line of its own
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
 def cli_main(main: Callable[[], Any]) -> None:
     """Run a recipe's ``main``; bad input and a diverged loss become one ``error:`` line and exit 2 / 1."""
     try:
@@ -326,18 +334,12 @@ def cli_main(main: Callable[[], Any]) -> None:
         message = str(e)
         if "Original Traceback" in message:  # re-raised from a DataLoader worker: keep the cause
             message = message.strip().splitlines()[-1].split(": ", 1)[-1]
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _fail(message, 2)
     except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+        _fail(str(e), 1)
 
 
 def steps_total(epochs: int, steps_per_epoch: Callable[[int], int], max_steps: int = 0) -> int:
     """Optimizer steps in the whole run: the sum over epochs, capped by ``max_steps`` (0 = no cap)."""
     total = sum(steps_per_epoch(e) for e in range(epochs))
     return min(total, max_steps) if max_steps > 0 else total
-
-
-def is_finite(x: float) -> bool:
-    return math.isfinite(x)

@@ -87,6 +87,7 @@ def test_saved_config_round_trips(tmp_path):
 def test_every_shipped_config_fits_its_recipe():
     """Each configs/<recipe>/*.yaml parses against that recipe's Config: no stale or misspelled key."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -97,6 +98,7 @@ def test_every_shipped_config_fits_its_recipe():
             continue
         spec = importlib.util.spec_from_file_location(f"recipe_{folder.name}", script)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
         spec.loader.exec_module(module)
         for path in sorted(folder.glob("*.yaml")):
             cfg = parse_config(module.Config, ["--config", str(path)])
