@@ -15,13 +15,15 @@ What is measured
             Its throughput is read back from the run folder's ``metrics.jsonl``
             (``train/images_per_s`` and ``train/s_per_step`` of ``common/meters.Meters``).
 
-    Both sides are timed the same way: wall clock on the host over the steps after a warm-up of
-    ``--log_every`` steps, images counted on the host. The recipe's first logged interval (data
-    loader start-up, first iterations) is the warm-up and is skipped; its evaluation, checkpoint
-    and weight saving at the end fall outside the logged intervals. The bare side synchronises
-    the device at the start and the end of its window, as ``Meters.summary`` does at each log.
-    Reported: the median images/s of each side over ``--repeats`` and the ratio of the medians
-    (recipe / bare; the target is >= 0.97).
+    Both sides are timed the same way: host wall clock over intervals of ``--log_every`` steps,
+    each closed by a device synchronisation (``Meters.summary`` reads its sums with one
+    ``.tolist()``; the bare loop calls ``torch.cuda.synchronize``), images counted on the host.
+    The first interval (data loader start-up, first iterations) is warm-up and is skipped; the
+    recipe's evaluation, checkpoint and weight saving at the end fall outside its intervals.
+    A run's images/s = images / seconds over its timed intervals. Reported: the median images/s
+    of each side over ``--repeats`` runs and the ratio of the medians (recipe / bare; the target
+    is >= 0.97); as a check against bursts of load from other processes, also the medians over
+    all timed intervals pooled.
 
     ``--synthetic`` (default on CUDA, where the digits loader would be the bottleneck): both sides
     consume the same pre-generated random batches that already live on the device, through the
@@ -30,11 +32,11 @@ What is measured
     not changed) to return that loader; everything from ``accelerator.prepare`` on is the
     recipe's own code. The recipe still loads digits for its final evaluation (untimed).
 
-Run (offline; about 4 minutes on 2 CPU cores with the defaults):
+Run (offline; about 3.5 minutes on 2 CPU cores with the defaults):
 
     HF_HUB_OFFLINE=1 WANDB_MODE=offline python benchmarks/overhead.py
     python benchmarks/overhead.py --device cuda --model resnet50 --img_size 224 --batch_size 256 \\
-        --mixed_precision bf16 --channels_last --steps 200 --log_every 20
+        --mixed_precision bf16 --channels_last --steps 300 --log_every 50
 
 Threads: ``torch.set_num_threads(--threads)`` before each side (default: the CPU cores left
 after the DataLoader workers, at least 1). On a busy 2-core machine 1 thread is far steadier than
@@ -90,6 +92,14 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def global_settings() -> dict[str, Any]:
+    """Process-wide torch settings that would carry over from one side to the other if changed."""
+    return {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "cuda_matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark, "grad_enabled": torch.is_grad_enabled()}
 
 
 def sync(device: torch.device) -> None:
@@ -194,13 +204,16 @@ def bare_run(args: argparse.Namespace, recipe: ModuleType, device: torch.device,
     train_loader, sampler = make_loader()
 
     model.train()
-    step, images, data_seconds, start = 0, 0, 0.0, 0.0
+    # Timed as Meters does in the recipe: intervals of log_every steps, each closed by a device
+    # synchronisation (the recipe's summary reads its sums with one .tolist()); the first is warm-up.
+    step, images, data_seconds = 0, 0, 0.0
+    intervals: list[tuple[float, int, float]] = []  # (seconds, images, seconds waiting for data)
+    start = time.perf_counter()
     for epoch in itertools.count():
         sampler.set_epoch(epoch)
         tick = time.perf_counter()
         for x, y in train_loader:
-            if step >= args.log_every:
-                data_seconds += time.perf_counter() - tick
+            data_seconds += time.perf_counter() - tick
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
             if args.channels_last:
@@ -216,21 +229,28 @@ def bare_run(args: argparse.Namespace, recipe: ModuleType, device: torch.device,
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            if step > args.log_every:
-                images += len(x)
-            elif step == args.log_every:  # end of warm-up: start the clock
+            images += len(x)  # host int: a shape
+            if step % args.log_every == 0:
                 sync(device)
-                start = time.perf_counter()
+                now = time.perf_counter()
+                intervals.append((now - start, images, data_seconds))
+                start, images, data_seconds = now, 0, 0.0
             if step == args.steps:
                 break
             tick = time.perf_counter()
         if step == args.steps:
             break
-    sync(device)
-    elapsed = time.perf_counter() - start
+    final_loss = loss.item()
     del train_loader, sampler  # stops persistent workers before the other side runs
-    return {"images_per_s": images / elapsed, "data_wait": data_seconds / elapsed, "seconds": elapsed,
-            "final_loss": loss.item()}
+    return summarise(intervals[1:], final_loss)
+
+
+def summarise(intervals: list[tuple[float, int, float]], final_loss: float) -> dict[str, Any]:
+    """Images/s over the timed intervals (total images / total seconds) and the per-interval rates."""
+    seconds = sum(t for t, _, _ in intervals)
+    return {"images_per_s": sum(n for _, n, _ in intervals) / seconds,
+            "data_wait": sum(w for _, _, w in intervals) / seconds, "seconds": seconds,
+            "interval_rates": [n / t for t, n, _ in intervals], "final_loss": final_loss}
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,11 +312,11 @@ def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path, batc
     timed = rows[1:]  # the first interval is warm-up
     if not timed:
         raise RuntimeError(f"no timed interval in {out_dir / 'metrics.jsonl'}: need --steps >= 2 x --log_every")
-    seconds = [r["train/s_per_step"] * args.log_every for r in timed]
-    images = [r["train/images_per_s"] * s for r, s in zip(timed, seconds)]
-    return {"images_per_s": sum(images) / sum(seconds),
-            "data_wait": sum(r["train/data_wait"] * s for r, s in zip(timed, seconds)) / sum(seconds),
-            "seconds": sum(seconds), "final_loss": timed[-1]["train/loss"]}
+    intervals = []
+    for r in timed:
+        seconds = r["train/s_per_step"] * args.log_every  # every logged interval is log_every steps
+        intervals.append((seconds, r["train/images_per_s"] * seconds, r["train/data_wait"] * seconds))
+    return summarise(intervals, timed[-1]["train/loss"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,9 +327,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="resnet18", help="timm model name")
     p.add_argument("--img_size", type=int, default=32)
     p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps per run, warm-up included")
-    p.add_argument("--log_every", type=int, default=10, help="recipe log interval = bare warm-up steps")
-    p.add_argument("--repeats", type=int, default=3, help="bare/recipe pairs, alternated")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run, warm-up included")
+    p.add_argument("--log_every", type=int, default=5, help="steps per timed interval; the first interval is warm-up")
+    p.add_argument("--repeats", type=int, default=5, help="bare/recipe pairs, alternated")
     p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers (both sides)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores minus workers, at least 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -377,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for r in range(args.repeats):
             for side in ("bare", "recipe"):
                 torch.set_num_threads(args.threads)
+                before = global_settings()
                 if side == "bare":
                     res = bare_run(args, recipe, device, make_loader)
                 else:
@@ -393,25 +414,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                       f"data wait {res['data_wait'] * 100:4.1f} %  timed {res['seconds']:.1f} s  "
                       f"loss {res['final_loss']:.3f}" + (f"  ({len(left)} child processes still alive)" if left else ""),
                       flush=True)
-                if torch.get_num_threads() != args.threads:
-                    print(f"warning: torch threads changed to {torch.get_num_threads()} during the {side} run")
+                changed = {k: v for k, v in global_settings().items() if v != before[k]}
+                if changed:  # would make the next run of the other side differ in more than the loop
+                    print(f"warning: the {side} run changed torch settings: {changed}", flush=True)
 
     bare = statistics.median(x["images_per_s"] for x in results["bare"])
     rec = statistics.median(x["images_per_s"] for x in results["recipe"])
     ratio = rec / bare
-    timed_steps = args.steps - args.log_every
+    pooled = {side: statistics.median(v for x in xs for v in x["interval_rates"]) for side, xs in results.items()}
+    n_intervals = len(results["bare"][0]["interval_rates"])
     print()
     print(f"model {args.model} @ {args.img_size} px, batch {args.batch_size}, {args.device}, "
           f"precision {args.mixed_precision}, channels_last {args.channels_last}, "
           f"data {'synthetic (on device)' if args.synthetic else f'digits, {args.num_workers} workers'}")
-    print(f"{args.repeats} alternating repeats, {timed_steps} timed steps each after {args.log_every} warm-up steps; "
-          "median images/s")
+    print(f"{args.repeats} alternating repeats of {args.steps} steps: {args.log_every} warm-up, "
+          f"then {n_intervals} timed intervals of {args.log_every}")
     print(f"machine: {machine(device, args.threads)}")
     runs = {side: ", ".join(f"{x['images_per_s']:.1f}" for x in xs) for side, xs in results.items()}
-    print(f"bare    {bare:9.1f} img/s   (runs: {runs['bare']})")
-    print(f"recipe  {rec:9.1f} img/s   (runs: {runs['recipe']})")
-    print(f"ratio   {ratio:9.3f}         (recipe / bare; target >= {TARGET}) {'ok' if ratio >= TARGET else 'BELOW TARGET'}")
-    return {"bare": bare, "recipe": rec, "ratio": ratio}
+    print(f"bare    {bare:9.1f} img/s   median of runs: {runs['bare']}")
+    print(f"recipe  {rec:9.1f} img/s   median of runs: {runs['recipe']}")
+    print(f"ratio   {ratio:9.3f}         recipe / bare, target >= {TARGET}: {'ok' if ratio >= TARGET else 'BELOW TARGET'}")
+    print(f"check: medians over all {n_intervals * args.repeats} timed intervals: bare {pooled['bare']:.1f}, "
+          f"recipe {pooled['recipe']:.1f} img/s, ratio {pooled['recipe'] / pooled['bare']:.3f}")
+    return {"bare": bare, "recipe": rec, "ratio": ratio, "ratio_intervals": pooled["recipe"] / pooled["bare"]}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 from PIL import Image
 
-from conftest import ROOT, check, recipe_cmd, recipe_env, run_recipe
+from conftest import ROOT, check, load_recipe, recipe_cmd, recipe_env, run_recipe
 
 # A small transformer without batch norm: weights can be compared across batch splittings.
 TINY = ["--model", "test_vit", "--img_size", "32", "--report_to", "none", "--num_workers", "0",
@@ -63,6 +63,17 @@ def test_digits_config_reaches_97_percent(tmp_path):
     with torch.no_grad():
         acc = (model(x).argmax(1) == torch.tensor(test["label"])).float().mean().item()
     assert acc >= 0.97, acc
+
+
+def test_accumulation_switch_from_an_epoch(tmp_path):
+    """Epoch 0 steps every batch (11 steps of 128), epoch 1 accumulates 2 (ceil(11 / 2) = 6 steps)."""
+    run = tmp_path / "switch"
+    check(run_recipe("classifier", TINY + ["--batch_size", "128", "--epochs", "2", "--grad_accum_switch_epoch", "1",
+                                           "--grad_accum_steps_after_switch", "2", "--output_dir", str(run)]))
+    steps = [m["step"] for m in metrics(run) if "train/loss" in m]
+    assert steps == list(range(1, 18))
+    evals = [m["step"] for m in metrics(run) if "eval/top1" in m]
+    assert evals == [11, 17]
 
 
 def test_gradient_accumulation_matches_larger_batch(tmp_path):
@@ -113,7 +124,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     the sampler's order and each sample's augmentation in a worker process.
     """
     args = ["--model", "test_resnet", "--report_to", "none", "--num_workers", "1", "--batch_size", "32",
-            "--max_steps", "30", "--checkpoint_every", "10", "--log_every", "5", "--drop_rate", "0.2",
+            "--max_steps", "24", "--checkpoint_every", "10", "--log_every", "5", "--drop_rate", "0.2",
             "--mixup", "0.4", "--ema_decay", "0.9"]
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     check(run_recipe("classifier", args + ["--output_dir", str(clean)]))
@@ -131,12 +142,10 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     assert "resumed from" in resumed.stdout
     for name in ("final.safetensors", "final_ema.safetensors"):
         assert_same_weights(weights(clean / name), weights(killed / name), atol=0.0)
-    assert [m for m in metrics(clean) if m["step"] > 10] == [
-        {k: v for k, v in m.items()} for m in metrics(killed) if m["step"] > 10 and True
-    ] or all(  # wall-clock meters differ; every learned quantity must not
-        a.get(k) == b.get(k) for a, b in zip([m for m in metrics(clean) if m["step"] > 10],
-                                             [m for m in metrics(killed) if m["step"] > 10])
-        for k in ("step", "train/loss", "eval/top1", "eval_ema/top1"))
+    # Wall-clock meters (images/s, ETA) differ; every learned quantity logged after step 10 must not.
+    learned = ("step", "train/loss", "eval/top1", "eval/loss", "eval_ema/top1")
+    after = [[{k: m[k] for k in learned if k in m} for m in metrics(r) if m["step"] > 10] for r in (clean, killed)]
+    assert after[0] == after[1] and len(after[0]) >= 3
 
 
 @pytest.mark.slow
@@ -196,8 +205,6 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--lrr", "0.1"], "error: unknown config key 'lrr' in the command line (did you mean 'lr'?)"),
-    (["--epochs", "many"], "error: config field 'epochs' expects an integer, got 'many'"),
-    (["--config", "configs/classifier/nope.yaml"], "error: config file 'configs/classifier/nope.yaml' does not exist"),
     (["--model", "resnet_does_not_exist"], "error: unknown timm model 'resnet_does_not_exist'"),
     (["--data", "not/a/dataset"], "error: dataset 'not/a/dataset' could not be loaded"),
 ])
@@ -205,6 +212,23 @@ def test_bad_input_fails_with_one_line(tmp_path, args, message):
     proc = run_recipe("classifier", ["--report_to", "none", "--output_dir", str(tmp_path / "r")] + args)
     assert proc.returncode == 2
     assert _single_error_line(proc).startswith(message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--epochs", "many"], "error: config field 'epochs' expects an integer, got 'many'"),
+    (["--clip_grad", "[1]"], "error: config field 'clip_grad' expects a number, got '[1]'"),
+    (["--config", "configs/classifier/nope.yaml"], "error: config file 'configs/classifier/nope.yaml' does not exist"),
+    (["--bn_momentum_end", "0.01"], "error: bn_momentum_end needs bn_momentum > 0"),
+])
+def test_config_errors_before_anything_starts(capsys, args, message):
+    """Config errors come before the Accelerator or any file exists, so they are checked in-process."""
+    from common.run import cli_main
+
+    classifier = load_recipe("classifier")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(lambda: classifier.main(args))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().startswith(message)
 
 
 def test_existing_run_folder_is_not_overwritten(tmp_path):

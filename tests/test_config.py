@@ -86,22 +86,15 @@ def test_saved_config_round_trips(tmp_path):
 
 def test_every_shipped_config_fits_its_recipe():
     """Each configs/<recipe>/*.yaml parses against that recipe's Config: no stale or misspelled key."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from conftest import ROOT, load_recipe
 
-    root = Path(__file__).resolve().parents[1]
     checked = 0
-    for folder in sorted((root / "configs").iterdir()):
-        script = root / "recipes" / f"{folder.name}.py"
-        if not script.is_file():
+    for folder in sorted((ROOT / "configs").iterdir()):
+        if not (ROOT / "recipes" / f"{folder.name}.py").is_file():
             continue
-        spec = importlib.util.spec_from_file_location(f"recipe_{folder.name}", script)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(module)
+        recipe = load_recipe(folder.name)
         for path in sorted(folder.glob("*.yaml")):
-            cfg = parse_config(module.Config, ["--config", str(path)])
+            cfg = parse_config(recipe.Config, ["--config", str(path)])
             assert cfg.config == str(path)
             checked += 1
     assert checked >= 5
