@@ -36,7 +36,7 @@ Run (offline; about 3.5 minutes on 2 CPU cores with the defaults):
 
     HF_HUB_OFFLINE=1 WANDB_MODE=offline python benchmarks/overhead.py
     python benchmarks/overhead.py --device cuda --model resnet50 --img_size 224 --batch_size 256 \\
-        --mixed_precision bf16 --channels_last --steps 300 --log_every 50
+        --mixed_precision bf16 --channels_last      # synthetic data, 200 steps of which 20 warm-up
 
 Threads: ``torch.set_num_threads(--threads)`` before each side (default: the CPU cores left
 after the DataLoader workers, at least 1). On a busy 2-core machine 1 thread is far steadier than
@@ -182,7 +182,7 @@ def synthetic_loader(batches: list, length: int, batch_size: int):
 # --------------------------------------------------------------------------------------------
 # Bare PyTorch loop
 # --------------------------------------------------------------------------------------------
-def bare_run(args: argparse.Namespace, recipe: ModuleType, device: torch.device, make_loader: Callable) -> dict[str, float]:
+def bare_run(args: argparse.Namespace, recipe: ModuleType, device: torch.device, make_loader: Callable) -> dict[str, Any]:
     import timm
     from timm.optim import param_groups_weight_decay
 
@@ -277,7 +277,7 @@ def kept_signal_handlers() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path, batches: list | None) -> dict[str, float]:
+def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path, batches: list | None) -> dict[str, Any]:
     argv = ["--report_to", "none", "--model", args.model, "--img_size", str(args.img_size),
             "--batch_size", str(args.batch_size), "--max_steps", str(args.steps), "--log_every", str(args.log_every),
             "--eval_every", "100000", "--epochs", "100000", "--checkpoint_every", "10000000",
@@ -327,8 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="resnet18", help="timm model name")
     p.add_argument("--img_size", type=int, default=32)
     p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run, warm-up included")
-    p.add_argument("--log_every", type=int, default=5, help="steps per timed interval; the first interval is warm-up")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps per run, warm-up included (0: 30 on cpu, 200 on cuda)")
+    p.add_argument("--log_every", type=int, default=0, help="steps per timed interval, the first is warm-up (0: 5 on cpu, 20 on cuda)")
     p.add_argument("--repeats", type=int, default=5, help="bare/recipe pairs, alternated")
     p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers (both sides)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores minus workers, at least 1)")
@@ -341,6 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default="", help="keep the recipe's run folders here (default: a temp dir)")
     p.add_argument("--verbose", action="store_true", help="show the recipe's own output")
     args = p.parse_args(argv)
+    args.steps = args.steps or (200 if args.device == "cuda" else 30)
+    args.log_every = args.log_every or (20 if args.device == "cuda" else 5)
     if args.steps % args.log_every or args.steps < 2 * args.log_every:
         p.error("--steps must be a multiple of --log_every and at least 2 x --log_every")
     if args.synthetic is None:

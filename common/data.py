@@ -69,8 +69,12 @@ def _load_source(data: str):
         if not path.is_dir():
             raise UserError(f"data '{data}' is a file; expected a folder (imagefolder layout or a saved dataset)")
         if any((path / f).exists() for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
-            return datasets.load_from_disk(str(path))
-        return datasets.load_dataset("imagefolder", data_dir=str(path))
+            try:
+                return datasets.load_from_disk(str(path))
+            except Exception as e:
+                raise UserError(f"saved dataset '{data}' could not be read: {type(e).__name__}: {e}") from None
+    # A hub name, or a local folder, which load_dataset reads as the hub would: images in
+    # <split>/<class>/ folders (imagefolder) or a downloaded dataset repository (data/*.parquet).
     try:
         return datasets.load_dataset(data)
     except Exception as e:  # hub errors come in many types; the first line says what happened
@@ -151,6 +155,16 @@ def load_classification(
         classes = list(feature.names)
     else:
         classes = [str(i) for i in range(int(max(train[label_column])) + 1)]
+    eval_feature = evaluation.features.get(label_column)
+    if isinstance(eval_feature, datasets.ClassLabel) and isinstance(feature, datasets.ClassLabel):
+        if list(eval_feature.names) != classes:
+            raise UserError(f"the evaluation split of '{data}' has classes {eval_feature.names[:5]}... "
+                            f"but the training split has {classes[:5]}... ({len(eval_feature.names)} vs {len(classes)})")
+    elif eval_feature is not None:
+        top = int(max(evaluation[label_column]))
+        if top >= len(classes):
+            raise UserError(f"the evaluation split of '{data}' has label {top}, "
+                            f"but the training split has only {len(classes)} classes")
     train = train.cast_column(image_column, datasets.Image(decode=False))
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False))
     return ClassificationData(train, evaluation, image_column, label_column, classes)

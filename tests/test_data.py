@@ -109,3 +109,32 @@ def test_augmentations_are_reproducible_per_sample():
     assert torch.equal(x1, x2)
     assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG stream is left alone
     assert not torch.equal(a[(4, 10)][0], x1) and not torch.equal(a[(3, 11)][0], x1)
+
+
+def test_hub_layout_loads_through_the_hub_code_path(tmp_path):
+    """A dataset repository as the hub serves it (data/<split>-*.parquet, CIFAR-10's columns img/label)
+    goes through the same load_dataset call as a hub name, with column detection."""
+    import datasets
+
+    d = digits_dataset().rename_column("image", "img")
+    (tmp_path / "cifar_like" / "data").mkdir(parents=True)
+    d["train"].select(range(50)).to_parquet(str(tmp_path / "cifar_like" / "data" / "train-00000-of-00001.parquet"))
+    d["test"].select(range(20)).to_parquet(str(tmp_path / "cifar_like" / "data" / "test-00000-of-00001.parquet"))
+    data = load_classification(str(tmp_path / "cifar_like"))
+    assert (data.image_column, data.label_column) == ("img", "label")
+    assert data.classes == [str(i) for i in range(10)] and (len(data.train), len(data.eval)) == (50, 20)
+    assert decode_image(data.train[0]["img"], "row 0").size == (8, 8)
+    assert isinstance(data.train.features["img"], datasets.Image)
+
+
+def test_empty_split_and_class_mismatch_are_clear_errors(tmp_path):
+    import datasets
+
+    d = digits_dataset()
+    datasets.DatasetDict({"train": d["train"], "test": d["test"].filter(lambda row: False)}).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(UserError, match="the evaluation split of .* is empty"):
+        load_classification(str(tmp_path / "empty"))
+    other = d["test"].cast_column("label", datasets.ClassLabel(names=[f"c{i}" for i in range(10)]))
+    datasets.DatasetDict({"train": d["train"], "test": other}).save_to_disk(str(tmp_path / "mismatch"))
+    with pytest.raises(UserError, match="has classes"):
+        load_classification(str(tmp_path / "mismatch"))
