@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, broadcast_object_list, set_seed
 
 from common import UserError
@@ -142,27 +142,30 @@ class Run:
         if cfg.grad_accum_steps < 1:
             raise UserError(f"grad_accum_steps must be at least 1, got {cfg.grad_accum_steps}")
 
+        # Every process looks at the folder before any creates it (so a refusal stops all alike),
+        # then all take the main process's choice. PartialState sets up the process group; the
+        # Accelerator made below shares it.
+        procs = PartialState()
+        choice = [str(_choose_output_dir(cfg, recipe))]
+        if procs.num_processes > 1:
+            procs.wait_for_everyone()
+            broadcast_object_list(choice)
+        self.dir = Path(choice[0])
+        self.checkpoint_dir = self.dir / "checkpoints"
+        self.plots_dir = self.dir / "plots"
+        cfg.output_dir = str(self.dir)
+
         self.accelerator = Accelerator(
             mixed_precision=mixed,
             gradient_accumulation_steps=cfg.grad_accum_steps,
             log_with=None if cfg.report_to == "none" else cfg.report_to,
+            project_config=ProjectConfiguration(project_dir=str(self.dir), logging_dir=str(self.dir)),
             dynamo_backend="inductor" if cfg.compile else "no",
             step_scheduler_with_optimizer=False,
             dataloader_config=DataLoaderConfiguration(non_blocking=True),
         )
         acc = self.accelerator
         set_seed(cfg.seed)
-
-        # Decide the folder on the main process only, then share it: other processes must not
-        # see the folder rank 0 has just created and move on to "-2".
-        choice = [str(_choose_output_dir(cfg, recipe)) if acc.is_main_process else None]
-        if acc.num_processes > 1:
-            broadcast_object_list(choice)
-        self.dir = Path(choice[0])
-        self.checkpoint_dir = self.dir / "checkpoints"
-        self.plots_dir = self.dir / "plots"
-        cfg.output_dir = str(self.dir)
-        acc.project_configuration = ProjectConfiguration(project_dir=str(self.dir), logging_dir=str(self.dir))
         if acc.is_main_process:
             for d in (self.dir, self.checkpoint_dir, self.plots_dir):
                 d.mkdir(parents=True, exist_ok=True)

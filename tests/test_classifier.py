@@ -69,7 +69,9 @@ def test_accumulation_switch_from_an_epoch(tmp_path):
     """Epoch 0 steps every batch (11 steps of 128), epoch 1 accumulates 2 (ceil(11 / 2) = 6 steps)."""
     run = tmp_path / "switch"
     check(run_recipe("classifier", TINY + ["--batch_size", "128", "--epochs", "2", "--grad_accum_switch_epoch", "1",
-                                           "--grad_accum_steps_after_switch", "2", "--output_dir", str(run)]))
+                                           "--grad_accum_steps_after_switch", "2", "--output_dir", str(run),
+                                           "--report_to", "tensorboard"]))
+    assert list(run.rglob("events.out.tfevents.*")), "tensorboard wrote nothing"
     steps = [m["step"] for m in metrics(run) if "train/loss" in m]
     assert steps == list(range(1, 18))
     evals = [m["step"] for m in metrics(run) if "eval/top1" in m]
