@@ -359,8 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ["ACCELERATE_USE_CPU"] = "1"  # the recipe's Accelerator would pick a GPU otherwise
+    if args.device == "cpu":  # on a GPU machine the recipe's Accelerator would otherwise pick the GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA
+        os.environ["ACCELERATE_USE_CPU"] = "1"
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     recipe = load_recipe()

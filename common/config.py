@@ -48,6 +48,15 @@ def _coerce(name: str, value: Any, hint: Any, from_cli: bool) -> Any:
         if value is None or (from_cli and str(value).lower() in ("none", "null")):
             return None
         return _coerce(name, value, args[0], from_cli)
+    if origin is dict or hint is dict:  # e.g. model_kwargs: {depth: 4, embed_dim: 96}
+        if from_cli and isinstance(value, str):
+            try:
+                value = yaml.safe_load(value) if value.strip() else {}
+            except yaml.YAMLError:
+                pass
+        if not isinstance(value, dict):
+            raise ConfigError(f"config field '{name}' expects a mapping like {{key: value}}, got {value!r}")
+        return dict(value)
     if origin in (list, tuple):
         (item_hint, *_) = typing.get_args(hint) or (Any,)
         if from_cli and isinstance(value, str):

@@ -83,6 +83,7 @@ class Config:
     num_workers: int = 2
     # model
     model: str = "resnet18"
+    model_kwargs: dict = field(default_factory=dict)  # extra timm.create_model arguments, e.g. {depth: 4}
     pretrained: bool = False  # timm's hub weights (needs network)
     init_weights: str = ""  # safetensors to start from, e.g. a DINO backbone; the head is re-initialised
     drop_rate: float = 0.0
@@ -130,7 +131,7 @@ class Config:
 # ============================================================================================
 def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
     kwargs = dict(pretrained=cfg.pretrained, num_classes=num_classes, drop_rate=cfg.drop_rate,
-                  drop_path_rate=cfg.drop_path_rate)
+                  drop_path_rate=cfg.drop_path_rate, **cfg.model_kwargs)
     try:
         try:  # transformers build position embeddings for img_size; convnets take no such argument
             model = timm.create_model(cfg.model, img_size=cfg.img_size, **kwargs)
@@ -186,8 +187,8 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: Path, cfg: Config, c
     """Safetensors with the class names and model name in the metadata; written then renamed."""
     tmp = path.with_suffix(".tmp")
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-    meta = {"model": cfg.model, "num_classes": str(len(classes)), "img_size": str(cfg.img_size),
-            "classes": json.dumps(classes)}
+    meta = {"model": cfg.model, "model_kwargs": json.dumps(cfg.model_kwargs), "num_classes": str(len(classes)),
+            "img_size": str(cfg.img_size), "classes": json.dumps(classes)}
     safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)
 

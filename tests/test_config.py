@@ -21,6 +21,7 @@ class Cfg:
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     milestones: list[int] = field(default_factory=list)
     note: Optional[str] = None
+    model_kwargs: dict = field(default_factory=dict)
 
 
 def test_defaults_then_yaml_then_flags(tmp_path):
@@ -37,6 +38,13 @@ def test_flag_forms():
     cfg = parse_config(Cfg, ["--lr=0.1", "--compile", "false", "--data", "10", "--scale", "[0.2, 0.9]", "--note", "none"])
     assert cfg.lr == 0.1 and cfg.compile is False and cfg.data == "10" and cfg.scale == [0.2, 0.9]
     assert cfg.note is None
+
+
+def test_mapping_fields():
+    cfg = parse_config(Cfg, ["--model_kwargs", "{depth: 4, embed_dim: 96}"])
+    assert cfg.model_kwargs == {"depth": 4, "embed_dim": 96}
+    with pytest.raises(ConfigError, match="'model_kwargs' expects a mapping"):
+        parse_config(Cfg, ["--model_kwargs", "[1, 2]"])
 
 
 def test_unknown_flag_names_closest_key():
