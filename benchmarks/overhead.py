@@ -119,7 +119,7 @@ def machine(device: torch.device, threads: int) -> str:
     import accelerate
     import timm
 
-    parts = [f"{cpu}, {cores()} cores", f"torch {torch.__version__}", f"timm {timm.__version__}",
+    parts = [f"{cpu}, {cores()} cores", f"python {platform.python_version()}", f"torch {torch.__version__}", f"timm {timm.__version__}",
              f"accelerate {accelerate.__version__}", f"torch threads {threads}"]
     if device.type == "cuda":
         parts.insert(1, torch.cuda.get_device_name(device))

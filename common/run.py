@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, broadcast_object_list, set_seed
+from accelerate.utils import (DataLoaderConfiguration, ProjectConfiguration, broadcast_object_list,
+                               parse_flag_from_env, set_seed)
 
 from common import UserError
 from common.config import save_config, to_dict
@@ -97,7 +98,7 @@ class Run:
         # Every process looks at the folder before any creates it (so a refusal stops all alike),
         # then all take the main process's choice. PartialState sets up the process group; the
         # Accelerator made below shares it.
-        procs = PartialState()
+        procs = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as the Accelerator would
         choice = [str(_choose_output_dir(cfg, recipe))]
         if procs.num_processes > 1:
             procs.wait_for_everyone()
@@ -128,10 +129,11 @@ class Run:
         self.last_checkpoint = ""
         self._stop_signal: int | None = None
         self._stop_group = None
+        self._pending: tuple[Any, torch.Tensor] | None = None
         if acc.num_processes > 1 and dist.is_initialized():
             # Stop requests are agreed on over gloo (CPU) so that checking every step never
             # waits on the GPU stream.
-            self._stop_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+            self._stop_group = dist.new_group(backend="gloo")  # its own group: never interleaves with training collectives
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
@@ -256,18 +258,32 @@ class Run:
         self.print(f"{signal.Signals(signum).name} received: finishing the step, saving a checkpoint, then exiting")
 
     def should_stop(self) -> bool:
-        """True on every process once any process got SIGTERM/SIGINT (cheap: a CPU all-reduce)."""
+        """True on every process once any process got SIGTERM/SIGINT; call once per step.
+
+        With several processes the flags are combined by an asynchronous all-reduce over gloo
+        (CPU): each call collects the reduction started by the previous call and starts the next,
+        so the loop never waits on it and every process sees the same answer at the same step
+        (one step after the signal).
+        """
         if self._stop_group is None:
             return self._stop_signal is not None
+        stop = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            stop = bool(flag.item())  # a CPU tensor: no device synchronisation
         flag = torch.tensor([0 if self._stop_signal is None else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group)
-        return bool(flag.item())
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group, async_op=True), flag)
+        return stop
 
     @property
     def stop_reason(self) -> str:
         return signal.Signals(self._stop_signal).name if self._stop_signal is not None else ""
 
     def finish(self) -> None:
+        if self._pending is not None:  # collect the last stop-flag reduction before shutting down
+            self._pending[0].wait()
+            self._pending = None
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
 

@@ -1,0 +1,147 @@
+"""recipes/dino.py: the method's math against hand-computed values, and runs through the entry point."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from common.schedules import schedule
+from conftest import check, load_recipe, run_recipe
+
+dino = load_recipe("dino")
+
+# Small and fast: plain digits, few crops, a memory bank subset; drop path off so that runs with
+# different process counts draw no per-sample randomness in the model.
+FAST = ["--data", "digits", "--report_to", "none", "--num_workers", "0", "--batch_size", "16", "--local_crops", "2",
+        "--knn_train_limit", "200", "--attention_images", "0", "--drop_path_rate", "0", "--log_every", "1"]
+
+
+def _log_softmax(x):
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def test_dino_loss_against_hand_computation():
+    rng = np.random.default_rng(0)
+    K, B, temp = 3, 2, 0.05
+    student = rng.normal(size=(3 * B, K)).astype(np.float32)  # 2 global + 1 local crop, crop-major
+    teacher = rng.normal(size=(2 * B, K)).astype(np.float32)
+    center = np.array([[0.1, -0.2, 0.3]], dtype=np.float32)
+    loss_fn = dino.DINOLoss(K, 3, temp, temp, 0, 10, student_temp=0.1, center_momentum=0.9)
+    loss_fn.center.copy_(torch.from_numpy(center))
+    got = loss_fn(torch.from_numpy(student), torch.from_numpy(teacher), epoch=0).item()
+
+    expected, pairs = 0.0, 0
+    for iq in range(2):
+        for v in range(3):
+            if v == iq:
+                continue
+            for b in range(B):
+                q = np.exp(_log_softmax((teacher[iq * B + b] - center[0]) / temp))
+                expected += -(q * _log_softmax(student[v * B + b] / 0.1)).sum() / B
+            pairs += 1
+    assert pairs == 4 and got == pytest.approx(expected / pairs, rel=1e-5)
+    # the centre moves after the loss: 0.9 * old + 0.1 * mean of the raw teacher outputs
+    assert np.allclose(loss_fn.center.numpy(), 0.9 * center + 0.1 * teacher.mean(0, keepdims=True), atol=1e-6)
+
+
+def test_loss_is_unchanged_when_the_global_views_swap():
+    torch.manual_seed(0)
+    B, K = 4, 16
+    student, teacher = torch.randn(4 * B, K), torch.randn(2 * B, K)
+    swap_s = torch.cat([student[B:2 * B], student[:B], student[2 * B:]])
+    swap_t = torch.cat([teacher[B:], teacher[:B]])
+    a = dino.DINOLoss(K, 4, 0.04, 0.04, 0, 1)(student, teacher, 0)
+    b = dino.DINOLoss(K, 4, 0.04, 0.04, 0, 1)(swap_s, swap_t, 0)
+    assert a.item() == pytest.approx(b.item(), rel=1e-6)
+
+
+def test_teacher_temperature_warms_up_per_epoch():
+    loss_fn = dino.DINOLoss(8, 4, 0.04, 0.07, 3, 5)
+    assert loss_fn.teacher_temp_schedule == pytest.approx([0.04, 0.055, 0.07, 0.07, 0.07])
+
+
+def test_per_parameter_clipping():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    a.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.6, 0.8])  # norms 5 and 1
+    largest = dino.clip_gradients_per_param([a, b], clip=2.0)
+    assert largest.item() == pytest.approx(5.0)
+    assert torch.allclose(a.grad, torch.tensor([3.0, 4.0]) * 2.0 / (5.0 + 1e-6))  # scaled to norm 2
+    assert torch.allclose(b.grad, torch.tensor([0.0, 0.6, 0.8]))  # under the threshold: untouched
+
+
+def test_head_shapes_and_fixed_last_layer_norm():
+    head = dino.DINOHead(32, 100, hidden_dim=64, bottleneck_dim=16, norm_last_layer=True)
+    out = head(torch.randn(5, 32))
+    assert out.shape == (5, 100)
+    g = head.last_layer.parametrizations.weight.original0
+    assert not g.requires_grad and torch.all(g == 1)
+    # weight = g * v / |v|: each prototype has norm 1, and the normalised bottleneck makes |out| <= 1
+    assert torch.allclose(head.last_layer.weight.norm(dim=1), torch.ones(100), atol=1e-5)
+    assert out.abs().max() <= 1 + 1e-5
+
+
+def test_knn_weighted_vote_by_hand():
+    bank = torch.nn.functional.normalize(torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]]), dim=1)
+    labels = torch.tensor([0, 1, 1])
+    query = torch.nn.functional.normalize(torch.tensor([[1.0, 0.05]]), dim=1)
+    # k=2: neighbours 0 (label 0) and 1 (label 1); the closer one wins with T small
+    assert dino.knn_top1(bank, labels, query, torch.tensor([0]), k=2, temperature=0.01, num_classes=2) == 100.0
+    # k=3 with T large: votes nearly equal, two label-1 neighbours outvote one label-0
+    assert dino.knn_top1(bank, labels, query, torch.tensor([1]), k=3, temperature=100.0, num_classes=2) == 100.0
+    # works with fewer bank images than k and more classes than seen
+    assert dino.knn_top1(bank, labels, query, torch.tensor([0]), k=20, temperature=0.01, num_classes=50) == 100.0
+
+
+def _checkpoint(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+def _teacher(ckpt: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt / "custom_checkpoint_0.pkl", weights_only=True)
+
+
+def test_teacher_moves_only_by_ema_and_last_layer_freezes(tmp_path):
+    run = tmp_path / "ema"
+    check(run_recipe("dino", FAST + ["--max_steps", "3", "--checkpoint_every", "1", "--keep_checkpoints", "5",
+                                     "--freeze_last_layer", "1", "--output_dir", str(run)]))
+    t2, t3 = _teacher(_checkpoint(run, 2)), _teacher(_checkpoint(run, 3))
+    s2 = safetensors.torch.load_file(str(_checkpoint(run, 2) / "model.safetensors"))
+    s3 = safetensors.torch.load_file(str(_checkpoint(run, 3) / "model.safetensors"))
+    m = schedule("cosine", 0.996, 1.0, 3)[2]  # momentum of the third step (index 2)
+    for k in s3:
+        assert torch.allclose(t3[k], m * t2[k] + (1 - m) * s3[k], atol=1e-6), k
+    moved = [k for k in s3 if not torch.equal(s2[k], s3[k])]
+    assert moved and not any("last_layer" in k for k in moved)  # first epoch: last layer frozen
+
+    free = tmp_path / "free"
+    check(run_recipe("dino", FAST + ["--max_steps", "3", "--checkpoint_every", "1", "--keep_checkpoints", "5",
+                                     "--freeze_last_layer", "0", "--output_dir", str(free)]))
+    a = safetensors.torch.load_file(str(_checkpoint(free, 2) / "model.safetensors"))
+    b = safetensors.torch.load_file(str(_checkpoint(free, 3) / "model.safetensors"))
+    assert any(not torch.equal(a[k], b[k]) for k in a if "last_layer.parametrizations.weight.original1" in k)
+
+
+def test_resume_mid_run_gives_the_same_teacher(tmp_path):
+    full = tmp_path / "full"
+    args = FAST + ["--max_steps", "8", "--checkpoint_every", "4", "--keep_checkpoints", "5"]
+    check(run_recipe("dino", args + ["--output_dir", str(full)]))
+    state = json.loads((_checkpoint(full, 4) / "train_state.json").read_text())
+    assert state["batches_in_epoch"] == 4  # mid-epoch
+    # Recreate the folder as a run killed right after the step-4 checkpoint, and resume it.
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(_checkpoint(full, 4), _checkpoint(part, 4))
+    shutil.copy(full / "metrics.jsonl", part / "metrics.jsonl")
+    resumed = check(run_recipe("dino", args + ["--output_dir", str(part), "--resume", "auto"]))
+    assert "resumed from" in resumed.stdout
+    a = safetensors.torch.load_file(str(full / "teacher_backbone.safetensors"))
+    b = safetensors.torch.load_file(str(part / "teacher_backbone.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(_teacher(_checkpoint(full, 8))["head.mlp.0.weight"], _teacher(_checkpoint(part, 8))["head.mlp.0.weight"])
