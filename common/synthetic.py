@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 SIZE = 32  # canvas side, pixels
-SS = 2  # supersampling: layers are drawn at SS x SIZE and box-filtered down, which antialiases them
+SS = 2  # supersampling of the strokes and blobs: drawn at SS x SIZE, box-filtered down (antialiasing)
 VERSION = "v1"  # part of the cache folder name: change it whenever the rendering changes
 VARIANTS = {"train": 4, "test": 3}  # images per source digit: 5,748 train and 1,080 test images
 _SPLIT_ID = {"train": 0, "test": 1}  # seeds the two splits' Generators apart
@@ -36,37 +36,38 @@ _YY, _XX = np.mgrid[0:SIZE, 0:SIZE].astype(np.float32) + 0.5
 # (SIZE, 4) linear-interpolation weights from a 4-point grid to the canvas, for the noise texture.
 _UP4 = np.maximum(0.0, 1.0 - np.abs((np.arange(SIZE) + 0.5) / (SIZE / 4) - 0.5 - np.arange(4)[:, None])).T
 _UP4 = (_UP4 / _UP4.sum(1, keepdims=True)).astype(np.float32)
-# Lookup table that sharpens upscaled glyph edges: values 0..255 -> coverage in [0, 1].
-_SHARPEN = np.clip((np.arange(256) / 255 - 0.15) / 0.45, 0.0, 1.0)
+# Lookup table from bilinearly upscaled glyph values 0..255 to coverage in [0, 1]: a ramp that
+# sharpens the blurry edges of an 8x8 glyph blown up 2-3x.
+_SHARPEN = np.clip((np.arange(256, dtype=np.float32) / 255 - 0.15) / 0.45, 0.0, 1.0)
 
 
-def _coverage(glyph: Image.Image, cx: float, cy: float, height: float, aspect: float, angle: float,
-              alpha: float = 1.0) -> Image.Image:
-    """An (SS * SIZE)^2 'L' mask of a (10, 10) zero-padded 8x8 glyph drawn ``height`` px tall and
-    ``height * aspect`` px wide, centred at (cx, cy) canvas px, tilted by ``angle`` radians.
+def _coverage(glyph: Image.Image, cx: float, cy: float, height: float, aspect: float, angle: float) -> np.ndarray:
+    """Coverage (SIZE, SIZE) in [0, 1] of a (10, 10) zero-padded 8x8 'L' glyph drawn ``height`` px
+    tall and ``height * aspect`` px wide, centred at (cx, cy) px and tilted by ``angle`` radians.
 
-    PIL's affine transform maps each output pixel back into the glyph (bilinear, in C); the
-    blurry upscaled edges are then sharpened by a ramp and scaled by ``alpha``, in one lookup table.
+    PIL's affine transform maps each canvas pixel back into the glyph (bilinear, in C).
     """
     ku, kv = 8.0 / (height * aspect), 8.0 / height  # glyph px per canvas px
     cos, sin = np.cos(angle), np.sin(angle)
-    # Output (x, y) in supersampled px -> glyph (u, v) px; +5 = the glyph centre 4 + 1 of padding.
-    affine = (cos * ku / SS, sin * ku / SS, 5 - ku * (cos * cx + sin * cy),
-              -sin * kv / SS, cos * kv / SS, 5 + kv * (sin * cx - cos * cy))
-    mask = glyph.transform((SS * SIZE,) * 2, Image.AFFINE, affine, resample=Image.BILINEAR)
-    return Image.fromarray(np.rint(alpha * 255 * _SHARPEN).astype(np.uint8)[np.asarray(mask)])
+    # Canvas (x, y) px -> glyph (u, v) px; 5 = the glyph centre 4 + 1 of padding.
+    affine = (cos * ku, sin * ku, 5 - ku * (cos * cx + sin * cy), -sin * kv, cos * kv, 5 + kv * (sin * cx - cos * cy))
+    return _SHARPEN[np.asarray(glyph.transform((SIZE, SIZE), Image.AFFINE, affine, resample=Image.BILINEAR))]
 
 
-def _colour(rgb: np.ndarray, alpha: float = 1.0) -> tuple[int, int, int, int]:
+def _blend(image: np.ndarray, coverage: np.ndarray, colour: np.ndarray) -> None:
+    """Alpha-blend ``colour`` (3,) into ``image`` (SIZE, SIZE, 3) float32 where ``coverage`` is set."""
+    image += coverage[..., None] * (colour.astype(np.float32) - image)
+
+
+def _rgba(rgb: np.ndarray, alpha: float) -> tuple[int, int, int, int]:
     return (*(int(c) for c in rgb), round(255 * alpha))
 
 
 def _render(rng: np.random.Generator, glyph: Image.Image, others: list[Image.Image]) -> np.ndarray:
-    """One (SIZE, SIZE, 3) uint8 image of ``glyph`` (a padded 'L' glyph, see :func:`_coverage`);
-    ``others`` (glyphs of the other classes, same split) supply the distractor fragments."""
-    # Background, in 0..255: a linear gradient between two random dark colours (the digit is the
-    # lighter one) at a random angle, plus a low-frequency colour texture (a 4x4 random field,
-    # bilinearly upsampled).
+    """One (SIZE, SIZE, 3) uint8 image of ``glyph`` (padded 'L', see :func:`_coverage`); ``others``
+    (glyphs of the other classes, same split) supply the distractor fragments. Colours in 0..255."""
+    # Background: a linear gradient between two random dark colours (the digit is the light one)
+    # at a random angle, plus a low-frequency colour texture (a 4x4 random field, upsampled).
     c0, c1 = rng.uniform(0, 128, (2, 3)).astype(np.float32)
     theta = rng.uniform(0, 2 * np.pi)
     ramp = ((_XX - SIZE / 2) * np.float32(np.cos(theta)) + (_YY - SIZE / 2) * np.float32(np.sin(theta))) / SIZE + 0.5
@@ -77,38 +78,42 @@ def _render(rng: np.random.Generator, glyph: Image.Image, others: list[Image.Ima
     # Clutter: long thin strokes that cross the canvas, and soft blobs (3 nested discs).
     for _ in range(rng.integers(2, 5)):
         points = rng.uniform(-4, SIZE + 4, (rng.integers(2, 4), 2)) * SS
-        draw.line(points.ravel().tolist(), _colour(rng.uniform(0, 255, 3), rng.uniform(0.4, 0.9)),
+        draw.line(points.ravel().tolist(), _rgba(rng.uniform(0, 255, 3), rng.uniform(0.4, 0.9)),
                   width=round(SS * rng.uniform(0.7, 2.0)), joint="curve")
     for _ in range(rng.integers(0, 3)):
         (bx, by), radius, fill = rng.uniform(0, SIZE, 2) * SS, rng.uniform(3, 8) * SS, rng.uniform(0, 255, 3)
         for r in (1.0, 0.7, 0.4):
-            draw.ellipse((bx - r * radius, by - r * radius, bx + r * radius, by + r * radius), _colour(fill, 0.2))
-    # Distractors, fainter than the digit: a short digit-like stroke, or a piece of another digit.
+            draw.ellipse((bx - r * radius, by - r * radius, bx + r * radius, by + r * radius), _rgba(fill, 0.2))
+    # Distractors, fainter than the digit: a short digit-like stroke, or a piece of another digit
+    # (pieces are blended after the strokes, at the canvas resolution).
+    pieces = []
     for _ in range(rng.integers(1, 3)):
         alpha, fill = rng.uniform(0.35, 0.7), rng.uniform(0, 255, 3)
         if rng.random() < 0.5:
             walk = np.cumsum(np.vstack([rng.uniform(2, SIZE - 2, (1, 2)), rng.uniform(-7, 7, (rng.integers(2, 5), 2))]), 0)
-            draw.line((walk * SS).ravel().tolist(), _colour(fill, alpha), width=round(SS * rng.uniform(1.5, 3.0)), joint="curve")
+            draw.line((walk * SS).ravel().tolist(), _rgba(fill, alpha), width=round(SS * rng.uniform(1.5, 3.0)), joint="curve")
         else:
             left, top, w, h = *rng.integers(1, 5, 2), *rng.integers(3, 6, 2)  # a 3-5 px window of the glyph
             piece = Image.new("L", (10, 10))
             piece.paste(others[rng.integers(len(others))].crop((left, top, left + w, top + h)), (left, top))
-            mask = _coverage(piece, *rng.uniform(4, SIZE - 4, 2), rng.uniform(9, 16), 1.0, rng.uniform(-0.5, 0.5), alpha)
-            canvas.paste(_colour(fill)[:3], mask=mask)
+            cover = _coverage(piece, *rng.uniform(4, SIZE - 4, 2), rng.uniform(9, 16), 1.0, rng.uniform(-0.5, 0.5))
+            pieces.append((alpha * cover, fill))
+    image = np.asarray(canvas.reduce(SS), np.float32)  # (SIZE, SIZE, 3), writable copy
+    for cover, fill in pieces:
+        _blend(image, cover, fill)
     # The digit: 14-26 px tall, centred within 5 px of the canvas centre, so at most 2 px off it.
     height, aspect = rng.uniform(14, 26), rng.uniform(0.8, 1.2)
     cx, cy = SIZE / 2 + rng.uniform(-5, 5, 2)
-    mask = _coverage(glyph, cx, cy, height, aspect, float(np.clip(rng.normal(0, 0.2), -0.35, 0.35)))
-    # Foreground colour: the first of 16 random light candidates whose luminance differs from the
-    # canvas's under the digit by at least 70 (of 255), so that a human can still read it.
-    cover = np.asarray(mask.reduce(SS), np.float32)
-    under = float((np.asarray(canvas.reduce(SS), np.float32) @ _LUMA * cover).sum() / (cover.sum() + 1e-6))
+    cover = _coverage(glyph, cx, cy, height, aspect, float(np.clip(rng.normal(0, 0.2), -0.35, 0.35)))
+    # Its colour: the first of 16 random light candidates whose luminance differs from that of the
+    # canvas under the digit by at least 70 (of 255), so that a human can still read it.
+    under = float((image @ _LUMA * cover).sum() / (cover.sum() + 1e-6))
     candidates = rng.uniform(128, 255, (16, 3))
     contrast = np.abs(candidates @ _LUMA - under)
     ok = np.flatnonzero(contrast >= 70)
-    canvas.paste(_colour(candidates[ok[0] if len(ok) else contrast.argmax()])[:3], mask=mask)
-    image = np.asarray(canvas.reduce(SS), np.float32)
-    image += rng.normal(0, rng.uniform(0, 12), image.shape).astype(np.float32)  # sensor noise
+    _blend(image, cover, candidates[ok[0] if len(ok) else contrast.argmax()])
+    # Sensor noise: uniform, zero-mean, standard deviation 0-12.
+    image += (rng.random(image.shape, dtype=np.float32) - 0.5) * np.float32(rng.uniform(0, 12) * 12**0.5)
     return np.clip(np.rint(image), 0, 255).astype(np.uint8)
 
 

@@ -86,6 +86,7 @@ class Config:
     model_kwargs: dict = field(default_factory=dict)  # extra timm.create_model arguments, e.g. {depth: 4}
     pretrained: bool = False  # timm's hub weights (needs network)
     init_weights: str = ""  # safetensors to start from, e.g. a DINO backbone; the head is re-initialised
+    linear_probe: bool = False  # train only the classifier head; the backbone stays frozen, in eval mode
     drop_rate: float = 0.0
     drop_path_rate: float = 0.0
     bn_momentum: float = 0.0  # 0: the model's default (PyTorch convention: weight of the new batch)
@@ -145,6 +146,9 @@ def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
         load_init_weights(model, cfg.init_weights)
     if cfg.bn_momentum > 0:
         set_bn_momentum(model, cfg.bn_momentum)
+    if cfg.linear_probe:  # timm's optimizer factory leaves parameters without gradients out
+        model.requires_grad_(False)
+        model.get_classifier().requires_grad_(True)
     return model
 
 
@@ -309,6 +313,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             set_bn_momentum(unwrapped, cfg.bn_momentum_end + (cfg.bn_momentum - cfg.bn_momentum_end)
                             * 0.5 * (1 + math.cos(math.pi * epoch / max(cfg.epochs - 1, 1))))
         model.train()
+        if cfg.linear_probe:  # frozen features: batch-norm statistics must not drift either
+            model.eval()
+            unwrapped.get_classifier().train()
         skip = state.batches_in_epoch if epoch == state.epoch else 0
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         epoch_done, stopping, batch_idx = True, False, skip - 1

@@ -255,6 +255,12 @@ def test_starts_from_a_backbone_weights_file(tmp_path):
     trained = weights(run / "final.safetensors")
     for k, v in donor.state_dict().items():
         assert torch.equal(trained[k], v), k  # lr 0: untouched since loading
+    probe = tmp_path / "probe"
+    check(run_recipe("classifier", TINY + ["--batch_size", "16", "--max_steps", "2", "--linear_probe",
+                                           "--init_weights", str(backbone), "--output_dir", str(probe)]))
+    probed = weights(probe / "final.safetensors")
+    assert all(torch.equal(probed[k], v) for k, v in donor.state_dict().items())  # backbone frozen
+    assert not torch.equal(probed["head.weight"], trained["head.weight"])  # the head learned
     bad = run_recipe("classifier", TINY + ["--model", "test_resnet", "--init_weights", str(backbone),
                                            "--output_dir", str(tmp_path / "bad")])
     assert bad.returncode == 2 and "does not fit model" in _single_error_line(bad)

@@ -145,3 +145,23 @@ def test_resume_mid_run_gives_the_same_teacher(tmp_path):
     b = safetensors.torch.load_file(str(part / "teacher_backbone.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(_teacher(_checkpoint(full, 8))["head.mlp.0.weight"], _teacher(_checkpoint(part, 8))["head.mlp.0.weight"])
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tmp_path):
+    """torchrun with 2 gloo processes x 16 == 1 process x 32: the centre (reduced across processes),
+    the losses, the teacher and the kNN accuracy."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = FAST + ["--max_steps", "3", "--checkpoint_every", "3"]  # the later --batch_size wins
+    check(run_recipe("dino", args + ["--batch_size", "32", "--output_dir", str(one)]))
+    check(run_recipe("dino", args + ["--batch_size", "16", "--output_dir", str(two)], nproc=2))
+    c1 = torch.load(_checkpoint(one, 3) / "custom_checkpoint_1.pkl", weights_only=True)["center"]
+    c2 = torch.load(_checkpoint(two, 3) / "custom_checkpoint_1.pkl", weights_only=True)["center"]
+    assert c1.abs().sum() > 0 and torch.allclose(c1, c2, atol=1e-6)
+    m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    m2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [m["train/loss"] for m in m1 if "train/loss" in m] == pytest.approx(
+        [m["train/loss"] for m in m2 if "train/loss" in m], abs=1e-5)
+    t1, t2 = _teacher(_checkpoint(one, 3)), _teacher(_checkpoint(two, 3))
+    assert all(torch.allclose(t1[k], t2[k], atol=1e-5) for k in t1)
+    assert m1[-1]["knn/teacher_top1"] == pytest.approx(m2[-1]["knn/teacher_top1"])
