@@ -75,8 +75,9 @@ def _load_source(data: str):
                 raise UserError(f"saved dataset '{data}' could not be read: {type(e).__name__}: {e}") from None
     # A hub name, or a local folder, which load_dataset reads as the hub would: images in
     # <split>/<class>/ folders (imagefolder) or a downloaded dataset repository (data/*.parquet).
+    name, _, subset = (data, "", "") if path.exists() else data.partition(":")  # "frgfm/imagenette:320px"
     try:
-        return datasets.load_dataset(data)
+        return datasets.load_dataset(name, subset or None)
     except Exception as e:  # hub errors come in many types; the first line says what happened
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(

@@ -97,6 +97,7 @@ class Config:
     max_steps: int = 0
     batch_size: int = 64  # per process
     grad_accum_steps: int = 1
+    opt: str = "adamw"  # adamw (ViT), or sgd with momentum 0.9 (the reference's ResNet-50 setting)
     lr: float = 5e-4  # per 256 images: peak = lr x global batch / 256
     min_lr: float = 1e-5
     warmup_epochs: float = 2.0
@@ -410,7 +411,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- optimizer and schedules --------------------------------------------------------------
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
-    optimizer = torch.optim.AdamW(param_groups(student), lr=cfg.lr, **fused)  # lr/wd set per step below
+    if cfg.opt not in ("adamw", "sgd"):
+        raise UserError(f"opt must be adamw or sgd, got '{cfg.opt}'")
+    optimizer = (torch.optim.AdamW(param_groups(student), lr=cfg.lr, **fused) if cfg.opt == "adamw"  # lr, wd: per step
+                 else torch.optim.SGD(param_groups(student), lr=cfg.lr, momentum=0.9, **fused))
     student, optimizer, train_loader, bank_loader, eval_loader = accelerator.prepare(
         student, optimizer, train_loader, bank_loader, eval_loader)
     teacher.to(accelerator.device)
