@@ -403,6 +403,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if accelerator.num_processes > 1 and accelerator.device.type == "cuda":
         student = nn.SyncBatchNorm.convert_sync_batchnorm(student)  # BN statistics over the global batch
     teacher = copy.deepcopy(student).requires_grad_(False)
+    for m in teacher.modules():  # the reference builds its teacher without drop path or dropout
+        if hasattr(m, "drop_prob"):
+            m.drop_prob = 0.0
+        elif isinstance(m, nn.Dropout):
+            m.p = 0.0
 
     # ---- loss ----------------------------------------------------------------------------------
     ncrops = 2 + cfg.local_crops
