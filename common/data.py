@@ -24,7 +24,7 @@ from PIL import Image
 
 from common import UserError
 
-BUILTIN = ("digits",)
+BUILTIN = ("digits", "digits_ssl")
 EVAL_SPLITS = ("validation", "val", "valid", "test")
 
 
@@ -64,6 +64,10 @@ def _load_source(data: str):
 
     if data == "digits":
         return digits_dataset()
+    if data == "digits_ssl":
+        from common.synthetic import digits_ssl_dataset  # lazy: only this set needs the renderer
+
+        return digits_ssl_dataset()
     path = Path(data)
     if path.exists():
         if not path.is_dir():
