@@ -48,7 +48,7 @@ What is measured
     and schedules, so it agrees closely (on CPU in fp32 to the 4 printed decimals; not necessarily bit for bit, as
     clipping and EMA are computed differently, and on CUDA the two sides' precisions differ).
 
-Run (offline; about 3.5 minutes on 2 CPU cores with the defaults):
+Run (offline; about 3.5 minutes on 2 busy CPU cores with the defaults):
 
     HF_HUB_OFFLINE=1 WANDB_MODE=offline python benchmarks/dino_throughput.py
     python benchmarks/dino_throughput.py --device cuda --synthetic --model vit_small_patch16_224 \\
@@ -113,7 +113,7 @@ def recipe_argv(args: argparse.Namespace) -> list[str]:
             "--log_every", str(args.log_every), "--eval_every", "1000", "--epochs", "1000",
             "--checkpoint_every", "100000", "--attention_images", "0", "--knn_train_limit", str(KNN_TRAIN_LIMIT),
             "--num_workers", str(args.num_workers), "--mixed_precision", args.mixed_precision,
-            "--compile", str(args.compile).lower()]
+            "--compile", str(args.compile).lower(), "--opt", "adamw"]  # the reference side is AdamW
 
 
 def schedules(recipe: ModuleType, cfg: Any, steps_per_epoch: int, total_steps: int):
@@ -312,7 +312,7 @@ def parse_args(argv: list[str] | None = None, defaults: Any = None) -> argparse.
     p.add_argument("--head_hidden_dim", type=int, default=defaults.head_hidden_dim)
     p.add_argument("--steps", type=int, default=0, help="optimizer steps per run, warm-up included (0: 20 on cpu, 120 on cuda)")
     p.add_argument("--log_every", type=int, default=0, help="steps per timed interval, the first is warm-up (0: 5 on cpu, 20 on cuda)")
-    p.add_argument("--repeats", type=int, default=0, help="reference/recipe pairs, alternated (0: 5 on cpu, 3 on cuda)")
+    p.add_argument("--repeats", type=int, default=4, help="reference/recipe pairs, in ABBA order")
     p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers (both sides)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores minus workers, at least 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -328,7 +328,6 @@ def parse_args(argv: list[str] | None = None, defaults: Any = None) -> argparse.
     cuda = args.device == "cuda"
     args.steps = args.steps or (120 if cuda else 20)
     args.log_every = args.log_every or (20 if cuda else 5)
-    args.repeats = args.repeats or (3 if cuda else 5)
     if args.steps % args.log_every or args.steps < 2 * args.log_every:
         p.error("--steps must be a multiple of --log_every and at least 2 x --log_every")
     if args.model_kwargs is None:
@@ -350,11 +349,13 @@ def parse_args(argv: list[str] | None = None, defaults: Any = None) -> argparse.
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    recipe = load_recipe()
-    args = parse_args(argv, recipe.Config())
-    if args.device == "cpu":  # on a GPU machine the recipe's Accelerator would otherwise pick the GPU
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default="cpu")
+    if pre.parse_known_args(argv)[0].device == "cpu":  # else the recipe's Accelerator picks a GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything (the recipe's imports) initialises CUDA
         os.environ["ACCELERATE_USE_CPU"] = "1"
+    recipe = load_recipe()  # its Config's defaults are the flags' defaults
+    args = parse_args(argv, recipe.Config())
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     cfg = recipe.parse_config(recipe.Config, recipe_argv(args))  # the very config the recipe side runs
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"{args.device}, data {'synthetic (on device)' if args.synthetic else f'digits, {args.num_workers} workers'}")
     print(f"precision: recipe {args.mixed_precision}{' + torch.compile' if args.compile else ''}, "
           f"reference {ref_precision}")
-    print(f"{args.repeats} alternating repeats of {args.steps} steps: {args.log_every} warm-up, "
+    print(f"{args.repeats} repeats in ABBA order, each of {args.steps} steps: {args.log_every} warm-up, "
           f"then {n_intervals} timed intervals of {args.log_every}")
     print(f"machine: {overhead.machine(device, args.threads)}")
     runs = {side: ", ".join(f"{x['images_per_s']:.1f}" for x in xs) for side, xs in results.items()}

@@ -268,10 +268,10 @@ class DINOLoss(nn.Module):
     def update_center(self, teacher_output: torch.Tensor) -> None:
         """EMA of the teacher's raw outputs, averaged over every process's batch."""
         batch_center = teacher_output.float().sum(dim=0, keepdim=True)
-        count = torch.tensor(float(len(teacher_output)), device=batch_center.device)
+        count = len(teacher_output)  # a host int: no host-to-device copy
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(batch_center)
-            count = count * dist.get_world_size()
+            count *= dist.get_world_size()
         self.center.mul_(self.center_momentum).add_(batch_center / count, alpha=1 - self.center_momentum)
 
 
