@@ -67,7 +67,6 @@ import copy
 import gc
 import importlib.util
 import itertools
-import json
 import math
 import multiprocessing
 import os
@@ -260,34 +259,8 @@ def summarise(intervals: list[tuple[float, int, float, float]]) -> dict[str, Any
 # The recipe's real main()
 # --------------------------------------------------------------------------------------------
 def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path, batches: list | None) -> dict[str, Any]:
-    argv = recipe_argv(args) + ["--output_dir", str(out_dir)]
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(overhead.kept_signal_handlers())
-        used = []
-        if batches is not None:
-            def train_loader_for(dataset, batch_size, seed, num_workers, num_processes, collate_fn=None):
-                if batch_size != args.batch_size or num_processes != 1:
-                    raise RuntimeError(f"unexpected recipe loader call: batch {batch_size}, {num_processes} processes")
-                used.append(True)
-                return overhead.synthetic_loader(batches, args.synthetic_epoch, batch_size)
-
-            stack.enter_context(overhead.rebind(recipe, "train_loader_for", train_loader_for))
-        if not args.verbose:
-            log = stack.enter_context(open(out_dir.with_suffix(".log"), "w"))
-            stack.enter_context(contextlib.redirect_stdout(log))
-            stack.enter_context(contextlib.redirect_stderr(log))
-        recipe.main(argv)
-        if batches is not None and not used:
-            raise RuntimeError("--synthetic: the recipe no longer calls train_loader_for; the patch did not apply")
-    from accelerate.state import PartialState
-
-    if PartialState().device.type != args.device:
-        raise RuntimeError(f"the recipe ran on {PartialState().device}, not {args.device}")
-
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    timed = [r for r in rows if "train/images_per_s" in r][1:]  # the first interval is warm-up
-    if not timed:
-        raise RuntimeError(f"no timed interval in {out_dir / 'metrics.jsonl'}: need --steps >= 2 x --log_every")
+    timed = overhead.timed_recipe_intervals(args, recipe, recipe_argv(args) + ["--output_dir", str(out_dir)],
+                                            out_dir, batches)
     intervals = []
     for r in timed:
         seconds = r["train/s_per_step"] * args.log_every  # every logged interval is log_every steps

@@ -277,14 +277,13 @@ def kept_signal_handlers() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path, batches: list | None) -> dict[str, Any]:
-    argv = ["--report_to", "none", "--model", args.model, "--img_size", str(args.img_size),
-            "--batch_size", str(args.batch_size), "--max_steps", str(args.steps), "--log_every", str(args.log_every),
-            "--eval_every", "100000", "--epochs", "100000", "--checkpoint_every", "10000000",
-            "--num_workers", str(args.num_workers), "--output_dir", str(out_dir), "--smoothing", "0",
-            "--mixed_precision", args.mixed_precision, "--channels_last", str(args.channels_last).lower()]
-    stack = contextlib.ExitStack()
-    with stack:
+def timed_recipe_intervals(args: argparse.Namespace, recipe: ModuleType, argv: list[str], out_dir: Path,
+                           batches: list | None) -> list[dict[str, Any]]:
+    """Run ``recipe.main(argv)`` in this process and return its logged training intervals after
+    the first (warm-up), as metrics.jsonl rows. With ``batches`` (``--synthetic``), the recipe's
+    ``train_loader_for`` is swapped for a loader over those pre-made device batches; everything
+    from ``accelerator.prepare`` on stays the recipe's own code. Shared by dino_throughput.py."""
+    with contextlib.ExitStack() as stack:
         stack.enter_context(kept_signal_handlers())
         used = []
         if batches is not None:
@@ -308,10 +307,19 @@ def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path, batc
         raise RuntimeError(f"the recipe ran on {PartialState().device}, not {args.device}")
 
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "train/images_per_s" in r]
-    timed = rows[1:]  # the first interval is warm-up
+    timed = [r for r in rows if "train/images_per_s" in r][1:]  # the first interval is warm-up
     if not timed:
         raise RuntimeError(f"no timed interval in {out_dir / 'metrics.jsonl'}: need --steps >= 2 x --log_every")
+    return timed
+
+
+def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path, batches: list | None) -> dict[str, Any]:
+    argv = ["--report_to", "none", "--model", args.model, "--img_size", str(args.img_size),
+            "--batch_size", str(args.batch_size), "--max_steps", str(args.steps), "--log_every", str(args.log_every),
+            "--eval_every", "100000", "--epochs", "100000", "--checkpoint_every", "10000000",
+            "--num_workers", str(args.num_workers), "--output_dir", str(out_dir), "--smoothing", "0",
+            "--mixed_precision", args.mixed_precision, "--channels_last", str(args.channels_last).lower()]
+    timed = timed_recipe_intervals(args, recipe, argv, out_dir, batches)
     intervals = []
     for r in timed:
         seconds = r["train/s_per_step"] * args.log_every  # every logged interval is log_every steps
