@@ -64,11 +64,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
 import importlib.util
 import itertools
 import math
-import multiprocessing
 import os
 import statistics
 import sys
@@ -350,32 +348,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with contextlib.ExitStack() as stack:
         work = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dino-bench-")))
         work.mkdir(parents=True, exist_ok=True)
-        results: dict[str, list[dict[str, Any]]] = {"reference": [], "recipe": []}
-        for r in range(args.repeats):
-            # ABBA order: neither side always runs first (after the other side's clean-up)
-            for side in ("reference", "recipe") if r % 2 == 0 else ("recipe", "reference"):
-                torch.set_num_threads(args.threads)
-                before = overhead.global_settings()
-                wall = time.perf_counter()
-                if side == "reference":
-                    res = reference_run(args, recipe, cfg, device, make_loader)
-                else:
-                    out = work / f"recipe-{r}"
-                    if out.exists():
-                        raise SystemExit(f"{out} exists; choose another --workdir")
-                    res = recipe_run(args, recipe, out, batches)
-                gc.collect()
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-                wall = time.perf_counter() - wall
-                results[side].append(res)
-                left = multiprocessing.active_children()
-                print(f"repeat {r + 1}/{args.repeats}  {side:<9} {res['images_per_s']:9.1f} img/s  "
-                      f"data wait {res['data_wait'] * 100:4.1f} %  timed {res['seconds']:5.1f} s of {wall:5.1f} s  last-interval loss {res['final_loss']:.4f}"
-                      + (f"  ({len(left)} child processes still alive)" if left else ""), flush=True)
-                changed = {k: v for k, v in overhead.global_settings().items() if v != before[k]}
-                if changed:  # would make the next run of the other side differ in more than the loop
-                    print(f"warning: the {side} run changed torch settings: {changed}", flush=True)
+        def run_side(side: str, r: int) -> dict[str, Any]:
+            if side == "reference":
+                return reference_run(args, recipe, cfg, device, make_loader)
+            out = work / f"recipe-{r}"
+            if out.exists():
+                raise SystemExit(f"{out} exists; choose another --workdir")
+            return recipe_run(args, recipe, out, batches)
+
+        # ABBA order: neither side always runs first (after the other side's clean-up)
+        results = overhead.alternate(args, ("reference", "recipe"), run_side, abba=True)
 
     ref = statistics.median(x["images_per_s"] for x in results["reference"])
     rec = statistics.median(x["images_per_s"] for x in results["recipe"])

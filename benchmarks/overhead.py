@@ -327,6 +327,37 @@ def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path, batc
     return summarise(intervals, timed[-1]["train/loss"])
 
 
+def alternate(args: argparse.Namespace, sides: tuple[str, str], run_side: Callable[[str, int], dict[str, Any]],
+              abba: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """Run ``run_side(side, repeat)`` for both sides, ``args.repeats`` times, and collect the results.
+
+    With ``abba`` every other repeat swaps the order, so neither side always runs first. Each run
+    prints one line; a run that changes torch's global settings is reported, since it would make
+    the other side's next run differ in more than the loop. Shared by dino_throughput.py.
+    """
+    results: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    for r in range(args.repeats):
+        for side in sides if not (abba and r % 2) else sides[::-1]:
+            torch.set_num_threads(args.threads)
+            before = global_settings()
+            wall = time.perf_counter()
+            res = run_side(side, r)
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            wall = time.perf_counter() - wall
+            results[side].append(res)
+            left = multiprocessing.active_children()
+            print(f"repeat {r + 1}/{args.repeats}  {side:<9} {res['images_per_s']:9.1f} img/s  "
+                  f"data wait {res['data_wait'] * 100:4.1f} %  timed {res['seconds']:5.1f} s of {wall:5.1f} s  "
+                  f"last-interval loss {res['final_loss']:.4f}"
+                  + (f"  ({len(left)} child processes still alive)" if left else ""), flush=True)
+            changed = {k: v for k, v in global_settings().items() if v != before[k]}
+            if changed:
+                print(f"warning: the {side} run changed torch settings: {changed}", flush=True)
+    return results
+
+
 # --------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------
@@ -404,30 +435,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with contextlib.ExitStack() as stack:
         work = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overhead-")))
         work.mkdir(parents=True, exist_ok=True)
-        results: dict[str, list[dict[str, float]]] = {"bare": [], "recipe": []}
-        for r in range(args.repeats):
-            for side in ("bare", "recipe"):
-                torch.set_num_threads(args.threads)
-                before = global_settings()
-                if side == "bare":
-                    res = bare_run(args, recipe, device, make_loader)
-                else:
-                    out = work / f"recipe-{r}"
-                    if out.exists():
-                        raise SystemExit(f"{out} exists; choose another --workdir")
-                    res = recipe_run(args, recipe, out, batches)
-                gc.collect()
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-                results[side].append(res)
-                left = multiprocessing.active_children()
-                print(f"repeat {r + 1}/{args.repeats}  {side:<6} {res['images_per_s']:9.1f} img/s  "
-                      f"data wait {res['data_wait'] * 100:4.1f} %  timed {res['seconds']:.1f} s  "
-                      f"loss {res['final_loss']:.3f}" + (f"  ({len(left)} child processes still alive)" if left else ""),
-                      flush=True)
-                changed = {k: v for k, v in global_settings().items() if v != before[k]}
-                if changed:  # would make the next run of the other side differ in more than the loop
-                    print(f"warning: the {side} run changed torch settings: {changed}", flush=True)
+
+        def run_side(side: str, r: int) -> dict[str, Any]:
+            if side == "bare":
+                return bare_run(args, recipe, device, make_loader)
+            out = work / f"recipe-{r}"
+            if out.exists():
+                raise SystemExit(f"{out} exists; choose another --workdir")
+            return recipe_run(args, recipe, out, batches)
+
+        results = alternate(args, ("bare", "recipe"), run_side)
 
     bare = statistics.median(x["images_per_s"] for x in results["bare"])
     rec = statistics.median(x["images_per_s"] for x in results["recipe"])

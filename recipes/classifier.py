@@ -35,7 +35,6 @@ for _root in Path(__file__).resolve().parents:
 
 import json
 
-import numpy as np
 import safetensors.torch
 import timm
 import torch
