@@ -88,6 +88,7 @@ class Config:
     head_hidden_dim: int = 512  # 2048 for ImageNet
     head_bottleneck_dim: int = 256
     norm_last_layer: bool = True  # fix the last layer's weight norm (more stable for ViT)
+    head_use_bn: bool = False  # BatchNorm after the head's hidden layers (the reference's use_bn_in_head)
     # loss
     warmup_teacher_temp: float = 0.04
     teacher_temp: float = 0.04
@@ -184,13 +185,16 @@ def eval_transform(size: int) -> T.Compose:
 # Model: backbone + projection head, run once per resolution group
 # ============================================================================================
 class DINOHead(nn.Module):
-    """3-layer MLP (GELU) -> bottleneck -> L2 normalisation -> weight-normalised linear to out_dim."""
+    """3-layer MLP (GELU, optional BatchNorm) -> bottleneck -> L2 normalisation -> weight-normalised
+    linear to out_dim."""
 
     def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 2048, bottleneck_dim: int = 256,
-                 norm_last_layer: bool = True) -> None:
+                 norm_last_layer: bool = True, use_bn: bool = False) -> None:
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, hidden_dim), nn.GELU(),
-                                 nn.Linear(hidden_dim, bottleneck_dim))
+        bn = [nn.BatchNorm1d(hidden_dim)] if use_bn else []  # no Identity: keep the reference's key names
+        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden_dim), *bn, nn.GELU(),
+                                 nn.Linear(hidden_dim, hidden_dim), *([nn.BatchNorm1d(hidden_dim)] if use_bn else []),
+                                 nn.GELU(), nn.Linear(hidden_dim, bottleneck_dim))
         for m in self.mlp:
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
@@ -401,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- model: student and teacher (an exact copy, never trained by gradients) -------------
     backbone = create_backbone(cfg)
     student = MultiCropWrapper(backbone, DINOHead(backbone.num_features, cfg.out_dim, cfg.head_hidden_dim,
-                                                  cfg.head_bottleneck_dim, cfg.norm_last_layer))
+                                                  cfg.head_bottleneck_dim, cfg.norm_last_layer, cfg.head_use_bn))
     if accelerator.num_processes > 1 and accelerator.device.type == "cuda":
         student = nn.SyncBatchNorm.convert_sync_batchnorm(student)  # BN statistics over the global batch
     teacher = copy.deepcopy(student).requires_grad_(False)

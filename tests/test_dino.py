@@ -85,6 +85,10 @@ def test_head_shapes_and_fixed_last_layer_norm():
     # weight = g * v / |v|: each prototype has norm 1, and the normalised bottleneck makes |out| <= 1
     assert torch.allclose(head.last_layer.weight.norm(dim=1), torch.ones(100), atol=1e-5)
     assert out.abs().max() <= 1 + 1e-5
+    # The reference's key names (mlp.0, mlp.2, mlp.4) with BN off; BatchNorm after both hidden layers with it on.
+    assert [k for k in head.state_dict() if k.startswith("mlp.")] == [f"mlp.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")]
+    with_bn = dino.DINOHead(32, 100, hidden_dim=64, bottleneck_dim=16, use_bn=True)
+    assert [type(m).__name__ for m in with_bn.mlp] == ["Linear", "BatchNorm1d", "GELU", "Linear", "BatchNorm1d", "GELU", "Linear"]
 
 
 def test_knn_weighted_vote_by_hand():
