@@ -41,9 +41,11 @@ _GY, _GX = (np.mgrid[0:4, 0:4].astype(np.float32) - 1.5) / 4
 _SHARPEN = np.clip((np.arange(256, dtype=np.float32) / 255 - 0.15) / 0.45, 0.0, 1.0)
 
 
-def _coverage(glyph: np.ndarray, cx: float, cy: float, height: float, aspect: float, angle: float) -> np.ndarray:
-    """Coverage (SIZE, SIZE) in [0, 1] of a (10, 10) uint8 zero-padded 8x8 glyph drawn ``height`` px
-    tall and ``height * aspect`` px wide, centred at (cx, cy) px and tilted by ``angle`` radians.
+def _coverage(glyph: np.ndarray, cx: float, cy: float, height: float, aspect: float, angle: float,
+              size: int = SIZE) -> np.ndarray:
+    """Coverage (size, size) in [0, 1] of a (10, 10) uint8 zero-padded 8x8 glyph drawn ``height`` px
+    tall and ``height * aspect`` px wide, centred at (cx, cy) px and tilted by ``angle`` radians
+    (``size``: the canvas side; the detection set draws on larger canvases than this module).
 
     PIL's affine transform maps each canvas pixel back into the glyph (bilinear, in C).
     """
@@ -52,7 +54,7 @@ def _coverage(glyph: np.ndarray, cx: float, cy: float, height: float, aspect: fl
     # Canvas (x, y) px -> glyph (u, v) px; 5 = the glyph centre 4 + 1 of padding.
     affine = (cos * ku, sin * ku, 5 - ku * (cos * cx + sin * cy),
               -sin * kv, cos * kv, 5 + kv * (sin * cx - cos * cy))
-    upscaled = Image.fromarray(glyph).transform((SIZE, SIZE), Image.AFFINE, affine, Image.BILINEAR)
+    upscaled = Image.fromarray(glyph).transform((size, size), Image.AFFINE, affine, Image.BILINEAR)
     return _SHARPEN[np.asarray(upscaled)]
 
 
