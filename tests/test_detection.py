@@ -1,0 +1,583 @@
+"""common/detection.py: sources, the digits_det set, box-aware transforms, collate, COCO evaluation."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common import UserError, detection
+from common.data import decode_image, digits_dataset
+from common.detection import (CocoEvaluator, DetectionDataset, collate, detection_transforms, draw_detections,
+                              kmeans_anchors, load_detection, rescale_boxes, wandb_boxes)
+from conftest import ROOT, free_port, recipe_env
+
+
+# --------------------------------------------------------------------------------------------
+# The built-in set
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory):
+    """One generation of digits_det into a fresh cache, timed, recording the glyphs each split drew."""
+    root = tmp_path_factory.mktemp("cache")
+    render_scenes, rendered = detection.render_scenes, {}
+
+    def recording(glyphs, labels, count, seed, split):
+        rendered[split] = glyphs.copy()
+        return render_scenes(glyphs, labels, count, seed, split)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CV_RECIPES_CACHE", str(root))
+        mp.setattr(detection, "render_scenes", recording)
+        start = time.perf_counter()
+        folder = detection.digits_det_folder()
+        seconds = time.perf_counter() - start
+        data = load_detection("digits_det")
+    return SimpleNamespace(root=root, folder=folder, seconds=seconds, rendered=rendered, data=data)
+
+
+@pytest.fixture
+def cache(builtin, monkeypatch):
+    monkeypatch.setenv("CV_RECIPES_CACHE", str(builtin.root))  # the fixture's cache: no regeneration
+    return builtin.root
+
+
+def _xyxy(bbox) -> np.ndarray:
+    b = np.asarray(bbox, np.float64).reshape(-1, 4)
+    return np.concatenate([b[:, :2], b[:, :2] + b[:, 2:]], 1)
+
+
+def test_builtin_schema_sizes_and_boxes(builtin):
+    data = builtin.data
+    assert (len(data.train), len(data.eval)) == (2000, 400)
+    assert data.classes == [str(i) for i in range(10)]
+    assert data.train.features == detection.features() == data.eval.features
+    assert [p.name for p in builtin.root.iterdir()] == ["digits_det-v1-seed0"]  # renamed, no temp left
+    assert (builtin.folder / "annotations" / "instances_val.json").exists()
+    image = decode_image(data.eval[0]["image"], "")
+    assert image.size == (96, 96) and image.mode == "RGB"
+    heights, counts = [], []
+    for split in (data.train, data.eval):
+        for row in split:
+            boxes = _xyxy(row["objects"]["bbox"])
+            counts.append(len(boxes))
+            heights += (boxes[:, 3] - boxes[:, 1]).tolist()
+            assert (row["width"], row["height"]) == (96, 96) and not any(row["objects"]["iscrowd"])
+            assert (boxes[:, :2] >= 0).all() and (boxes[:, 2:] <= 96).all()
+            # digits may touch, never overlap much
+            lt, rb = np.maximum(boxes[:, None, :2], boxes[None, :, :2]), np.minimum(boxes[:, None, 2:], boxes[None, :, 2:])
+            inter = (rb - lt).clip(0).prod(-1)
+            area = (boxes[:, 2:] - boxes[:, :2]).prod(-1)
+            iou = inter / (area[:, None] + area[None] - inter)
+            assert (iou[~np.eye(len(boxes), dtype=bool)] < 0.3).all()
+    assert min(counts) == 1 and max(counts) == 6 and 3 < np.mean(counts) < 4
+    assert min(heights) >= 10 and max(heights) <= 50 and np.median(heights) < 30  # many small digits
+    labels = np.concatenate([row["objects"]["category"] for row in data.eval])
+    assert np.bincount(labels, minlength=10).min() > 60  # every digit, roughly balanced
+
+
+def test_builtin_generation_is_fast_and_cached(builtin, cache):
+    # About 8 s on 2 idle cores (half rendering, half PNG encoding); room for a loaded machine.
+    assert builtin.seconds < 40, f"generation took {builtin.seconds:.1f} s"
+    start = time.perf_counter()
+    assert detection.digits_det_folder() == builtin.folder
+    data = load_detection("digits_det")
+    assert time.perf_counter() - start < 5 and list(data.eval["objects"]) == list(builtin.data.eval["objects"])
+
+
+def test_builtin_is_deterministic_and_splits_draw_from_disjoint_digits(builtin):
+    source = digits_dataset()
+    glyphs = {split: np.stack([np.asarray(image) for image in source[split]["image"]]) for split in ("train", "test")}
+    assert np.array_equal(builtin.rendered["train"], glyphs["train"])  # train scenes: train digits only
+    assert np.array_equal(builtin.rendered["val"], glyphs["test"])  # val scenes: test digits only
+    # A fresh rendering of the first val scenes equals the cached PNGs (lossless) and annotations.
+    labels = np.asarray(source["test"]["label"])
+    images, boxes, classes = detection.render_scenes(glyphs["test"], labels, 12, 0, "val")
+    for i, row in enumerate(builtin.data.eval.select(range(12))):
+        assert np.array_equal(np.asarray(decode_image(row["image"], "")), images[i])
+        assert row["objects"]["bbox"] == boxes[i].tolist() and row["objects"]["category"] == classes[i].tolist()
+    other = detection.render_scenes(glyphs["test"], labels, 12, 1, "val")[0]
+    assert not np.array_equal(other, images)
+
+
+def test_builtin_boxes_are_tight_around_the_digits():
+    """Every edge row and column of a box crosses the digit, and just outside the box there is at
+    most the digit's faint antialiased rim (pixels under INK coverage). Differences are taken from
+    the digit-free background, relative to the digit's full contrast (``peak``)."""
+    source = digits_dataset()["test"]
+    glyphs = np.pad(np.stack([np.asarray(image) for image in source["image"]]), ((0, 0), (1, 1), (1, 1)))
+    labels = np.asarray(source["label"])
+    for i in range(60):
+        image, boxes, _, background = detection._scene(np.random.default_rng([0, 1, i]), glyphs, labels)
+        diff = np.abs(image.astype(np.float32) - background).max(-1)  # (S, S), grey levels
+        for x0, y0, x1, y1 in boxes:
+            inside = diff[y0:y1, x0:x1]
+            peak = np.percentile(inside, 95)
+            assert peak > 80  # the digit stands out
+            for edge in (inside[0], inside[-1], inside[:, 0], inside[:, -1]):
+                assert edge.max() > 0.12 * peak
+            ring = np.zeros(diff.shape, bool)  # the pixels around the box, less the other digits' boxes
+            ring[max(y0 - 1, 0):y1 + 1, max(x0 - 1, 0):x1 + 1] = True
+            ring[y0:y1, x0:x1] = False
+            for b in boxes:
+                if b != (x0, y0, x1, y1):
+                    ring[b[1]:b[3], b[0]:b[2]] = False
+            if ring.any():
+                assert diff[ring].max() < 0.45 * peak and diff[ring].mean() < 15
+
+
+# --------------------------------------------------------------------------------------------
+# Sources: a COCO-json folder (two layouts) and a hub-schema dataset give the same rows
+# --------------------------------------------------------------------------------------------
+CLASSES = ["bird", "cat", "dog"]
+CATEGORY_IDS = [1, 3, 7]  # non-contiguous COCO ids: the class index is the id's rank
+
+
+def _scenes() -> dict[str, list[dict]]:
+    """Two small splits: image_id, pixels (h, w, 3), objects (COCO boxes, class index, area)."""
+    rng = np.random.default_rng(0)
+    splits = {}
+    for split, ids in (("train", [4, 5, 6]), ("val", [10, 11])):
+        rows = []
+        for image_id in ids:
+            w, h = int(rng.integers(30, 60)), int(rng.integers(30, 60))
+            count = 0 if image_id == 11 else 2  # an image without objects: a negative, kept
+            boxes = [[float(rng.integers(0, w // 2)), float(rng.integers(0, h // 2)), 10.5, 12.0] for _ in range(count)]
+            rows.append({"image_id": image_id, "pixels": rng.integers(0, 255, (h, w, 3), dtype=np.uint8),
+                         "bbox": boxes, "category": rng.integers(0, 3, count).tolist(), "area": [100.0] * count})
+        splits[split] = rows
+    return splits
+
+
+def _coco_json(rows: list[dict], extra: list[dict] = ()) -> dict:
+    annotations = [{"id": 100 * r["image_id"] + k, "image_id": r["image_id"], "bbox": box, "area": area,
+                    "category_id": CATEGORY_IDS[c], "iscrowd": 0}
+                   for r in rows for k, (box, c, area) in enumerate(zip(r["bbox"], r["category"], r["area"]))]
+    return {"images": [{"id": r["image_id"], "file_name": f"{r['image_id']}.png", "width": r["pixels"].shape[1],
+                        "height": r["pixels"].shape[0]} for r in rows],
+            "annotations": annotations + list(extra),
+            "categories": [{"id": i, "name": n} for i, n in sorted(zip([7, 1, 3], ["dog", "bird", "cat"]))]}
+
+
+def _write_coco(root: Path, layout: str, splits: dict[str, list[dict]]) -> Path:
+    for split, rows in splits.items():
+        if layout == "coco":  # annotations/instances_<split>.json, images in <split>/
+            folder, json_path = root / split, root / "annotations" / f"instances_{split}.json"
+        else:  # Roboflow: <split>/_annotations.coco.json beside the images, 'valid' for val
+            folder = root / ("valid" if split == "val" else split)
+            json_path = folder / "_annotations.coco.json"
+        folder.mkdir(parents=True, exist_ok=True)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        for r in rows:
+            Image.fromarray(r["pixels"]).save(folder / f"{r['image_id']}.png")
+        json_path.write_text(json.dumps(_coco_json(rows)))
+    return root
+
+
+def _hub_dataset(splits: dict[str, list[dict]]):
+    """The cppe-5 schema: image_id, image, width, height, objects{id, area, bbox, category: ClassLabel}."""
+    import datasets
+
+    features = datasets.Features({
+        "image_id": datasets.Value("int64"), "image": datasets.Image(),
+        "width": datasets.Value("int32"), "height": datasets.Value("int32"),
+        "objects": {"id": datasets.Sequence(datasets.Value("int64")), "area": datasets.Sequence(datasets.Value("float64")),
+                    "bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float32"), length=4)),
+                    "category": datasets.Sequence(datasets.ClassLabel(names=CLASSES))},
+    })
+    out = {}
+    for split, rows in splits.items():
+        out["validation" if split == "val" else split] = datasets.Dataset.from_dict({
+            "image_id": [r["image_id"] for r in rows], "image": [Image.fromarray(r["pixels"]) for r in rows],
+            "width": [r["pixels"].shape[1] for r in rows], "height": [r["pixels"].shape[0] for r in rows],
+            "objects": [{"id": list(range(len(r["bbox"]))), "area": r["area"], "bbox": r["bbox"],
+                         "category": r["category"]} for r in rows]}, features=features)
+    return datasets.DatasetDict(out)
+
+
+def _rows(ds) -> list[tuple]:
+    return [(r["image_id"], r["width"], r["height"], r["objects"], np.asarray(decode_image(r["image"], "")).tobytes())
+            for r in ds]
+
+
+def test_coco_folders_and_hub_dataset_load_to_the_same_rows(tmp_path):
+    splits = _scenes()
+    hub = _hub_dataset(splits)
+    hub.save_to_disk(str(tmp_path / "saved"))
+    repo = tmp_path / "repo" / "data"  # a local copy of a hub repository: parquet files
+    repo.mkdir(parents=True)
+    for split, ds in hub.items():
+        ds.to_parquet(str(repo / f"{split}-00000-of-00001.parquet"))
+    sources = {"coco": _write_coco(tmp_path / "coco", "coco", splits),
+               "roboflow": _write_coco(tmp_path / "roboflow", "roboflow", splits),
+               "saved": tmp_path / "saved", "repo": tmp_path / "repo"}
+    loaded = {name: load_detection(str(path)) for name, path in sources.items()}
+    expected = [(r["image_id"], r["pixels"].shape[1], r["pixels"].shape[0],
+                 {"bbox": r["bbox"], "category": r["category"], "area": r["area"], "iscrowd": [0] * len(r["bbox"])},
+                 r["pixels"].tobytes()) for r in splits["train"]]
+    for name, data in loaded.items():
+        assert data.classes == CLASSES, name
+        assert data.train.features == detection.features() == data.eval.features, name
+        assert _rows(data.train) == expected, name  # eval split found: validation, val or valid
+        assert _rows(data.eval) == _rows(loaded["coco"].eval), name
+    assert list(loaded["coco"].eval["image_id"]) == [10, 11]
+
+
+def test_crowd_regions_are_kept_for_evaluation_but_never_targets(tmp_path):
+    splits = _scenes()
+    crowd = {"id": 999, "image_id": 4, "bbox": [1.0, 1.0, 20.0, 20.0], "area": 300.0, "category_id": 3, "iscrowd": 1}
+    _write_coco(tmp_path, "coco", splits)
+    (tmp_path / "annotations" / "instances_train.json").write_text(json.dumps(_coco_json(splits["train"], [crowd])))
+    data = load_detection(str(tmp_path))
+    row = data.train[0]
+    assert row["objects"]["iscrowd"] == [0, 0, 1] and row["objects"]["area"][2] == 300.0
+    _, target = DetectionDataset(data.train, detection_transforms(False, 64))[0]
+    assert len(target["boxes"]) == 2 and target["dropped"] == 0
+
+
+def test_eval_split_carved_when_missing(tmp_path):
+    splits = _scenes()
+    _write_coco(tmp_path, "coco", {"train": splits["train"] + splits["val"]})
+    data = load_detection(str(tmp_path), eval_fraction=0.4, seed=1)
+    assert len(data.train) == 3 and len(data.eval) == 2
+    assert sorted([*data.train["image_id"], *data.eval["image_id"]]) == [4, 5, 6, 10, 11]
+
+
+def test_bad_input_is_one_clear_error(tmp_path):
+    with pytest.raises(UserError, match="detection dataset 'no_such_detection_set' could not be loaded"):
+        load_detection("no_such_detection_set")
+    splits = _scenes()
+    coco = _write_coco(tmp_path / "coco", "coco", splits)
+    (coco / "annotations" / "instances_train.json").unlink()  # annotations missing for the training split
+    with pytest.raises(UserError, match=r"COCO folder .* has no split 'train'; it has \['val'\]"):
+        load_detection(str(coco))
+    with pytest.raises(UserError, match=r"has no split 'test'"):
+        load_detection(str(coco), train_split="val", eval_split="test")
+    images_only = tmp_path / "images_only" / "train"  # images, no annotation json at all
+    images_only.mkdir(parents=True)
+    Image.fromarray(splits["train"][0]["pixels"]).save(images_only / "a.png")
+    with pytest.raises(UserError, match="has no 'objects' column.*COCO-json folder"):
+        load_detection(str(images_only.parent))
+    empty = _write_coco(tmp_path / "empty", "coco", {"train": splits["train"], "val": []})
+    with pytest.raises(UserError, match="the evaluation split of .* is empty"):
+        load_detection(str(empty))
+    unknown = _write_coco(tmp_path / "unknown", "coco", splits)
+    extra = {"id": 1, "image_id": 4, "bbox": [0, 0, 1, 1], "category_id": 2, "iscrowd": 0}
+    (unknown / "annotations" / "instances_train.json").write_text(json.dumps(_coco_json(splits["train"], [extra])))
+    with pytest.raises(UserError, match="category_id 2, which is not in its 'categories'"):
+        load_detection(str(unknown))
+    with pytest.raises(UserError, match=r"cannot read image '.*broken\.png'"):
+        bad = tmp_path / "broken.png"
+        bad.write_bytes(b"not a png")
+        DetectionDataset(_dataset([{"path": str(bad), "bytes": None}], [[]]), detection_transforms(False, 32))[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Transforms, dataset, collate
+# --------------------------------------------------------------------------------------------
+def _dataset(images: list, boxes: list[list], categories: list[list] | None = None, crowd: list[list] | None = None):
+    """A normalised dataset from images (PIL or datasets.Image values) and per-image COCO boxes."""
+    import datasets
+
+    def value(image):
+        if isinstance(image, dict):
+            return image
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return {"bytes": buffer.getvalue(), "path": None}
+
+    sizes = [image.size if isinstance(image, Image.Image) else (8, 8) for image in images]
+    return datasets.Dataset.from_dict({
+        "image": [value(image) for image in images], "image_id": list(range(1, len(images) + 1)),
+        "width": [w for w, _ in sizes], "height": [h for _, h in sizes],
+        "objects": [{"bbox": b, "category": (categories or [[0] * len(b) for b in boxes])[i],
+                     "area": [x[2] * x[3] for x in b], "iscrowd": (crowd or [[0] * len(b) for b in boxes])[i]}
+                    for i, b in enumerate(boxes)],
+    }, features=detection.features())
+
+
+def _bright_rectangle(width=80, height=60, box=(20, 10, 25, 20)) -> Image.Image:
+    pixels = np.full((height, width, 3), 30, np.uint8)
+    x, y, w, h = box
+    pixels[y:y + h, x:x + w] = 230
+    return Image.fromarray(pixels)
+
+
+def _unnormalise(image: torch.Tensor) -> torch.Tensor:
+    mean, std = torch.tensor(detection.IMAGENET_MEAN)[:, None, None], torch.tensor(detection.IMAGENET_STD)[:, None, None]
+    return image * std + mean
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_boxes_follow_the_pixels(train):
+    ds = DetectionDataset(_dataset([_bright_rectangle()], [[[20.0, 10.0, 25.0, 20.0]]]),
+                          detection_transforms(train, 64, color_jitter=False), seed=0)
+    kept = 0
+    for epoch in range(40 if train else 1):
+        image, target = ds[(epoch, 0)]
+        assert image.shape == (3, 64, 64) and image.dtype == torch.float32
+        assert target["boxes"].format.value == "XYXY" and target["boxes"].dtype == torch.float32
+        assert target["boxes"].canvas_size == (64, 64) and target["orig_size"] == (60, 80)
+        bright = _unnormalise(image).mean(0) > 0.5  # (64, 64)
+        if len(target["boxes"]) == 0:  # dropped: mostly cropped away
+            assert target["dropped"] == 1 and bright.sum() < 400  # under half of the 25x20 rectangle at scale <= 1.2
+            continue
+        kept += 1
+        x0, y0, x1, y1 = target["boxes"][0].tolist()
+        ys, xs = torch.nonzero(bright, as_tuple=True)
+        # bright pixels lie inside the box (1 px of resampling blur), and fill it
+        assert xs.min() >= x0 - 1 and xs.max() <= x1 and ys.min() >= y0 - 1 and ys.max() <= y1
+        inner = bright[int(y0) + 1:int(y1) - 1, int(x0) + 1:int(x1) - 1]
+        assert inner.float().mean() > 0.9
+        h, w = target["size"]
+        assert (image[:, h:] == 0).all() and (image[:, :, w:] == 0).all()  # padding: right and bottom only
+    assert kept >= (30 if train else 1)
+
+
+def test_degenerate_boxes_are_dropped_and_counted():
+    boxes = [[10.0, 10.0, 20.0, 15.0],  # kept
+             [30.0, 10.0, 0.0, 10.0],  # zero width
+             [100.0, 100.0, 5.0, 5.0],  # outside the 80x60 image
+             [40.0, 40.0, 0.5, 0.5],  # under 1 px
+             [5.0, 5.0, 30.0, 30.0]]  # crowd: not a target, not counted as dropped
+    ds = DetectionDataset(_dataset([_bright_rectangle()], [boxes], [[0, 1, 2, 1, 2]], [[0, 0, 0, 0, 1]]),
+                          detection_transforms(False, 80))
+    _, target = ds[0]
+    assert target["boxes"].tolist() == [[10.0, 10.0, 30.0, 25.0]] and target["labels"].tolist() == [0]
+    assert target["dropped"] == 3
+    negative = DetectionDataset(_dataset([_bright_rectangle()], [[]]), detection_transforms(True, 64))
+    for epoch in range(5):  # an image without objects is a negative: it passes every transform
+        _, target = negative[(epoch, 0)]
+        assert target["boxes"].shape == (0, 4) and target["labels"].shape == (0,) and target["dropped"] == 0
+
+
+def test_same_epoch_and_index_same_sample(builtin):
+    ds = DetectionDataset(builtin.data.train.select(range(8)), detection_transforms(True, 96), seed=3)
+    a, b, c = ds[(2, 5)], ds[(2, 5)], ds[(3, 5)]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1]["boxes"], b[1]["boxes"])
+    assert not torch.equal(a[0], c[0])
+    assert torch.equal(ds[5][0], ds[(0, 5)][0])  # a plain index is epoch 0
+    state = torch.random.get_rng_state()
+    ds[(1, 1)]
+    assert torch.equal(state, torch.random.get_rng_state())  # the caller's stream is untouched
+
+
+def test_workers_give_the_same_batches(builtin):
+    ds = DetectionDataset(builtin.data.train.select(range(8)), detection_transforms(True, 96), seed=0)
+    batches = [[(1, i) for i in range(4)], [(1, i) for i in range(4, 8)]]
+    results = [list(torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=collate, num_workers=n))
+               for n in (0, 2)]
+    for (x0, m0, t0), (x1, m1, t1) in zip(*results):
+        assert torch.equal(x0, x1) and torch.equal(m0, m1)
+        assert all(torch.equal(a["boxes"], b["boxes"]) and a["image_id"] == b["image_id"] for a, b in zip(t0, t1))
+
+
+def test_rescale_boxes_undoes_the_eval_transform():
+    ds = DetectionDataset(_dataset([_bright_rectangle(80, 60)], [[[20.0, 10.0, 25.0, 20.0]]]),
+                          detection_transforms(False, 64))
+    _, target = ds[0]
+    assert target["size"] == (48, 64)  # longest side 64, aspect kept; then padded to 64 x 64
+    original = rescale_boxes(target["boxes"], target["size"], target["orig_size"])
+    assert torch.allclose(original, torch.tensor([[20.0, 10.0, 45.0, 30.0]]), atol=1e-4)
+
+
+def test_collate_pads_bottom_right_and_masks_padding():
+    a, b = torch.ones(3, 5, 7), 2 * torch.ones(3, 6, 4)
+    images, mask, targets = collate([(a, {"size": (5, 6), "image_id": 1}), (b, {"image_id": 2})])
+    assert images.shape == (2, 3, 6, 7) and mask.shape == (2, 6, 7) and [t["image_id"] for t in targets] == [1, 2]
+    assert torch.equal(images[0, :, :5], a) and (images[0, :, 5:] == 0).all()
+    assert torch.equal(images[1, :, :, :4], b) and (images[1, :, :, 4:] == 0).all()
+    expected = torch.ones(2, 6, 7, dtype=torch.bool)
+    expected[0, :5, :6] = False  # the transform's own padding (column 6) counts as padding too
+    expected[1, :6, :4] = False
+    assert torch.equal(mask, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# COCO evaluation
+# --------------------------------------------------------------------------------------------
+def _predictions(ds, seed: int = 0) -> list[dict]:
+    """Random-ish detections: jittered ground truth (some relabelled, some missed) plus false positives."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for row in ds:
+        gt = _xyxy(row["objects"]["bbox"])
+        keep = rng.random(len(gt)) > 0.15
+        boxes = gt[keep] + rng.normal(0, 2.0, (int(keep.sum()), 4))
+        labels = np.asarray(row["objects"]["category"])[keep]
+        labels = np.where(rng.random(len(labels)) < 0.1, rng.integers(0, 10, len(labels)), labels)
+        extra = int(rng.integers(0, 4))
+        corner = rng.uniform(0, 70, (extra, 2))
+        boxes = np.concatenate([boxes, np.concatenate([corner, corner + rng.uniform(8, 30, (extra, 2))], 1)])
+        labels = np.concatenate([labels, rng.integers(0, 10, extra)])
+        out.append({"image_id": row["image_id"], "boxes": torch.tensor(boxes, dtype=torch.float32),
+                    "scores": torch.tensor(rng.random(len(boxes)), dtype=torch.float32),
+                    "labels": torch.tensor(labels, dtype=torch.int64)})
+    return out
+
+
+def _pycocotools(gt_json: dict, predictions: list[dict]) -> list[float]:
+    """pycocotools run directly: COCO, loadRes, COCOeval on the same json."""
+    import contextlib
+
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    results = []
+    for p in predictions:
+        b = p["boxes"].double()
+        for (x0, y0, x1, y1), s, c in zip(b.tolist(), p["scores"].double().tolist(), p["labels"].tolist()):
+            results.append({"image_id": p["image_id"], "bbox": [x0, y0, x1 - x0, y1 - y0], "score": s, "category_id": c})
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO()
+        gt.dataset = gt_json
+        gt.createIndex()
+        evaluation = COCOeval(gt, gt.loadRes(results), iouType="bbox")
+        evaluation.evaluate()
+        evaluation.accumulate()
+        evaluation.summarize()
+    return evaluation.stats[:6].tolist()
+
+
+@pytest.fixture(scope="module")
+def val_subset(builtin):
+    ds = builtin.data.eval.select(range(120))
+    gt = json.loads((builtin.folder / "annotations" / "instances_val.json").read_text())
+    ids = set(ds["image_id"])
+    gt = {"images": [i for i in gt["images"] if i["id"] in ids], "categories": gt["categories"],
+          "annotations": [a for a in gt["annotations"] if a["image_id"] in ids]}
+    return SimpleNamespace(ds=ds, gt=gt, predictions=_predictions(ds))
+
+
+def _evaluate(ds, batches: list[list[dict]], classes=None) -> dict[str, float]:
+    evaluator = CocoEvaluator(ds, classes)
+    for batch in batches:
+        evaluator.update(batch)
+    return evaluator.compute()
+
+
+def test_evaluator_equals_pycocotools_whatever_the_batching(val_subset):
+    ds, predictions = val_subset.ds, val_subset.predictions
+    metrics = _evaluate(ds, [predictions])
+    assert list(metrics) == ["map", "map_50", "map_75", "map_small", "map_medium", "map_large"]
+    assert list(metrics.values()) == _pycocotools(val_subset.gt, predictions)  # all six, exactly
+    assert 0.2 < metrics["map_50"] < 0.95 and metrics["map_large"] == -1  # no large digits in 96 px scenes
+    shuffled = [predictions[i] for i in np.random.default_rng(1).permutation(len(predictions))]
+    padded = predictions + predictions[:5]  # Accelerate repeats the first samples to fill the last batch
+    for batches in ([[p] for p in predictions], [shuffled[i:i + 4] for i in range(0, len(shuffled), 4)],
+                    [padded[i:i + 7] for i in range(0, len(padded), 7)]):
+        assert _evaluate(ds, batches) == metrics
+
+
+def test_evaluator_perfect_and_empty_predictions(val_subset):
+    perfect = [{"image_id": row["image_id"], "boxes": torch.tensor(_xyxy(row["objects"]["bbox"])),
+                "scores": torch.ones(len(row["objects"]["bbox"])), "labels": torch.tensor(row["objects"]["category"])}
+               for row in val_subset.ds]
+    metrics = _evaluate(val_subset.ds, [perfect], [str(i) for i in range(10)])
+    assert metrics == {"map": 1.0, "map_50": 1.0, "map_75": 1.0, "map_small": 1.0, "map_medium": 1.0, "map_large": -1.0}
+    evaluator = CocoEvaluator(val_subset.ds)
+    assert evaluator.compute() == {**{k: 0.0 for k in metrics}, "map_large": -1.0}  # -1: no large ground truth
+    evaluator.update(perfect)
+    evaluator.reset()
+    assert evaluator.compute()["map"] == 0.0
+    with pytest.raises(ValueError, match="image_id 123456"):
+        evaluator.update([{**perfect[0], "image_id": 123456}])
+
+
+def test_evaluator_treats_crowd_and_area_as_coco_does(tmp_path):
+    splits = _scenes()
+    crowd = {"id": 999, "image_id": 10, "bbox": [1.0, 1.0, 20.0, 20.0], "area": 50.0, "category_id": 3, "iscrowd": 1}
+    _write_coco(tmp_path, "coco", splits)
+    gt_json = _coco_json(splits["val"], [crowd])
+    gt_json["annotations"][0]["area"] = 2000.0  # a mask area, not w * h: makes this 10.5 x 12 box "medium"
+    (tmp_path / "annotations" / "instances_val.json").write_text(json.dumps(gt_json))
+    data = load_detection(str(tmp_path))
+    rows = {r["image_id"]: r for r in data.eval}
+    gt = _xyxy(rows[10]["objects"]["bbox"])
+    predictions = [{"image_id": 10, "boxes": torch.tensor(np.concatenate([gt[:2] + 0.5, [[1, 1, 21, 21], [2, 2, 20, 19]]])),
+                    "scores": torch.tensor([0.9, 0.6, 0.8, 0.7]), "labels": torch.tensor(rows[10]["objects"]["category"][:2] + [1, 1])},
+                   {"image_id": 11, "boxes": torch.tensor([[3.0, 3.0, 12.0, 15.0]]), "scores": torch.tensor([0.95]),
+                    "labels": torch.tensor([0])}]
+    # pycocotools on the original json, with its COCO category ids
+    direct = [{**p, "labels": torch.tensor([CATEGORY_IDS[int(c)] for c in p["labels"]])} for p in predictions]
+    assert list(_evaluate(data.eval, [predictions], data.classes).values()) == _pycocotools(gt_json, direct)
+
+
+_TWO_PROCESS_SCRIPT = """
+import json, sys
+import torch
+from accelerate import Accelerator
+from common.detection import CocoEvaluator, load_detection
+
+accelerator = Accelerator(cpu=True)
+data = load_detection("digits_det")
+evaluator = CocoEvaluator(data.eval.select(range(120)), data.classes)
+shard = json.loads(open(sys.argv[1]).read())[accelerator.process_index]
+for start in range(0, len(shard), 3):
+    evaluator.update([{"image_id": p["image_id"], "boxes": torch.tensor(p["boxes"]), "scores": torch.tensor(p["scores"]),
+                       "labels": torch.tensor(p["labels"])} for p in shard[start:start + 3]])
+metrics = evaluator.compute(accelerator)
+with open(sys.argv[2] + f"/{accelerator.process_index}.json", "w") as f:
+    json.dump(metrics, f)
+accelerator.end_training()
+"""
+
+
+def test_two_processes_give_the_one_process_metrics(val_subset, cache, tmp_path):
+    if not torch.distributed.is_gloo_available():
+        pytest.skip("gloo backend not available")
+    plain = [{"image_id": p["image_id"], "boxes": p["boxes"].tolist(), "scores": p["scores"].tolist(),
+              "labels": p["labels"].tolist()} for p in val_subset.predictions]
+    # Uneven shards; rank 1 ends with a repeat of the first image, as Accelerate pads the last batch.
+    shards = [plain[:70], plain[70:] + plain[:1]]
+    (tmp_path / "predictions.json").write_text(json.dumps(shards))
+    (tmp_path / "script.py").write_text(_TWO_PROCESS_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               str(tmp_path / "script.py"), str(tmp_path / "predictions.json"), str(tmp_path)]
+    proc = subprocess.run(command, cwd=ROOT, env=recipe_env(2, PYTHONPATH=str(ROOT), CV_RECIPES_CACHE=str(cache)),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = _evaluate(val_subset.ds, [val_subset.predictions])
+    for rank in (0, 1):  # every process gets the same numbers
+        assert json.loads((tmp_path / f"{rank}.json").read_text()) == expected
+
+
+# --------------------------------------------------------------------------------------------
+# Drawing and anchors
+# --------------------------------------------------------------------------------------------
+def test_draw_detections_and_wandb_boxes():
+    image = _bright_rectangle(80, 60)
+    gt, labels = torch.tensor([[20.0, 10.0, 45.0, 30.0]]), torch.tensor([1])
+    pred, pred_labels, scores = torch.tensor([[21.0, 11.0, 44.0, 29.0], [0.0, 0.0, 5.0, 5.0]]), torch.tensor([1, 2]), torch.tensor([0.9, 0.1])
+    drawn = draw_detections(image, gt, labels, pred, pred_labels, scores, CLASSES)
+    assert drawn.size == (80 * 5, 60 * 5)  # enlarged 5x: shorter side at least 256
+    pixels = np.asarray(drawn).reshape(-1, 3)
+    assert ((pixels == [0, 255, 0]).all(1)).any() and ((pixels == [255, 0, 0]).all(1)).any()
+    same = draw_detections(torch.from_numpy(np.array(image)).permute(2, 0, 1), gt, labels, pred, pred_labels,
+                           scores, CLASSES, min_size=1)
+    assert same.size == (80, 60)
+    boxes = wandb_boxes(gt, labels, pred, pred_labels, scores, CLASSES)
+    assert boxes["ground_truth"]["class_labels"] == {0: "bird", 1: "cat", 2: "dog"}
+    assert boxes["ground_truth"]["box_data"][0]["position"] == {"minX": 20.0, "minY": 10.0, "maxX": 45.0, "maxY": 30.0}
+    assert len(boxes["predictions"]["box_data"]) == 1  # the 0.1 score is under the threshold
+    assert boxes["predictions"]["box_data"][0]["scores"] == {"score": pytest.approx(0.9)}
+
+
+def test_kmeans_anchors_find_the_clusters():
+    rng = np.random.default_rng(0)
+    centres = np.array([[10.0, 12.0], [40.0, 20.0], [60.0, 90.0]])
+    wh = np.concatenate([c * rng.uniform(0.9, 1.1, (200, 2)) for c in centres])
+    anchors = kmeans_anchors(wh, 3, seed=0)
+    assert anchors.shape == (3, 2) and np.allclose(anchors, centres, rtol=0.05)  # sorted by area
+    assert np.array_equal(anchors, kmeans_anchors(wh, 3, seed=0))
+    with pytest.raises(UserError, match="too few for 3 anchors"):
+        kmeans_anchors(wh[:2], 3)
