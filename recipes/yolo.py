@@ -1,0 +1,671 @@
+"""YOLOv3-style single-stage detection with any timm backbone, on HuggingFace Accelerate.
+
+A timm ``features_only`` backbone feeds a YOLOv3 feature pyramid (top-down, upsample + concat)
+that predicts, at strides 8, 16 and 32, three anchors per cell: box centre offsets, log box sizes
+relative to the anchor, objectness and per-class scores. Each ground-truth box is assigned to the
+one anchor (of all nine) whose shape fits it best, in the cell that holds its centre; predictions
+that already overlap a ground truth (IoU > ``ignore_iou``) are not punished for objectness. The
+four losses are GluonCV's: objectness BCE, centre BCE, scale L1 and class BCE, box terms weighted
+by ``2 - w*h`` (box area over image area) so small boxes count more.
+
+Training as GluonCV trains YOLOv3: warmup then cosine (or step) learning rate per step, SGD with
+momentum or AdamW, no weight decay on biases and norms, model EMA, mosaic and mixup that switch
+off for the last epochs, multi-scale batches, gradient accumulation, fp16/bf16, clipping.
+Evaluation is COCO mAP (common/detection.py); the best weights by mAP are kept; the final model is
+exported with ``torch.export`` and to ONNX, and both are checked against the eager model.
+
+Launch (defaults = the built-in ``digits_det`` scenes, cs3darknet_s at 96 px):
+
+    accelerate launch recipes/yolo.py
+    accelerate launch --config_file configs/accelerate/multi_gpu_bf16.yaml recipes/yolo.py \\
+        --config configs/yolo/voc_darknet53.yaml
+
+Expected: see the README's recipe table for measured figures (mAP@0.5 on the held-out scenes).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
+    if (_root / "common" / "__init__.py").is_file():
+        if str(_root) not in sys.path:
+            sys.path.insert(0, str(_root))
+        break
+
+import json
+import random
+
+import numpy as np
+import safetensors.torch
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops import batched_nms, box_iou
+from tqdm.auto import tqdm
+
+from common import UserError
+from common.config import parse_config
+from common.data import eval_loader_for, sample_seed, train_loader_for
+from common.detection import (CocoEvaluator, DetectionDataset, collate, detection_transforms, draw_detections,
+                              kmeans_anchors, load_detection, rescale_boxes, wandb_boxes)
+from common.ema import ModelEma
+from common.meters import Meters, prefixed
+from common.run import Run, TrainState, cli_main, steps_total
+from common.schedules import schedule, set_group_values
+
+# YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they are at every input size.
+COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
+
+
+# ============================================================================================
+# Config (defaults: the built-in demo)
+# ============================================================================================
+@dataclass
+class Config:
+    config: str = ""  # the YAML file this run was read from (set by --config)
+    # data
+    data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
+    train_split: str = "train"
+    eval_split: str = ""  # empty: validation/val/valid/test
+    img_size: int = 96  # training (before multi-scale) and evaluation size, pixels; a multiple of 32
+    multiscale: list[int] = field(default_factory=list)  # e.g. [320, 352, ..., 608]: one drawn every multiscale_every steps
+    multiscale_every: int = 10
+    scale_range: list[float] = field(default_factory=lambda: [0.75, 1.25])  # random rescale before crop/pad
+    hflip: float = 0.0  # digits must not be mirrored; 0.5 for natural images
+    color_jitter: bool = True
+    mosaic: float = 0.5  # probability that a training image is a 4-image mosaic
+    mixup: float = 0.0  # probability that a training image is mixed with another (GluonCV: Beta(1.5, 1.5))
+    no_aug_epochs: int = 2  # mosaic and mixup are off for the last N epochs
+    num_workers: int = 2
+    # model
+    model: str = "cs3darknet_s"  # any timm model with features_only; darknet53 / cspdarknet53 at scale
+    model_kwargs: dict = field(default_factory=dict)
+    pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
+    neck_channels: int = 128  # widest neck level (YOLOv3: 512); the others are 1/2 and 1/4
+    anchors: list[list[float]] = field(default_factory=list)  # 9 x (w, h) px, small to large; empty: k-means on train boxes
+    ignore_iou: float = 0.7  # predictions overlapping a ground truth above this get no objectness loss
+    label_smoothing: bool = False  # GluonCV: class targets smoothed by min(1/C, 1/40)
+    # optimization
+    epochs: int = 30
+    max_steps: int = 0
+    batch_size: int = 32  # per process
+    grad_accum_steps: int = 1
+    opt: str = "adamw"  # adamw or sgd (momentum 0.9; GluonCV: lr 1e-3 per 64 images)
+    lr: float = 2e-3
+    min_lr: float = 1e-5
+    warmup_lr: float = 1e-5
+    warmup_epochs: float = 1.0
+    sched: str = "cosine"  # cosine or step
+    decay_milestones: list[int] = field(default_factory=list)  # epochs, for sched=step
+    decay_rate: float = 0.1
+    weight_decay: float = 5e-4
+    momentum: float = 0.9
+    clip_grad: float = 10.0  # global gradient norm (0: off)
+    ema_decay: float = 0.999
+    mixed_precision: str = ""  # no, fp16, bf16; empty: as `accelerate launch` says
+    compile: bool = False
+    # evaluation and export
+    conf_threshold: float = 0.01  # scores below are dropped before NMS
+    nms_iou: float = 0.45
+    max_detections: int = 100
+    plot_images: int = 4
+    export: bool = True  # torch.export (.pt2) and ONNX of the final model, each checked against eager
+    # run
+    output_dir: str = ""  # empty: runs/yolo/<config name>
+    seed: int = 0
+    log_every: int = 20
+    eval_every: int = 5  # epochs; also at the end
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    resume: str = ""
+    report_to: str = "wandb"
+
+
+# ============================================================================================
+# Data: the method's own augmentations (mosaic, mixup) on top of common/detection's transforms
+# ============================================================================================
+class YoloTrainSet(torch.utils.data.Dataset):
+    """Training samples, each a plain, a 4-image mosaic or a mixed-up image, decided by the
+    sample's own seeded random numbers, so resume and process count do not change a batch.
+
+    Every target gets per-box ``weights``: 1, or the mixup ratio of the image the box came from
+    (GluonCV weights the objectness and box losses of a mixed box by its ratio).
+    """
+
+    def __init__(self, base: DetectionDataset, size: int, mosaic: float, mixup: float, aug_epochs: int,
+                 seed: int) -> None:
+        self.base, self.size, self.mosaic, self.mixup, self.aug_epochs = base, size, mosaic, mixup, aug_epochs
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def _item(self, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        image, target = self.base[(epoch, index)]
+        self.dropped += target["dropped"]
+        boxes = target["boxes"].as_subclass(torch.Tensor).float()
+        return image, boxes, target["labels"], torch.ones(len(boxes))
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        self.dropped = 0  # degenerate or cut boxes of this sample (all its pieces), for the log
+        rng = random.Random(sample_seed(self.seed, epoch, index) + 1)  # a stream apart from the base transforms
+        image, boxes, labels, weights = self._item(epoch, index)
+        if epoch < self.aug_epochs and rng.random() < self.mosaic:
+            image, boxes, labels, weights = self._mosaic(epoch, [index] + [rng.randrange(len(self)) for _ in range(3)], rng)
+        if epoch < self.aug_epochs and rng.random() < self.mixup:
+            other = self._item(epoch, rng.randrange(len(self)))
+            ratio = float(np.random.default_rng(rng.randrange(2**32)).beta(1.5, 1.5))
+            image = ratio * image + (1 - ratio) * other[0]
+            boxes, labels = torch.cat([boxes, other[1]]), torch.cat([labels, other[2]])
+            weights = torch.cat([weights * ratio, other[3] * (1 - ratio)])
+        return image, {"boxes": boxes, "labels": labels, "weights": weights, "dropped": self.dropped}
+
+    def _mosaic(self, epoch: int, indices: list[int], rng: random.Random):
+        """Four images in the quadrants of a 2s x 2s canvas, then a random s x s window of it. Boxes
+        are clipped to the window; a box that keeps less than 40 % of its area is dropped (a digit cut
+        in half is no longer that digit)."""
+        s = self.size
+        canvas = torch.zeros(3, 2 * s, 2 * s)  # 0 = the mean colour after normalisation
+        all_boxes, all_labels, all_weights = [], [], []
+        for q, i in enumerate(indices):
+            image, boxes, labels, weights = self._item(epoch, i)
+            h, w = image.shape[-2:]
+            oy, ox = (q // 2) * s, (q % 2) * s
+            canvas[:, oy:oy + h, ox:ox + w] = image[:, :s, :s]
+            all_boxes.append(boxes + torch.tensor([ox, oy, ox, oy], dtype=boxes.dtype))
+            all_labels.append(labels)
+            all_weights.append(weights)
+        x0, y0 = rng.randrange(s // 2, s + 1), rng.randrange(s // 2, s + 1)  # the window always meets all four
+        x0, y0 = x0 - s // 2, y0 - s // 2
+        boxes, labels, weights = torch.cat(all_boxes), torch.cat(all_labels), torch.cat(all_weights)
+        area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+        boxes = (boxes - torch.tensor([x0, y0, x0, y0], dtype=boxes.dtype)).clamp(0, s)
+        kept = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]) >= 0.4 * area.clamp(min=1e-6)
+        kept &= (boxes[:, 2] - boxes[:, 0] >= 2) & (boxes[:, 3] - boxes[:, 1] >= 2)
+        self.dropped += int((~kept).sum())
+        return canvas[:, y0:y0 + s, x0:x0 + s].clone(), boxes[kept], labels[kept], weights[kept]
+
+
+def train_collate(batch):
+    """Images [B, 3, s, s] and dense targets: boxes [B, M, 4] (xyxy px), labels [B, M] and weights
+    [B, M], weight 0 marking padding, M the batch's largest box count (at least 1). Built in the
+    worker processes, so the training step never loops over images on the host."""
+    images = torch.stack([image for image, _ in batch])
+    m = max(1, max(len(t["boxes"]) for _, t in batch))
+    boxes, labels, weights = torch.zeros(len(batch), m, 4), torch.zeros(len(batch), m, dtype=torch.long), torch.zeros(len(batch), m)
+    for b, (_, t) in enumerate(batch):
+        n = len(t["boxes"])
+        boxes[b, :n], labels[b, :n], weights[b, :n] = t["boxes"], t["labels"], t["weights"]
+    dropped = torch.tensor(float(sum(t["dropped"] for _, t in batch)))
+    return images, {"boxes": boxes, "labels": labels, "weights": weights, "dropped": dropped}
+
+
+# ============================================================================================
+# Model: timm backbone -> YOLOv3 feature pyramid -> 3 scales x 3 anchors x (4 + 1 + C)
+# ============================================================================================
+def conv_bn(cin: int, cout: int, k: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout),
+                         nn.LeakyReLU(0.1, inplace=True))
+
+
+def yolo_block(cin: int, c: int) -> nn.Sequential:
+    """YOLOv3's five alternating 1x1 / 3x3 convolutions before each output."""
+    return nn.Sequential(conv_bn(cin, c, 1), conv_bn(c, 2 * c, 3), conv_bn(2 * c, c, 1), conv_bn(c, 2 * c, 3),
+                         conv_bn(2 * c, c, 1))
+
+
+class YOLOv3(nn.Module):
+    """``forward(images [B, 3, H, W]) -> raw [B, N, 5 + C]``, N = sum over the 3 levels (large stride
+    first) of H_l * W_l * 3, ordered (level, y, x, anchor); the 5 are (tx, ty, tw, th, objectness)."""
+
+    def __init__(self, backbone: nn.Module, num_classes: int, anchors: torch.Tensor, neck_channels: int) -> None:
+        super().__init__()
+        self.backbone, self.num_classes = backbone, num_classes
+        c3, c4, c5 = backbone.feature_info.channels()[-3:]
+        self.strides = backbone.feature_info.reduction()[-3:][::-1]  # [32, 16, 8]: the order of the outputs
+        c = [neck_channels, neck_channels // 2, neck_channels // 4]
+        self.register_buffer("anchors", anchors.float().view(3, 3, 2).flip(0).contiguous())  # large-stride level first
+        self.blocks = nn.ModuleList([yolo_block(c5, c[0]), yolo_block(c4 + c[1], c[1]), yolo_block(c3 + c[2], c[2])])
+        self.transitions = nn.ModuleList([conv_bn(c[0], c[1], 1), conv_bn(c[1], c[2], 1)])
+        self.outputs = nn.ModuleList([nn.Sequential(conv_bn(ci, 2 * ci, 3), nn.Conv2d(2 * ci, 3 * (5 + num_classes), 1))
+                                      for ci in c])
+        self._tables: dict[tuple, dict[str, torch.Tensor]] = {}  # see tables()
+        for out in self.outputs:  # start with objectness ~0.01 so the first steps are not all false positives
+            nn.init.constant_(out[-1].bias.view(3, 5 + num_classes)[:, 4], -4.6)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        c3, c4, c5 = self.backbone(images)[-3:]
+        route, outs = None, []
+        for level, feature in enumerate((c5, c4, c3)):
+            if route is not None:
+                route = F.interpolate(self.transitions[level - 1](route), size=feature.shape[-2:], mode="nearest")
+                feature = torch.cat([route, feature], dim=1)
+            route = self.blocks[level](feature)
+            out = self.outputs[level](route)  # [B, 3 * (5 + C), H, W]
+            b, _, h, w = out.shape
+            outs.append(out.view(b, 3, 5 + self.num_classes, h, w).permute(0, 3, 4, 1, 2).reshape(b, h * w * 3, -1))
+        return torch.cat(outs, dim=1)
+
+    def level_shapes(self, height: int, width: int) -> list[tuple[int, int]]:
+        """(H_l, W_l) of each output for an input of this size (host ints: no device sync)."""
+        return [(math.ceil(height / s), math.ceil(width / s)) for s in self.strides]
+
+    def tables(self, height: int, width: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Constant tensors for an input size, made once per size and device (multi-scale training
+        uses a few sizes), so a training step copies nothing from the host:
+        per prediction ``cells`` [N, 2] (cell corner x, y), ``strides`` [N, 1] px, ``anchors`` [N, 2] px;
+        per level ``level_offsets``, ``level_w``, ``level_h``, ``level_strides`` [3]."""
+        key = (height, width, str(device))
+        if key in self._tables and not torch.compiler.is_compiling():
+            return self._tables[key]
+        shapes = self.level_shapes(height, width)
+        cells, strides, anchors = [], [], []
+        for (h, w), s, a in zip(shapes, self.strides, self.anchors):
+            y, x = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+            cells.append(torch.stack([x, y], dim=-1).view(h * w, 1, 2).expand(h * w, 3, 2).reshape(-1, 2).float())
+            strides.append(torch.full((h * w * 3, 1), float(s), device=device))
+            anchors.append(a.view(1, 3, 2).expand(h * w, 3, 2).reshape(-1, 2))
+        offsets = np.cumsum([0] + [h * w * 3 for h, w in shapes])[:-1].tolist()
+        table = {"cells": torch.cat(cells), "strides": torch.cat(strides), "anchors": torch.cat(anchors),
+                 "level_offsets": torch.tensor(offsets, device=device),
+                 "level_w": torch.tensor([w for _, w in shapes], device=device),
+                 "level_h": torch.tensor([h for h, _ in shapes], device=device),
+                 "level_strides": torch.tensor(self.strides, dtype=torch.float32, device=device)}
+        if not torch.compiler.is_compiling():  # traced tensors must not outlive the trace
+            self._tables[key] = table
+        return table
+
+    def decode(self, raw: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """raw [B, N, 5 + C] -> boxes [B, N, 4] (xyxy px of the input) and scores [B, N, C]
+        (objectness x class probability)."""
+        t = self.tables(height, width, raw.device)
+        raw = raw.float()
+        xy = (raw[..., :2].sigmoid() + t["cells"]) * t["strides"]
+        wh = raw[..., 2:4].clamp(max=8.0).exp() * t["anchors"]  # clamp: exp must not overflow early in training
+        boxes = torch.cat([xy - wh / 2, xy + wh / 2], dim=-1)
+        return boxes, raw[..., 4:5].sigmoid() * raw[..., 5:].sigmoid()
+
+
+class Exported(nn.Module):
+    """What is exported: images -> (boxes [B, N, 4] px, scores [B, N, C]); NMS stays outside (see
+    ``postprocess``), so the graph has static shapes."""
+
+    def __init__(self, model: YOLOv3) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.decode(self.model(images), images.shape[-2], images.shape[-1])
+
+
+def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor) -> YOLOv3:
+    try:
+        backbone = timm.create_model(cfg.model, features_only=True, pretrained=cfg.pretrained, **cfg.model_kwargs)
+    except RuntimeError as e:
+        if "nknown model" in str(e):
+            raise UserError(f"unknown timm model '{cfg.model}'; see timm.list_models()") from None
+        raise
+    if len(backbone.feature_info.channels()) < 3:
+        raise UserError(f"model '{cfg.model}' gives fewer than 3 feature levels; YOLO needs strides 8, 16 and 32")
+    return YOLOv3(backbone, num_classes, anchors, cfg.neck_channels)
+
+
+# ============================================================================================
+# Loss: GluonCV's YOLOv3 target assignment and four losses
+# ============================================================================================
+def batch_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """IoU of xyxy boxes a [B, N, 4] and b [B, M, 4] -> [B, N, M] (torchvision's box_iou is 2-D only)."""
+    lt = torch.maximum(a[:, :, None, :2], b[:, None, :, :2])
+    rb = torch.minimum(a[:, :, None, 2:], b[:, None, :, 2:])
+    inter = (rb - lt).clamp(min=0).prod(-1)
+    area_a = (a[..., 2:] - a[..., :2]).clamp(min=0).prod(-1)
+    area_b = (b[..., 2:] - b[..., :2]).clamp(min=0).prod(-1)
+    return inter / (area_a[:, :, None] + area_b[:, None, :] - inter).clamp(min=1e-9)
+
+
+@torch.no_grad()
+def assign_targets(model: YOLOv3, gt_boxes: torch.Tensor, gt_labels: torch.Tensor, gt_weights: torch.Tensor,
+                   height: int, width: int) -> dict[str, torch.Tensor]:
+    """Each ground truth -> the one anchor (of all 9) with the best shape IoU (both centred at 0),
+    in the cell of its level that holds its centre. Shapes: gt_* [B, M(, 4)], weight 0 = padding.
+
+    Returns dense targets over the N predictions: ``obj`` [B, N] (the box's mixup weight at assigned
+    anchors, else 0), ``center`` [B, N, 2] (offset in the cell, 0..1), ``scale`` [B, N, 2]
+    (log(size / anchor)), ``box_weight`` [B, N] (2 - w*h / (W*H)), ``cls`` [B, N] (class index).
+    When two boxes claim the same anchor of the same cell, one of them wins (as in GluonCV).
+    """
+    b, m = gt_labels.shape
+    n = sum(h * w * 3 for h, w in model.level_shapes(height, width))  # host ints
+    table = model.tables(height, width, gt_boxes.device)
+    all_anchors = model.anchors.view(9, 2)  # level-major (large stride first), 3 per level
+    wh = (gt_boxes[..., 2:] - gt_boxes[..., :2]).clamp(min=1.0)  # [B, M, 2]
+    centre = (gt_boxes[..., 2:] + gt_boxes[..., :2]) / 2
+    inter = torch.minimum(wh[..., None, :], all_anchors).prod(-1)  # [B, M, 9]
+    shape_iou = inter / (wh.prod(-1)[..., None] + all_anchors.prod(-1) - inter)
+    best = shape_iou.argmax(-1)  # [B, M]
+    level, k = best // 3, best % 3
+    strides = table["level_strides"][level]  # [B, M]
+    grid_w, grid_h = table["level_w"][level], table["level_h"][level]
+    cell = (centre / strides[..., None]).floor().long()
+    cx, cy = torch.minimum(cell[..., 0].clamp(min=0), grid_w - 1), torch.minimum(cell[..., 1].clamp(min=0), grid_h - 1)
+    index = table["level_offsets"][level] + (cy * grid_w + cx) * 3 + k
+    index = torch.where(gt_weights > 0, index, torch.full_like(index, n))  # padding -> a spare slot, dropped below
+    rows = torch.arange(b, device=gt_boxes.device)[:, None].expand(b, m)
+
+    def scatter(values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        out = torch.full((b, n + 1, *values.shape[2:]), fill, dtype=values.dtype, device=values.device)
+        out[rows, index] = values
+        return out[:, :n]
+
+    return {
+        "obj": scatter(gt_weights),
+        "center": scatter(centre / strides[..., None] - torch.stack([cx, cy], -1).float()),
+        "scale": scatter(torch.log(wh / all_anchors[best])),
+        "box_weight": scatter(2.0 - wh.prod(-1) / (height * width)),
+        "cls": scatter(gt_labels),
+    }
+
+
+def yolo_loss(model: YOLOv3, raw: torch.Tensor, targets: dict[str, torch.Tensor], height: int, width: int,
+              ignore_iou: float, label_smoothing: bool) -> dict[str, torch.Tensor]:
+    """The four YOLOv3 losses, each summed over predictions and averaged over images.
+
+    raw [B, N, 5 + C]; targets from the collate: boxes [B, M, 4], labels [B, M], weights [B, M].
+    """
+    t = assign_targets(model, targets["boxes"], targets["labels"], targets["weights"], height, width)
+    raw = raw.float()
+    batch = raw.shape[0]
+    positive = t["obj"] > 0  # [B, N]
+    with torch.no_grad():  # ignore: negatives whose predicted box already overlaps a ground truth well
+        boxes, _ = model.decode(raw.detach(), height, width)
+        iou = batch_iou(boxes, targets["boxes"]).masked_fill(targets["weights"][:, None, :] <= 0, 0.0)
+        ignored = (iou.amax(-1) > ignore_iou) & ~positive
+    obj_weight = torch.where(positive, t["obj"], (~ignored).float())
+    obj = F.binary_cross_entropy_with_logits(raw[..., 4], positive.float(), weight=obj_weight, reduction="sum")
+    box_w = (t["obj"] * t["box_weight"])[..., None]  # mixup ratio x (2 - wh) at positives, 0 elsewhere
+    center = F.binary_cross_entropy_with_logits(raw[..., :2], t["center"], weight=box_w.expand(-1, -1, 2), reduction="sum")
+    scale = (F.l1_loss(raw[..., 2:4], t["scale"], reduction="none") * box_w).sum()
+    num_classes = raw.shape[-1] - 5
+    cls_t = F.one_hot(t["cls"], num_classes).float()
+    if label_smoothing:
+        eps = min(1.0 / num_classes, 1.0 / 40)
+        cls_t = cls_t * (1 - eps) + (1 - cls_t) * eps
+    cls = F.binary_cross_entropy_with_logits(raw[..., 5:], cls_t, weight=t["obj"][..., None].expand_as(cls_t),
+                                             reduction="sum")
+    return {"obj": obj / batch, "center": center / batch, "scale": scale / batch, "cls": cls / batch}
+
+
+# ============================================================================================
+# Evaluation helpers: NMS post-processing
+# ============================================================================================
+@torch.no_grad()
+def postprocess(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: float, max_det: int) -> list[dict]:
+    """Per image: every (box, class) with score > conf, class-wise NMS, the top ``max_det``.
+    boxes [B, N, 4], scores [B, N, C] -> [{boxes [K, 4], scores [K], labels [K]}]."""
+    results = []
+    for bx, sc in zip(boxes, scores):
+        idx, cls = (sc > conf).nonzero(as_tuple=True)
+        s = sc[idx, cls]
+        top = s.topk(min(len(s), 10 * max_det)).indices  # bounded NMS cost early in training
+        idx, cls, s = idx[top], cls[top], s[top]
+        keep = batched_nms(bx[idx], s, cls, iou)[:max_det]
+        results.append({"boxes": bx[idx[keep]], "scores": s[keep], "labels": cls[keep]})
+    return results
+
+
+@torch.no_grad()
+def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config) -> dict[str, float]:
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    for images, _, targets in eval_loader:
+        with accelerator.autocast():
+            raw = model(images)
+        boxes, scores = unwrapped.decode(raw, images.shape[-2], images.shape[-1])
+        predictions = postprocess(boxes, scores, cfg.conf_threshold, cfg.nms_iou, cfg.max_detections)
+        for p, t in zip(predictions, targets):
+            p["boxes"] = rescale_boxes(p["boxes"], t["size"], t["orig_size"])
+            p["image_id"] = t["image_id"]
+        evaluator.update(predictions)
+    model.train()
+    return evaluator.compute(accelerator)
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], path: Path, cfg: Config, classes: list[str]) -> None:
+    """Safetensors with what is needed to rebuild the model in the metadata; written then renamed."""
+    tmp = path.with_suffix(".tmp")
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    meta = {"model": cfg.model, "model_kwargs": json.dumps(cfg.model_kwargs), "classes": json.dumps(classes),
+            "img_size": str(cfg.img_size), "neck_channels": str(cfg.neck_channels)}
+    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[str, float]:
+    """torch.export (model.pt2) and ONNX (model.onnx) of images -> (boxes, scores), each run on
+    ``images`` and compared with the eager model. Returns the largest absolute differences."""
+    wrapper = Exported(model).eval().cpu()
+    images = images.cpu().float()
+    with torch.no_grad():
+        expected = wrapper(images)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    program = torch.export.export(wrapper, (images,), dynamic_shapes={"images": {0: batch}})
+    torch.export.save(program, str(folder / "model.pt2"))
+    reloaded = torch.export.load(str(folder / "model.pt2")).module()
+    with torch.no_grad():
+        got = reloaded(images)
+    diffs = {"export/torch_export_max_abs_diff": max(float((g - e).abs().max()) for g, e in zip(got, expected))}
+    try:
+        import onnxruntime
+    except ImportError:
+        return diffs
+    # ONNX from the same exported program (torch.onnx's dynamo exporter; needs onnx and onnxscript)
+    torch.onnx.export(program, (images,), str(folder / "model.onnx"), input_names=["images"],
+                      output_names=["boxes", "scores"], dynamo=True, verbose=False)
+    session = onnxruntime.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"images": images.numpy()})
+    diffs["export/onnx_max_abs_diff"] = max(float(np.abs(g - e.numpy()).max()) for g, e in zip(got, expected))
+    return diffs
+
+
+# ============================================================================================
+# Training
+# ============================================================================================
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    cfg = parse_config(Config, argv)
+    if any(s % 32 for s in [cfg.img_size, *cfg.multiscale]):
+        raise UserError("img_size and every multiscale size must be multiples of 32 (the largest stride)")
+    if cfg.anchors and (len(cfg.anchors) != 9 or any(len(a) != 2 for a in cfg.anchors)):
+        raise UserError("anchors must be 9 [w, h] pairs in pixels, small to large (or empty: k-means)")
+    run = Run(cfg, "yolo")
+    accelerator = run.accelerator
+
+    # ---- data ------------------------------------------------------------------------------
+    with accelerator.main_process_first():
+        data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
+    num_classes = len(data.classes)
+    train_tf = detection_transforms(True, cfg.img_size, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip,
+                                    color_jitter=cfg.color_jitter)
+    train_set = YoloTrainSet(DetectionDataset(data.train, train_tf, cfg.seed), cfg.img_size, cfg.mosaic, cfg.mixup,
+                             cfg.epochs - cfg.no_aug_epochs, cfg.seed)
+    eval_set = DetectionDataset(data.eval, detection_transforms(False, cfg.img_size), cfg.seed)
+    train_loader, sampler = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
+                                             accelerator.num_processes, collate_fn=train_collate)
+    eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=collate)
+    evaluator = CocoEvaluator(data.eval)
+
+    # ---- model: anchors from the config, or k-means on the training boxes at img_size -----------
+    if cfg.anchors:
+        anchors = torch.tensor(cfg.anchors, dtype=torch.float32)
+    else:
+        wh = [(w * cfg.img_size / max(iw, ih), h * cfg.img_size / max(iw, ih))
+              for objects, iw, ih in zip(data.train["objects"], data.train["width"], data.train["height"])
+              for _, _, w, h in objects["bbox"]]
+        anchors = torch.tensor(kmeans_anchors(np.array(wh, dtype=np.float64), 9, seed=cfg.seed), dtype=torch.float32)
+        run.print("anchors (k-means on the training boxes, px at img_size): "
+                  + " ".join(f"{w:.0f}x{h:.0f}" for w, h in anchors.tolist()))
+    model = create_model(cfg, num_classes, anchors)
+    if accelerator.num_processes > 1 and accelerator.device.type == "cuda":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BN statistics over the global batch
+
+    # ---- optimizer and schedules (no weight decay on biases and norms) --------------------------
+    decay = [p for name, p in model.named_parameters() if p.ndim > 1]
+    no_decay = [p for name, p in model.named_parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = {"fused": True} if accelerator.device.type == "cuda" else {}
+    if cfg.opt == "adamw":
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **fused)
+    elif cfg.opt == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=False, **fused)
+    else:
+        raise UserError(f"opt must be adamw or sgd, got '{cfg.opt}'")
+    ema = ModelEma(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if ema is not None:
+        ema.module.to(accelerator.device)
+        accelerator.register_for_checkpointing(ema)
+    unwrapped = accelerator.unwrap_model(model)
+
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
+    total_steps = steps_total(cfg.epochs, lambda e: steps_per_epoch, cfg.max_steps)
+    lr_values = schedule(cfg.sched, cfg.lr, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_per_epoch),
+                         cfg.warmup_lr, [m * steps_per_epoch for m in cfg.decay_milestones], cfg.decay_rate)
+    sizes = cfg.multiscale or [cfg.img_size]
+
+    def plot(step: int, net: nn.Module) -> None:
+        """Ground truth (green) and predictions (red) on the first evaluation images, as one PNG."""
+        if cfg.plot_images <= 0 or not accelerator.is_main_process:
+            return
+        samples = [eval_set[i] for i in range(min(cfg.plot_images, len(eval_set)))]
+        images = torch.stack([image for image, _ in samples]).to(accelerator.device)
+        net.eval()
+        with torch.no_grad():
+            boxes, scores = unwrapped.decode(net(images), images.shape[-2], images.shape[-1])
+        net.train()
+        predictions = postprocess(boxes, scores, 0.3, cfg.nms_iou, cfg.max_detections)
+        pictures = [draw_detections(image.cpu(), t["boxes"], t["labels"], p["boxes"].cpu(), p["labels"].cpu(),
+                                    p["scores"].cpu(), data.classes) for (image, t), p in zip(samples, predictions)]
+        canvas = np.concatenate([np.asarray(p) for p in pictures], axis=1)
+        from PIL import Image
+        Image.fromarray(canvas).save(run.plots_dir / f"detections_step{step:08d}.png")
+        if cfg.report_to == "wandb":
+            import wandb
+
+            logged = [wandb.Image(np.asarray(picture), boxes=wandb_boxes(t["boxes"], t["labels"], p["boxes"].cpu(),
+                                  p["labels"].cpu(), p["scores"].cpu(), data.classes, image.shape[-2:]))
+                      for picture, (image, t), p in zip(pictures, samples, predictions)]
+            accelerator.get_tracker("wandb", unwrap=True).log({"detections": logged}, step=step)
+
+    # ---- resume --------------------------------------------------------------------------------
+    state = run.resume()
+    step, best = state.step, state.extra.get("best_map", -1.0)
+    meters = Meters(accelerator.device)
+    results: dict[str, float] = {}
+    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="yolo",
+                    dynamic_ncols=True)
+
+    # ---- training loop -------------------------------------------------------------------------
+    for epoch in range(state.epoch, cfg.epochs):
+        if step >= total_steps:
+            break
+        sampler.set_epoch(epoch)
+        model.train()
+        skip = state.batches_in_epoch if epoch == state.epoch else 0
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        epoch_done, stopping, batch_idx = True, False, skip - 1
+        tick = time.perf_counter()
+        for batch_idx, (images, targets) in enumerate(batches, start=skip):
+            meters.data_time(time.perf_counter() - tick)
+            # multi-scale: one size per `multiscale_every` steps, a function of (seed, step) only
+            size = sizes[random.Random(hash((cfg.seed, step // cfg.multiscale_every))).randrange(len(sizes))]
+            if size != images.shape[-1]:
+                images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+                targets = {**targets, "boxes": targets["boxes"] * (size / cfg.img_size)}
+            set_group_values(optimizer, "lr", float(lr_values[min(step, total_steps - 1)]))
+
+            with accelerator.accumulate(model):
+                with accelerator.autocast():
+                    raw = model(images)  # [B, N, 5 + C]
+                losses = yolo_loss(unwrapped, raw, targets, size, size, cfg.ignore_iou, cfg.label_smoothing)
+                loss = sum(losses.values())
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.clip_grad > 0:
+                    meters.update(grad_norm=accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            run.guard.observe(step + 1, {"loss": loss, **losses})
+            meters.update(n=len(images), loss=loss, **{f"loss_{k}": v for k, v in losses.items()})
+            meters.update(n=len(images), boxes_per_image=(targets["weights"] > 0).sum() / len(images),
+                          dropped_boxes_per_image=targets["dropped"] / len(images))
+            meters.images(len(images))
+            tick = time.perf_counter()
+            if not accelerator.sync_gradients:
+                continue
+
+            # -- one optimizer step done --
+            step += 1
+            meters.step()
+            progress.update(1)
+            if ema is not None:
+                ema.update(unwrapped, step)
+            if step % cfg.log_every == 0:
+                values = meters.summary(accelerator, steps_left=total_steps - step)
+                run.guard.check(accelerator, run.last_checkpoint)
+                run.log({**prefixed(values, "train"), "train/lr": float(lr_values[step - 1]), "epoch": epoch}, step)
+            last_batch = batch_idx + 1 == len(train_loader)
+            stopping = run.should_stop()
+            if stopping or (step % cfg.checkpoint_every == 0 and not last_batch):
+                run.save_checkpoint(TrainState(step, epoch, batch_idx + 1, {"best_map": best}))
+            if stopping or step >= total_steps:
+                epoch_done = last_batch
+                break
+        if stopping:
+            run.print(f"stopped by {run.stop_reason} at step {step}; checkpoint {run.last_checkpoint}; "
+                      "continue with --resume auto")
+            progress.close()
+            run.finish()
+            return results
+
+        # ---- evaluation and best weights (the EMA when there is one) -----------------------------
+        last_epoch = epoch + 1 == cfg.epochs or step >= total_steps
+        if (epoch + 1) % cfg.eval_every == 0 or last_epoch:
+            net = ema.module if ema is not None else model
+            results = {f"eval/{k}": v for k, v in evaluate(net, eval_loader, evaluator, accelerator, cfg).items()}
+            results["eval/best_map_50"] = best = max(best, results["eval/map_50"])
+            run.log({**results, "epoch": epoch}, step)
+            plot(step, net)
+            if results["eval/map_50"] >= best:
+                weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
+                if accelerator.is_main_process:
+                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes)
+        if epoch_done and (step % cfg.checkpoint_every == 0 or last_epoch):
+            run.save_checkpoint(TrainState(step, epoch + 1, 0, {"best_map": best}))
+        elif last_epoch:
+            run.save_checkpoint(TrainState(step, epoch, batch_idx + 1, {"best_map": best}))
+
+    # ---- saving and export ------------------------------------------------------------------------
+    progress.close()
+    final = ema.module if ema is not None else unwrapped
+    if accelerator.is_main_process:
+        save_weights(final.state_dict(), run.dir / "final.safetensors", cfg, data.classes)
+        if cfg.export:
+            images = torch.stack([eval_set[i][0] for i in range(min(2, len(eval_set)))])
+            diffs = export_and_check(final, images, run.dir)
+            run.log(diffs, step)
+            results.update(diffs)
+            if max(diffs.values()) > 1e-3:
+                raise RuntimeError(f"an exported model disagrees with the eager one: {diffs}")
+        run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {best:.3f}), weights and exports in {run.dir}")
+    run.finish()
+    return results
+
+
+if __name__ == "__main__":
+    cli_main(main)

@@ -1,0 +1,220 @@
+"""recipes/yolo.py: target assignment and losses against hand-computed cases, the method's own
+augmentations, and runs through the entry point (learning, export, resume)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from conftest import check, load_recipe, run_recipe
+
+yolo = load_recipe("yolo")
+
+# Anchors 4..64 px; neighbours differ by >= 1.2x in side, so a box that matches one anchor exactly
+# overlaps every other anchor shape with IoU < 0.7 (the ignore threshold).
+ANCHORS = torch.tensor([[4, 4], [8, 8], [12, 12], [16, 16], [20, 20], [24, 24], [32, 32], [48, 48], [64, 64]],
+                       dtype=torch.float32)
+
+
+def _model(num_classes: int = 10) -> yolo.YOLOv3:
+    torch.manual_seed(0)
+    cfg = yolo.parse_config(yolo.Config, ["--neck_channels", "32"])
+    return yolo.create_model(cfg, num_classes, ANCHORS).eval()
+
+
+def _bce(x: float, y: float) -> float:
+    return max(x, 0.0) - x * y + math.log1p(math.exp(-abs(x)))
+
+
+def test_levels_and_output_layout():
+    model = _model()
+    raw = model(torch.zeros(2, 3, 96, 64))
+    assert model.strides == [32, 16, 8]
+    assert model.level_shapes(96, 64) == [(3, 2), (6, 4), (12, 8)]
+    assert raw.shape == (2, (3 * 2 + 6 * 4 + 12 * 8) * 3, 5 + 10)
+
+
+def test_target_assignment_by_hand():
+    model = _model()
+    boxes = torch.tensor([[[10.0, 20.0, 26.0, 36.0], [0, 0, 0, 0]],  # 16x16 box; the second row is padding
+                          [[40.0, 40.0, 88.0, 88.0], [50.0, 10.0, 54.0, 14.0]]])  # 48x48 and 4x4
+    labels = torch.tensor([[3, 0], [7, 1]])
+    weights = torch.tensor([[1.0, 0.0], [1.0, 0.5]])  # 0.5: a box from a mixed-up image
+    t = yolo.assign_targets(model, boxes, labels, weights, 96, 96)
+    # Outputs are ordered level (stride 32, 16, 8), then y, x, anchor: level offsets 0, 27, 135.
+    # 16x16 -> anchor [16, 16] = stride-16 level, k 0; centre (18, 28) / 16 -> cell (1, 1), offset (.125, .75)
+    # 48x48 -> anchor [48, 48] = stride-32 level, k 1; centre (64, 64) / 32 -> cell (2, 2), offset (0, 0)
+    # 4x4   -> anchor [4, 4]   = stride-8 level, k 0;  centre (52, 12) / 8  -> cell (6, 1), offset (.5, .5)
+    expected = {(0, 27 + (1 * 6 + 1) * 3 + 0): (1.0, [0.125, 0.75], 2 - 256 / 9216, 3),
+                (1, 0 + (2 * 3 + 2) * 3 + 1): (1.0, [0.0, 0.0], 2 - 2304 / 9216, 7),
+                (1, 135 + (1 * 12 + 6) * 3 + 0): (0.5, [0.5, 0.5], 2 - 16 / 9216, 1)}
+    positives = {tuple(i) for i in (t["obj"] > 0).nonzero().tolist()}
+    assert positives == set(expected)
+    for (b, n), (obj, centre, box_weight, cls) in expected.items():
+        assert t["obj"][b, n] == pytest.approx(obj)
+        assert t["center"][b, n].tolist() == pytest.approx(centre)
+        assert t["scale"][b, n].tolist() == pytest.approx([0.0, 0.0], abs=1e-6)  # the box is its anchor's size
+        assert float(t["box_weight"][b, n]) == pytest.approx(box_weight)
+        assert int(t["cls"][b, n]) == cls
+    # A 64x32 box: best shape IoU with [48, 48] (1536 / 2816 = 0.55, [32, 32] gives 0.5); log-size targets.
+    t = yolo.assign_targets(model, torch.tensor([[[0.0, 0.0, 64.0, 32.0]]]), torch.tensor([[0]]),
+                            torch.tensor([[1.0]]), 96, 96)
+    n = int((t["obj"][0] > 0).nonzero())
+    assert t["scale"][0, n].tolist() == pytest.approx([math.log(64 / 48), math.log(32 / 48)], abs=1e-6)
+
+
+def test_each_loss_term_by_hand():
+    """All raw outputs 0 except the positive's class logits: every objectness term is BCE(0, .) = log 2,
+    the centre terms BCE(0, 0.5) = log 2, the scale term |0 - log(w / anchor)|, the class terms by hand."""
+    model = _model(num_classes=3)
+    n = sum(h * w * 3 for h, w in model.level_shapes(96, 96))
+    # One 16x16 box whose centre is the centre of its cell: the prediction with raw 0 is exactly the box.
+    box = torch.tensor([[[16.0, 16.0, 32.0, 32.0]]])  # centre (24, 24) = cell (1, 1) of stride 16, offset .5
+    targets = {"boxes": box, "labels": torch.tensor([[2]]), "weights": torch.tensor([[1.0]])}
+    raw = torch.zeros(1, n, 8)
+    index = 27 + (1 * 6 + 1) * 3 + 0
+    raw[0, index, 5:] = torch.tensor([-1.0, 0.5, 2.0])
+    losses = yolo.yolo_loss(model, raw, targets, 96, 96, ignore_iou=0.7, label_smoothing=False)
+    box_weight = 2 - 256 / 9216
+    assert float(losses["obj"]) == pytest.approx(n * math.log(2), rel=1e-5)  # no other prediction overlaps > 0.7
+    assert float(losses["center"]) == pytest.approx(2 * math.log(2) * box_weight, rel=1e-5)
+    assert float(losses["scale"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(losses["cls"]) == pytest.approx(_bce(-1.0, 0) + _bce(0.5, 0) + _bce(2.0, 1), rel=1e-5)
+
+    # Label smoothing (GluonCV): targets eps = min(1/C, 1/40) and 1 - eps.
+    smoothed = yolo.yolo_loss(model, raw, targets, 96, 96, ignore_iou=0.7, label_smoothing=True)
+    eps = 1 / 40
+    assert float(smoothed["cls"]) == pytest.approx(_bce(-1.0, eps) + _bce(0.5, eps) + _bce(2.0, 1 - eps), rel=1e-5)
+
+    # A 32x16 box: best anchor [24, 24] (IoU 384 / 704); scale loss |log(32/24)| + |log(16/24)|, x box weight.
+    wide = {**targets, "boxes": torch.tensor([[[8.0, 16.0, 40.0, 32.0]]])}
+    expected_scale = (abs(math.log(32 / 24)) + abs(math.log(16 / 24))) * (2 - 512 / 9216)
+    assert float(yolo.yolo_loss(model, torch.zeros(1, n, 8), wide, 96, 96, 0.7, False)["scale"]) == pytest.approx(
+        expected_scale, rel=1e-5)
+
+    # Ignore: a negative whose decoded box overlaps the ground truth above ignore_iou gets no
+    # objectness loss. Raw 0 at the same cell's anchor [20, 20] decodes to a 20x20 box at the same
+    # centre: IoU 256/400 = 0.64 with the 16x16 box, ignored at a threshold of 0.6, not at 0.7.
+    assert float(yolo.yolo_loss(model, raw, targets, 96, 96, 0.6, False)["obj"]) == pytest.approx(
+        (n - 1) * math.log(2), rel=1e-5)
+
+
+def test_mixup_weights_scale_the_box_losses():
+    model = _model(num_classes=3)
+    n = sum(h * w * 3 for h, w in model.level_shapes(96, 96))
+    raw = torch.zeros(1, n, 8)
+    box = torch.tensor([[[16.0, 16.0, 32.0, 32.0]]])
+    full = yolo.yolo_loss(model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[1.0]])},
+                          96, 96, 0.7, False)
+    half = yolo.yolo_loss(model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[0.5]])},
+                          96, 96, 0.7, False)
+    assert float(half["center"]) == pytest.approx(0.5 * float(full["center"]))
+    assert float(half["cls"]) == pytest.approx(0.5 * float(full["cls"]))
+    # objectness: the positive's term is weighted by its ratio, the negatives are unchanged
+    assert float(full["obj"]) - float(half["obj"]) == pytest.approx(0.5 * math.log(2), abs=1e-4)  # float32 sums of ~400
+
+
+def test_decode_inverts_the_targets():
+    """Writing the assigned targets as raw outputs (logit of the centre offset, log size) decodes
+    back to the ground-truth box."""
+    model = _model(num_classes=2)
+    box = torch.tensor([[[13.0, 30.0, 41.0, 50.0]]])
+    t = yolo.assign_targets(model, box, torch.tensor([[1]]), torch.tensor([[1.0]]), 96, 96)
+    n = int((t["obj"][0] > 0).nonzero())
+    raw = torch.zeros(1, t["obj"].shape[1], 7)
+    raw[0, n, :2] = torch.logit(t["center"][0, n].clamp(1e-6, 1 - 1e-6))
+    raw[0, n, 2:4] = t["scale"][0, n]
+    boxes, scores = model.decode(raw, 96, 96)
+    assert boxes[0, n].tolist() == pytest.approx(box[0, 0].tolist(), abs=1e-3)
+    assert scores.shape == (1, t["obj"].shape[1], 2)
+
+
+def test_postprocess_nms_and_threshold():
+    boxes = torch.tensor([[[0.0, 0, 10, 10], [1, 1, 11, 11], [50, 50, 60, 60], [0, 0, 10, 10]]])
+    scores = torch.tensor([[[0.9, 0.0], [0.8, 0.0], [0.0, 0.7], [0.0, 0.005]]])  # the last is below conf
+    (result,) = yolo.postprocess(boxes, scores, conf=0.01, iou=0.45, max_det=10)
+    assert result["labels"].tolist() == [0, 1]  # the 0.8 box is suppressed by the 0.9 one
+    assert result["scores"].tolist() == pytest.approx([0.9, 0.7])
+
+
+def test_mosaic_keeps_boxes_on_their_digits():
+    """Mosaic pieces keep their boxes: every box of a mosaic sample covers pixels that differ from
+    the canvas fill, and boxes stay inside the window."""
+    from common.detection import DetectionDataset, detection_transforms, load_detection
+
+    data = load_detection("digits_det")
+    base = DetectionDataset(data.train.select(range(64)), detection_transforms(True, 96, hflip=0.0), seed=0)
+    train_set = yolo.YoloTrainSet(base, 96, mosaic=1.0, mixup=0.0, aug_epochs=1, seed=0)
+    for index in range(8):
+        image, target = train_set[(0, index)]
+        assert image.shape == (3, 96, 96)
+        boxes = target["boxes"]
+        assert len(boxes) == len(target["labels"]) == len(target["weights"])
+        assert (boxes >= 0).all() and (boxes <= 96).all()
+        for x0, y0, x1, y1 in boxes.round().long().tolist():
+            patch = image[:, y0:y1, x0:x1]
+            assert patch.numel() > 0 and patch.std() > 0.1  # a digit on its background, not empty canvas
+    # the same key gives the same sample; after the augmentation epochs there is no mosaic
+    a, b = train_set[(0, 3)], train_set[(0, 3)]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1]["boxes"], b[1]["boxes"])
+    plain_image, plain_target = train_set[(1, 3)]
+    expected_image, expected_target = base[(1, 3)]
+    assert torch.equal(plain_image, expected_image)
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """A few steps of the default config through the real entry point, ending with evaluation and export."""
+    run = tmp_path_factory.mktemp("yolo") / "run"
+    check(run_recipe("yolo", ["--output_dir", str(run), "--report_to", "none", "--max_steps", "6", "--log_every", "2",
+                              "--batch_size", "16", "--eval_every", "1"], timeout=600))
+    return run
+
+
+def test_short_run_logs_losses_evaluates_and_exports(short_run):
+    records = [json.loads(line) for line in (short_run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/loss" in r]
+    assert train and all(k in train[-1] for k in ("train/loss_obj", "train/loss_center", "train/loss_scale",
+                                                  "train/loss_cls", "train/boxes_per_image"))
+    evals = [r for r in records if "eval/map_50" in r]
+    assert evals and all(0.0 <= evals[-1][k] <= 1.0 for k in ("eval/map", "eval/map_50", "eval/map_75"))
+    exports = [r for r in records if "export/onnx_max_abs_diff" in r][-1]
+    assert exports["export/torch_export_max_abs_diff"] < 1e-4 and exports["export/onnx_max_abs_diff"] < 1e-3
+    assert (short_run / "best.safetensors").is_file() and list((short_run / "plots").glob("detections_step*.png"))
+
+
+def test_export_round_trip(short_run):
+    """model.pt2 and model.onnx reproduce the final weights' boxes and scores on fresh inputs."""
+    import onnxruntime
+
+    meta = safetensors.safe_open(str(short_run / "final.safetensors"), "pt").metadata()
+    cfg = yolo.parse_config(yolo.Config, ["--model", meta["model"], "--neck_channels", meta["neck_channels"]])
+    weights = safetensors.torch.load_file(str(short_run / "final.safetensors"))
+    model = yolo.create_model(cfg, len(json.loads(meta["classes"])), weights["anchors"].flip(0).reshape(9, 2))
+    model.load_state_dict(weights)
+    images = torch.randn(3, 3, 96, 96)  # another batch size than the export's example
+    with torch.no_grad():
+        expected = yolo.Exported(model.eval())(images)
+        got = torch.export.load(str(short_run / "model.pt2")).module()(images)
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-4)
+    session = onnxruntime.InferenceSession(str(short_run / "model.onnx"), providers=["CPUExecutionProvider"])
+    for g, e in zip(session.run(None, {"images": images.numpy()}), expected):
+        assert np.allclose(g, e.numpy(), atol=1e-3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--img_size", "100"], "error: img_size and every multiscale size must be multiples of 32"),
+    (["--anchors", "[[1, 2]]"], "error: anchors must be 9 [w, h] pairs"),
+    (["--model", "no_such_net"], "error: unknown timm model 'no_such_net'"),
+    (["--data", "/nonexistent/folder"], "error:"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, args, message):
+    proc = run_recipe("yolo", ["--output_dir", str(tmp_path / "run"), "--report_to", "none", *args], timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
