@@ -46,7 +46,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import batched_nms, box_iou
+from torchvision.ops import batched_nms
 from tqdm.auto import tqdm
 
 from common import UserError
@@ -422,6 +422,7 @@ def postprocess(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: flo
 
 @torch.no_grad()
 def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config) -> dict[str, float]:
+    was_training = model.training  # the EMA copy stays in eval mode, the trained model goes back to train
     model.eval()
     unwrapped = accelerator.unwrap_model(model)
     for images, _, targets in eval_loader:
@@ -433,7 +434,7 @@ def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, 
             p["boxes"] = rescale_boxes(p["boxes"], t["size"], t["orig_size"])
             p["image_id"] = t["image_id"]
         evaluator.update(predictions)
-    model.train()
+    model.train(was_training)
     return evaluator.compute(accelerator)
 
 
@@ -515,14 +516,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BN statistics over the global batch
 
     # ---- optimizer and schedules (no weight decay on biases and norms) --------------------------
-    decay = [p for name, p in model.named_parameters() if p.ndim > 1]
-    no_decay = [p for name, p in model.named_parameters() if p.ndim <= 1]
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]  # biases, norm weights
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     if cfg.opt == "adamw":
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **fused)
     elif cfg.opt == "sgd":
-        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=False, **fused)
+        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **fused)
     else:
         raise UserError(f"opt must be adamw or sgd, got '{cfg.opt}'")
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
@@ -544,10 +545,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             return
         samples = [eval_set[i] for i in range(min(cfg.plot_images, len(eval_set)))]
         images = torch.stack([image for image, _ in samples]).to(accelerator.device)
+        was_training = net.training
         net.eval()
         with torch.no_grad():
             boxes, scores = unwrapped.decode(net(images), images.shape[-2], images.shape[-1])
-        net.train()
+        net.train(was_training)
         predictions = postprocess(boxes, scores, 0.3, cfg.nms_iou, cfg.max_detections)
         pictures = [draw_detections(image.cpu(), t["boxes"], t["labels"], p["boxes"].cpu(), p["labels"].cpu(),
                                     p["scores"].cpu(), data.classes) for (image, t), p in zip(samples, predictions)]
