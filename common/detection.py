@@ -763,12 +763,16 @@ def draw_detections(image: Image.Image | torch.Tensor, target_boxes: Any, target
                     pred_labels: Any, pred_scores: Any, classes: Sequence[str], score_threshold: float = 0.3,
                     min_size: int = 256) -> Image.Image:
     """The image with ground truth in green and predictions (score >= ``score_threshold``) in red,
-    labelled "class score". Boxes XYXY in the image's pixels. ``image``: PIL or uint8 [3, H, W]. An
-    image whose shorter side is under ``min_size`` is first enlarged by an integer factor (nearest),
-    so that labels stay legible on 96-px scenes."""
+    labelled "class score". Boxes XYXY in the image's pixels. ``image``: PIL, uint8 [3, H, W], or a
+    float [3, H, W] normalised with the ImageNet mean and std (what :func:`detection_transforms`
+    gives). An image whose shorter side is under ``min_size`` is first enlarged by an integer factor
+    (nearest), so that labels stay legible on 96-px scenes."""
     from torchvision.utils import draw_bounding_boxes
 
     pixels = F.pil_to_tensor(image.convert("RGB")) if isinstance(image, Image.Image) else image.detach().cpu()
+    if pixels.is_floating_point():  # undo the normalisation; out-of-range values would wrap around in uint8
+        mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
+        pixels = (pixels.float() * std + mean).clamp(0, 1).mul(255).round().to(torch.uint8)
     factor = max(1, -(-min_size // min(pixels.shape[-2:])))
     if factor > 1:
         pixels = pixels.repeat_interleave(factor, -2).repeat_interleave(factor, -1)

@@ -1,9 +1,10 @@
 """YOLOv3-style single-stage detection with any timm backbone, on HuggingFace Accelerate.
 
 A timm ``features_only`` backbone feeds a YOLOv3 feature pyramid (top-down, upsample + concat)
-that predicts, at strides 8, 16 and 32, three anchors per cell: box centre offsets, log box sizes
-relative to the anchor, objectness and per-class scores. Each ground-truth box is assigned to the
-one anchor (of all nine) whose shape fits it best, in the cell that holds its centre; predictions
+that predicts, at the backbone's last three levels (strides 8, 16 and 32 unless ``out_indices``
+says otherwise), A anchors per cell (3 in YOLOv3): box centre offsets, log box sizes relative to
+the anchor, objectness and per-class scores. Each ground-truth box is assigned to the one anchor
+(of all 3 * A) whose shape fits it best, in the cell that holds its centre; predictions
 that already overlap a ground truth (IoU > ``ignore_iou``) are not punished for objectness. The
 four losses are GluonCV's: objectness BCE, centre BCE, scale L1 and class BCE, box terms weighted
 by ``2 - w*h`` (box area over image area) so small boxes count more.
@@ -14,7 +15,9 @@ off for the last epochs, multi-scale batches, gradient accumulation, fp16/bf16, 
 Evaluation is COCO mAP (common/detection.py); the best weights by mAP are kept; the final model is
 exported with ``torch.export`` and to ONNX, and both are checked against the eager model.
 
-Launch (defaults = the built-in ``digits_det`` scenes, cs3darknet_s at 96 px):
+Launch (defaults = the built-in ``digits_det`` scenes, cs3darknet_s at 96 px, strides 4/8/16, one
+anchor per level: digits of 12-47 px are 1-3 cells at strides 8/16/32, too coarse for a cell's
+features to say which digit sits in it; see the README):
 
     accelerate launch recipes/yolo.py
     accelerate launch --config_file configs/accelerate/multi_gpu_bf16.yaml recipes/yolo.py \\
@@ -88,7 +91,8 @@ class Config:
     model_kwargs: dict = field(default_factory=dict)
     pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
     neck_channels: int = 128  # widest neck level (YOLOv3: 512); the others are 1/2 and 1/4
-    anchors: list[list[float]] = field(default_factory=list)  # 9 x (w, h) px, small to large; empty: k-means on train boxes
+    anchors: list[list[float]] = field(default_factory=list)  # 3*A x (w, h) px, small to large; empty: k-means on train boxes
+    anchors_per_level: int = 3  # A (YOLOv3: 3); the k-means count, or len(anchors) / 3
     ignore_iou: float = 0.7  # predictions overlapping a ground truth above this get no objectness loss
     label_smoothing: bool = False  # GluonCV: class targets smoothed by min(1/C, 1/40)
     # optimization
@@ -208,7 +212,7 @@ def train_collate(batch):
 
 
 # ============================================================================================
-# Model: timm backbone -> YOLOv3 feature pyramid -> 3 scales x 3 anchors x (4 + 1 + C)
+# Model: timm backbone -> YOLOv3 feature pyramid -> 3 scales x A anchors x (4 + 1 + C)
 # ============================================================================================
 def conv_bn(cin: int, cout: int, k: int) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout),
@@ -223,7 +227,8 @@ def yolo_block(cin: int, c: int) -> nn.Sequential:
 
 class YOLOv3(nn.Module):
     """``forward(images [B, 3, H, W]) -> raw [B, N, 5 + C]``, N = sum over the 3 levels (large stride
-    first) of H_l * W_l * 3, ordered (level, y, x, anchor); the 5 are (tx, ty, tw, th, objectness)."""
+    first) of H_l * W_l * A, ordered (level, y, x, anchor); the 5 are (tx, ty, tw, th, objectness).
+    ``anchors`` [3 * A, 2] px, small to large (A anchors per level, 3 in YOLOv3)."""
 
     def __init__(self, backbone: nn.Module, num_classes: int, anchors: torch.Tensor, neck_channels: int) -> None:
         super().__init__()
@@ -231,14 +236,15 @@ class YOLOv3(nn.Module):
         c3, c4, c5 = backbone.feature_info.channels()[-3:]
         self.strides = backbone.feature_info.reduction()[-3:][::-1]  # [32, 16, 8]: the order of the outputs
         c = [neck_channels, neck_channels // 2, neck_channels // 4]
-        self.register_buffer("anchors", anchors.float().view(3, 3, 2).flip(0).contiguous())  # large-stride level first
+        self.num_anchors = a = len(anchors) // 3  # per level
+        self.register_buffer("anchors", anchors.float().view(3, a, 2).flip(0).contiguous())  # large-stride level first
         self.blocks = nn.ModuleList([yolo_block(c5, c[0]), yolo_block(c4 + c[1], c[1]), yolo_block(c3 + c[2], c[2])])
         self.transitions = nn.ModuleList([conv_bn(c[0], c[1], 1), conv_bn(c[1], c[2], 1)])
-        self.outputs = nn.ModuleList([nn.Sequential(conv_bn(ci, 2 * ci, 3), nn.Conv2d(2 * ci, 3 * (5 + num_classes), 1))
+        self.outputs = nn.ModuleList([nn.Sequential(conv_bn(ci, 2 * ci, 3), nn.Conv2d(2 * ci, a * (5 + num_classes), 1))
                                       for ci in c])
         self._tables: dict[tuple, dict[str, torch.Tensor]] = {}  # see tables()
         for out in self.outputs:  # start with objectness ~0.01 so the first steps are not all false positives
-            nn.init.constant_(out[-1].bias.view(3, 5 + num_classes)[:, 4], -4.6)
+            nn.init.constant_(out[-1].bias.view(a, 5 + num_classes)[:, 4], -4.6)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         c3, c4, c5 = self.backbone(images)[-3:]
@@ -248,9 +254,10 @@ class YOLOv3(nn.Module):
                 route = F.interpolate(self.transitions[level - 1](route), size=feature.shape[-2:], mode="nearest")
                 feature = torch.cat([route, feature], dim=1)
             route = self.blocks[level](feature)
-            out = self.outputs[level](route)  # [B, 3 * (5 + C), H, W]
+            out = self.outputs[level](route)  # [B, A * (5 + C), H, W]
             b, _, h, w = out.shape
-            outs.append(out.view(b, 3, 5 + self.num_classes, h, w).permute(0, 3, 4, 1, 2).reshape(b, h * w * 3, -1))
+            a = self.num_anchors
+            outs.append(out.view(b, a, 5 + self.num_classes, h, w).permute(0, 3, 4, 1, 2).reshape(b, h * w * a, -1))
         return torch.cat(outs, dim=1)
 
     def level_shapes(self, height: int, width: int) -> list[tuple[int, int]]:
@@ -266,13 +273,13 @@ class YOLOv3(nn.Module):
         if key in self._tables and not torch.compiler.is_compiling():
             return self._tables[key]
         shapes = self.level_shapes(height, width)
-        cells, strides, anchors = [], [], []
+        cells, strides, anchors, k = [], [], [], self.num_anchors
         for (h, w), s, a in zip(shapes, self.strides, self.anchors):
             y, x = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
-            cells.append(torch.stack([x, y], dim=-1).view(h * w, 1, 2).expand(h * w, 3, 2).reshape(-1, 2).float())
-            strides.append(torch.full((h * w * 3, 1), float(s), device=device))
-            anchors.append(a.view(1, 3, 2).expand(h * w, 3, 2).reshape(-1, 2))
-        offsets = np.cumsum([0] + [h * w * 3 for h, w in shapes])[:-1].tolist()
+            cells.append(torch.stack([x, y], dim=-1).view(h * w, 1, 2).expand(h * w, k, 2).reshape(-1, 2).float())
+            strides.append(torch.full((h * w * k, 1), float(s), device=device))
+            anchors.append(a.view(1, k, 2).expand(h * w, k, 2).reshape(-1, 2))
+        offsets = np.cumsum([0] + [h * w * k for h, w in shapes])[:-1].tolist()
         table = {"cells": torch.cat(cells), "strides": torch.cat(strides), "anchors": torch.cat(anchors),
                  "level_offsets": torch.tensor(offsets, device=device),
                  "level_w": torch.tensor([w for _, w in shapes], device=device),
@@ -313,7 +320,7 @@ def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor) -> YOLOv3
             raise UserError(f"unknown timm model '{cfg.model}'; see timm.list_models()") from None
         raise
     if len(backbone.feature_info.channels()) < 3:
-        raise UserError(f"model '{cfg.model}' gives fewer than 3 feature levels; YOLO needs strides 8, 16 and 32")
+        raise UserError(f"model '{cfg.model}' gives fewer than 3 feature levels; YOLO needs three (strides 8, 16, 32)")
     return YOLOv3(backbone, num_classes, anchors, cfg.neck_channels)
 
 
@@ -333,7 +340,7 @@ def batch_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def assign_targets(model: YOLOv3, gt_boxes: torch.Tensor, gt_labels: torch.Tensor, gt_weights: torch.Tensor,
                    height: int, width: int) -> dict[str, torch.Tensor]:
-    """Each ground truth -> the one anchor (of all 9) with the best shape IoU (both centred at 0),
+    """Each ground truth -> the one anchor (of all 3 * A) with the best shape IoU (both centred at 0),
     in the cell of its level that holds its centre. Shapes: gt_* [B, M(, 4)], weight 0 = padding.
 
     Returns dense targets over the N predictions: ``obj`` [B, N] (the box's mixup weight at assigned
@@ -342,20 +349,21 @@ def assign_targets(model: YOLOv3, gt_boxes: torch.Tensor, gt_labels: torch.Tenso
     When two boxes claim the same anchor of the same cell, one of them wins (as in GluonCV).
     """
     b, m = gt_labels.shape
-    n = sum(h * w * 3 for h, w in model.level_shapes(height, width))  # host ints
+    a = model.num_anchors
+    n = sum(h * w * a for h, w in model.level_shapes(height, width))  # host ints
     table = model.tables(height, width, gt_boxes.device)
-    all_anchors = model.anchors.view(9, 2)  # level-major (large stride first), 3 per level
+    all_anchors = model.anchors.view(3 * a, 2)  # level-major (large stride first), A per level
     wh = (gt_boxes[..., 2:] - gt_boxes[..., :2]).clamp(min=1.0)  # [B, M, 2]
     centre = (gt_boxes[..., 2:] + gt_boxes[..., :2]) / 2
-    inter = torch.minimum(wh[..., None, :], all_anchors).prod(-1)  # [B, M, 9]
+    inter = torch.minimum(wh[..., None, :], all_anchors).prod(-1)  # [B, M, 3A]
     shape_iou = inter / (wh.prod(-1)[..., None] + all_anchors.prod(-1) - inter)
     best = shape_iou.argmax(-1)  # [B, M]
-    level, k = best // 3, best % 3
+    level, k = best // a, best % a
     strides = table["level_strides"][level]  # [B, M]
     grid_w, grid_h = table["level_w"][level], table["level_h"][level]
     cell = (centre / strides[..., None]).floor().long()
     cx, cy = torch.minimum(cell[..., 0].clamp(min=0), grid_w - 1), torch.minimum(cell[..., 1].clamp(min=0), grid_h - 1)
-    index = table["level_offsets"][level] + (cy * grid_w + cx) * 3 + k
+    index = table["level_offsets"][level] + (cy * grid_w + cx) * a + k
     index = torch.where(gt_weights > 0, index, torch.full_like(index, n))  # padding -> a spare slot, dropped below
     rows = torch.arange(b, device=gt_boxes.device)[:, None].expand(b, m)
 
@@ -482,8 +490,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     if any(s % 32 for s in [cfg.img_size, *cfg.multiscale]):
         raise UserError("img_size and every multiscale size must be multiples of 32 (the largest stride)")
-    if cfg.anchors and (len(cfg.anchors) != 9 or any(len(a) != 2 for a in cfg.anchors)):
-        raise UserError("anchors must be 9 [w, h] pairs in pixels, small to large (or empty: k-means)")
+    if cfg.anchors and (len(cfg.anchors) % 3 or any(len(a) != 2 for a in cfg.anchors)):
+        raise UserError("anchors must be 3 x A [w, h] pairs in pixels (A per level), small to large (or empty: k-means)")
+    if not cfg.anchors and cfg.anchors_per_level < 1:
+        raise UserError(f"anchors_per_level must be at least 1, got {cfg.anchors_per_level}")
     run = Run(cfg, "yolo")
     accelerator = run.accelerator
 
@@ -508,7 +518,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         wh = [(w * cfg.img_size / max(iw, ih), h * cfg.img_size / max(iw, ih))
               for objects, iw, ih in zip(data.train["objects"], data.train["width"], data.train["height"])
               for _, _, w, h in objects["bbox"]]
-        anchors = torch.tensor(kmeans_anchors(np.array(wh, dtype=np.float64), 9, seed=cfg.seed), dtype=torch.float32)
+        anchors = torch.tensor(kmeans_anchors(np.array(wh, dtype=np.float64), 3 * cfg.anchors_per_level,
+                                              seed=cfg.seed), dtype=torch.float32)
         run.print("anchors (k-means on the training boxes, px at img_size): "
                   + " ".join(f"{w:.0f}x{h:.0f}" for w, h in anchors.tolist()))
     model = create_model(cfg, num_classes, anchors)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torchvision import tv_tensors
 
 from common import UserError, detection
 from common.data import decode_image, digits_dataset
@@ -571,6 +572,12 @@ def test_draw_detections_and_wandb_boxes():
     same = draw_detections(torch.from_numpy(np.array(image)).permute(2, 0, 1), gt, labels, pred, pred_labels,
                            scores, CLASSES, min_size=1)
     assert same.size == (80, 60)
+    # a normalised float image (what the transforms give) is drawn with its original colours
+    normalised = detection_transforms(False, 80)(image, {"boxes": tv_tensors.BoundingBoxes(
+        gt, format="XYXY", canvas_size=(60, 80)), "labels": labels})[0]
+    undone = np.asarray(draw_detections(normalised, gt[:0], labels[:0], pred[:0], pred_labels[:0], scores[:0],
+                                        CLASSES, min_size=1))
+    assert np.abs(undone[:60].astype(int) - np.asarray(image).astype(int)).max() <= 1
     boxes = wandb_boxes(gt, labels, pred, pred_labels, scores, CLASSES)
     assert boxes["ground_truth"]["class_labels"] == {0: "bird", 1: "cat", 2: "dog"}
     assert boxes["ground_truth"]["box_data"][0]["position"] == {"minX": 20.0, "minY": 10.0, "maxX": 45.0, "maxY": 30.0}

@@ -68,6 +68,23 @@ def test_target_assignment_by_hand():
     assert t["scale"][0, n].tolist() == pytest.approx([math.log(64 / 48), math.log(32 / 48)], abs=1e-6)
 
 
+def test_one_anchor_per_level_at_strides_4_8_16():
+    """The demo's layout: out_indices (1, 2, 3) gives strides 16, 8, 4; one anchor per level."""
+    torch.manual_seed(0)
+    cfg = yolo.parse_config(yolo.Config, ["--neck_channels", "32", "--model_kwargs", '{"out_indices": [1, 2, 3]}'])
+    model = yolo.create_model(cfg, 10, torch.tensor([[8.0, 8.0], [16.0, 16.0], [32.0, 32.0]])).eval()
+    assert model.strides == [16, 8, 4] and model.num_anchors == 1
+    assert model(torch.zeros(1, 3, 96, 96)).shape == (1, 6 * 6 + 12 * 12 + 24 * 24, 15)
+    # 8x8 box centred at (30, 50) -> anchor [8, 8] = stride-4 level (offset 36 + 144 = 180), cell (7, 12)
+    # 32x32 box centred at (70, 20) -> anchor [32, 32] = stride-16 level (offset 0), cell (4, 1)
+    boxes = torch.tensor([[[26.0, 46.0, 34.0, 54.0], [54.0, 4.0, 86.0, 36.0]]])
+    t = yolo.assign_targets(model, boxes, torch.tensor([[4, 9]]), torch.ones(1, 2), 96, 96)
+    assert {n for _, n in (t["obj"] > 0).nonzero().tolist()} == {180 + 12 * 24 + 7, 1 * 6 + 4}
+    assert t["center"][0, 180 + 12 * 24 + 7].tolist() == pytest.approx([0.5, 0.5])
+    assert t["center"][0, 1 * 6 + 4].tolist() == pytest.approx([70 / 16 - 4, 20 / 16 - 1])
+    assert t["cls"][0, 1 * 6 + 4] == 9
+
+
 def test_each_loss_term_by_hand():
     """All raw outputs 0 except the positive's class logits: every objectness term is BCE(0, .) = log 2,
     the centre terms BCE(0, 0.5) = log 2, the scale term |0 - log(w / anchor)|, the class terms by hand."""
