@@ -670,7 +670,8 @@ class CocoEvaluator:
     the repeated samples with which Accelerate pads the last evaluation batch count once, so results
     do not depend on batch size or process count. ``compute`` gathers from every process (all get the
     same numbers) and returns fractions 0..1 as pycocotools gives them, -1 where the split has no
-    ground truth of that size (``map_large`` on digits_det).
+    ground truth of that size (``map_large`` on digits_det). Call ``reset`` before each evaluation:
+    predictions left from the previous one would win over the new ones.
     """
 
     def __init__(self, ds: Any, classes: Sequence[str] | None = None) -> None:

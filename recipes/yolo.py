@@ -243,8 +243,10 @@ class YOLOv3(nn.Module):
         self.outputs = nn.ModuleList([nn.Sequential(conv_bn(ci, 2 * ci, 3), nn.Conv2d(2 * ci, a * (5 + num_classes), 1))
                                       for ci in c])
         self._tables: dict[tuple, dict[str, torch.Tensor]] = {}  # see tables()
-        for out in self.outputs:  # start with objectness ~0.01 so the first steps are not all false positives
-            nn.init.constant_(out[-1].bias.view(a, 5 + num_classes)[:, 4], -4.6)
+        for out in self.outputs:  # start with objectness ~0.01 so the first steps are not all false positives,
+            bias = out[-1].bias.view(a, 5 + num_classes)  # and class probabilities at the 1/C prior, so the
+            nn.init.constant_(bias[:, 4], -4.6)  # first steps go to telling digits apart, not to learning the prior
+            nn.init.constant_(bias[:, 5:], -math.log(max(num_classes - 1, 1)))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         c3, c4, c5 = self.backbone(images)[-3:]
@@ -430,6 +432,7 @@ def postprocess(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: flo
 
 @torch.no_grad()
 def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config) -> dict[str, float]:
+    evaluator.reset()  # it keeps the first predictions per image: without this, every evaluation would score the first
     was_training = model.training  # the EMA copy stays in eval mode, the trained model goes back to train
     model.eval()
     unwrapped = accelerator.unwrap_model(model)

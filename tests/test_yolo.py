@@ -184,6 +184,28 @@ def test_mosaic_keeps_boxes_on_their_digits():
     assert torch.equal(plain_image, expected_image)
 
 
+def test_each_evaluation_scores_its_own_model():
+    """The evaluator keeps the first predictions per image; evaluate() must start from a clean one, or
+    every evaluation after the first would score the first model again."""
+    from accelerate import Accelerator
+
+    from common.detection import CocoEvaluator, DetectionDataset, collate, detection_transforms, load_detection
+
+    split = load_detection("digits_det").eval.select(range(8))
+    loader = torch.utils.data.DataLoader(DetectionDataset(split, detection_transforms(False, 96)), batch_size=4,
+                                         collate_fn=collate)
+    accelerator, cfg = Accelerator(cpu=True), yolo.Config(conf_threshold=0.0)
+    first, second = _model(), _model()
+    torch.nn.init.normal_(second.outputs[0][-1].weight)  # another model: other boxes and scores
+    evaluator = CocoEvaluator(split)
+    yolo.evaluate(first, loader, evaluator, accelerator, cfg)
+    yolo.evaluate(second, loader, evaluator, accelerator, cfg)
+    fresh = CocoEvaluator(split)
+    yolo.evaluate(second, loader, fresh, accelerator, cfg)
+    assert evaluator.predictions.keys() == fresh.predictions.keys() and len(fresh.predictions) == 8
+    assert all(np.array_equal(evaluator.predictions[i], fresh.predictions[i]) for i in fresh.predictions)
+
+
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     """A few steps of the default config through the real entry point, ending with evaluation and export."""
@@ -210,9 +232,10 @@ def test_export_round_trip(short_run):
     import onnxruntime
 
     meta = safetensors.safe_open(str(short_run / "final.safetensors"), "pt").metadata()
-    cfg = yolo.parse_config(yolo.Config, ["--model", meta["model"], "--neck_channels", meta["neck_channels"]])
+    cfg = yolo.parse_config(yolo.Config, ["--model", meta["model"], "--neck_channels", meta["neck_channels"],
+                                          "--model_kwargs", meta["model_kwargs"]])
     weights = safetensors.torch.load_file(str(short_run / "final.safetensors"))
-    model = yolo.create_model(cfg, len(json.loads(meta["classes"])), weights["anchors"].flip(0).reshape(9, 2))
+    model = yolo.create_model(cfg, len(json.loads(meta["classes"])), weights["anchors"].flip(0).reshape(-1, 2))
     model.load_state_dict(weights)
     images = torch.randn(3, 3, 96, 96)  # another batch size than the export's example
     with torch.no_grad():
@@ -227,7 +250,7 @@ def test_export_round_trip(short_run):
 
 @pytest.mark.parametrize("args, message", [
     (["--img_size", "100"], "error: img_size and every multiscale size must be multiples of 32"),
-    (["--anchors", "[[1, 2]]"], "error: anchors must be 9 [w, h] pairs"),
+    (["--anchors", "[[1, 2]]"], "error: anchors must be 3 x A [w, h] pairs"),
     (["--model", "no_such_net"], "error: unknown timm model 'no_such_net'"),
     (["--data", "/nonexistent/folder"], "error:"),
 ])
