@@ -82,26 +82,27 @@ class Config:
     scale_range: list[float] = field(default_factory=lambda: [0.75, 1.25])  # random rescale before crop/pad
     hflip: float = 0.0  # digits must not be mirrored; 0.5 for natural images
     color_jitter: bool = True
-    mosaic: float = 0.5  # probability that a training image is a 4-image mosaic
+    mosaic: float = 0.0  # probability that a training image is a 4-image mosaic (0.5 at scale; the demo's 8 epochs are too few)
     mixup: float = 0.0  # probability that a training image is mixed with another (GluonCV: Beta(1.5, 1.5))
     no_aug_epochs: int = 2  # mosaic and mixup are off for the last N epochs
     num_workers: int = 2
     # model
     model: str = "cs3darknet_s"  # any timm model with features_only; darknet53 / cspdarknet53 at scale
-    model_kwargs: dict = field(default_factory=dict)
+    # out_indices (1, 2, 3): strides 4, 8, 16, so that a 12-47 px digit spans 1.5-12 cells (None: timm's last three)
+    model_kwargs: dict = field(default_factory=lambda: {"out_indices": [1, 2, 3]})
     pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
     neck_channels: int = 128  # widest neck level (YOLOv3: 512); the others are 1/2 and 1/4
     anchors: list[list[float]] = field(default_factory=list)  # 3*A x (w, h) px, small to large; empty: k-means on train boxes
-    anchors_per_level: int = 3  # A (YOLOv3: 3); the k-means count, or len(anchors) / 3
+    anchors_per_level: int = 1  # A (YOLOv3: 3); the k-means count, or len(anchors) / 3
     ignore_iou: float = 0.7  # predictions overlapping a ground truth above this get no objectness loss
     label_smoothing: bool = False  # GluonCV: class targets smoothed by min(1/C, 1/40)
     # optimization
-    epochs: int = 30
+    epochs: int = 8
     max_steps: int = 0
-    batch_size: int = 32  # per process
+    batch_size: int = 16  # per process
     grad_accum_steps: int = 1
     opt: str = "adamw"  # adamw or sgd (momentum 0.9; GluonCV: lr 1e-3 per 64 images)
-    lr: float = 2e-3
+    lr: float = 4e-3
     min_lr: float = 1e-5
     warmup_lr: float = 1e-5
     warmup_epochs: float = 1.0
@@ -124,7 +125,7 @@ class Config:
     output_dir: str = ""  # empty: runs/yolo/<config name>
     seed: int = 0
     log_every: int = 20
-    eval_every: int = 5  # epochs; also at the end
+    eval_every: int = 2  # epochs; also at the end
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     resume: str = ""

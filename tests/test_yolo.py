@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -208,20 +209,24 @@ def test_each_evaluation_scores_its_own_model():
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
-    """A few steps of the default config through the real entry point, ending with evaluation and export."""
+    """The default config through the real entry point, shortened to 2 epochs (the schedule with it),
+    ending with evaluation on the held-out scenes and export."""
     run = tmp_path_factory.mktemp("yolo") / "run"
-    check(run_recipe("yolo", ["--output_dir", str(run), "--report_to", "none", "--max_steps", "6", "--log_every", "2",
-                              "--batch_size", "16", "--eval_every", "1"], timeout=600))
+    check(run_recipe("yolo", ["--output_dir", str(run), "--report_to", "none", "--epochs", "2", "--log_every", "25"],
+                     timeout=600))
     return run
 
 
-def test_short_run_logs_losses_evaluates_and_exports(short_run):
+def test_short_run_learns_logs_losses_evaluates_and_exports(short_run):
     records = [json.loads(line) for line in (short_run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/loss" in r]
     assert train and all(k in train[-1] for k in ("train/loss_obj", "train/loss_center", "train/loss_scale",
                                                   "train/loss_cls", "train/boxes_per_image"))
+    assert train[-1]["train/loss"] < 0.5 * train[0]["train/loss"]
     evals = [r for r in records if "eval/map_50" in r]
-    assert evals and all(0.0 <= evals[-1][k] <= 1.0 for k in ("eval/map", "eval/map_50", "eval/map_75"))
+    # Held-out mAP@0.5 after 2 epochs. A detector that finds digits but cannot tell them apart scores
+    # about 0.1 (every box carries all 10 classes at the same score), so this needs the classes learned.
+    assert evals[-1]["eval/map_50"] >= 0.30, evals[-1]
     exports = [r for r in records if "export/onnx_max_abs_diff" in r][-1]
     assert exports["export/torch_export_max_abs_diff"] < 1e-4 and exports["export/onnx_max_abs_diff"] < 1e-3
     assert (short_run / "best.safetensors").is_file() and list((short_run / "plots").glob("detections_step*.png"))
@@ -249,12 +254,21 @@ def test_export_round_trip(short_run):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--img_size", "100"], "error: img_size and every multiscale size must be multiples of 32"),
-    (["--anchors", "[[1, 2]]"], "error: anchors must be 3 x A [w, h] pairs"),
-    (["--model", "no_such_net"], "error: unknown timm model 'no_such_net'"),
-    (["--data", "/nonexistent/folder"], "error:"),
+    (["--img_size", "100"], "img_size and every multiscale size must be multiples of 32"),
+    (["--anchors", "[[1, 2]]"], "anchors must be 3 x A [w, h] pairs"),
+    (["--anchors_per_level", "0"], "anchors_per_level must be at least 1"),
+    (["--model", "no_such_net", "--data", "digits_det"], "unknown timm model 'no_such_net'"),
 ])
-def test_bad_input_is_one_clear_line(tmp_path, args, message):
-    proc = run_recipe("yolo", ["--output_dir", str(tmp_path / "run"), "--report_to", "none", *args], timeout=120)
+def test_bad_config_raises_a_clear_error(tmp_path, args, message):
+    from common import UserError
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        yolo.main(["--output_dir", str(tmp_path / "run"), "--report_to", "none", *args])
+
+
+def test_bad_input_is_one_clear_line_and_exit_2(tmp_path):
+    """What users see (cli_main turns any UserError into this): one line on stderr, exit status 2."""
+    proc = run_recipe("yolo", ["--output_dir", str(tmp_path / "run"), "--report_to", "none",
+                               "--data", "/nonexistent/folder"], timeout=120)
     assert proc.returncode == 2
-    assert message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error:"), proc.stderr[-2000:]
