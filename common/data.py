@@ -16,7 +16,7 @@ import dataclasses
 import io
 import random
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -303,3 +303,44 @@ def eval_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, num_work
     """A sequential evaluation DataLoader; Accelerate pads the last round, ``gather_for_metrics`` un-pads."""
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False,
                                        collate_fn=collate_fn, **loader_kwargs(num_workers))
+
+
+class AspectRatioBatchSampler(EpochBatchSampler):
+    """:class:`EpochBatchSampler` whose batches hold only landscape (width >= height) or only portrait
+    images, so a batch padded to its largest image wastes little (Faster R-CNN's grouped batching).
+
+    Each epoch: one seeded permutation of all indices (a function of ``(seed, epoch)`` only), split
+    by orientation keeping that order, cut into batches per group, and the batches of both groups
+    shuffled together with the same generator. With ``drop_last`` every group's incomplete batch is
+    dropped and the epoch ends at the last complete round of ``num_processes`` batches, so Accelerate
+    hands every process the same number of full batches (process ``r`` of ``W``: batches ``r, r + W,
+    ...``) and ``skip_first_batches`` resumes exactly. Without ``drop_last`` (one process) every
+    index comes exactly once per epoch, the groups' last batches being smaller.
+    """
+
+    def __init__(self, aspect_ratios: Sequence[float], batch_size: int, seed: int = 0, drop_last: bool = True,
+                 num_processes: int = 1) -> None:
+        super().__init__(len(aspect_ratios), batch_size, True, seed, drop_last, num_processes)
+        self.landscape = [float(r) >= 1.0 for r in aspect_ratios]  # width / height of each image
+        if drop_last and len(self) == 0:
+            raise UserError(f"no orientation group of the training split fills {num_processes} batches of "
+                            f"{batch_size}; lower --batch_size")
+
+    def __len__(self) -> int:
+        groups = (sum(self.landscape), self.size - sum(self.landscape))
+        if self.drop_last:
+            return sum(n // self.batch_size for n in groups) // self.num_processes * self.num_processes
+        return sum(-(-n // self.batch_size) for n in groups)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        generator = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1))
+        order = torch.randperm(self.size, generator=generator).tolist()
+        batches: list[list[int]] = []
+        for landscape in (True, False):
+            members = [i for i in order if self.landscape[i] == landscape]
+            batches += [members[k:k + self.batch_size] for k in range(0, len(members), self.batch_size)]
+        if self.drop_last:
+            batches = [b for b in batches if len(b) == self.batch_size]
+        batches = [batches[k] for k in torch.randperm(len(batches), generator=generator).tolist()]
+        for batch in batches[:len(self)]:
+            yield [(self.epoch, i) for i in batch]

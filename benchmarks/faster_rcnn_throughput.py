@@ -1,0 +1,238 @@
+"""Faster R-CNN training throughput: recipes/faster_rcnn.py against a bare PyTorch loop, side by side.
+
+What is measured
+    Training throughput (images/s) of the same model, data, batch, optimizer and learning-rate
+    schedule, two ways, alternated in one process (bare, recipe, recipe, bare, bare, ...):
+
+    bare    a plain PyTorch loop: the recipe module's own ``create_model`` (same initial weights:
+            the seed is set as the recipe's Run sets it), the recipe's data pipeline
+            (``DetectionDataset`` + ``data_transforms``, ``AspectRatioBatchSampler``,
+            ``list_collate``, same ``--num_workers``), ``torch.optim.SGD`` on the same parameter
+            groups, the lr written into the groups every step, the plain sum of the four losses,
+            ``clip_grad_norm_`` when the config clips, fp32 always, and ``loss.item()`` every step
+            (what a loop that prints or checks its loss does).
+    recipe  ``recipes/faster_rcnn.py``'s real ``main(argv)``, called in-process: Accelerate's
+            prepared model, optimizer and loaders, ``--mixed_precision`` as given, the weighted
+            loss, on-device meters and the non-finite guard (no ``.item()`` in the loop). Its
+            throughput is read back from the run's ``metrics.jsonl`` (``train/images_per_s`` and
+            ``train/s_per_step`` of ``common/meters.Meters``).
+
+    Timing as in ``benchmarks/overhead.py``: host wall clock over intervals of ``--log_every``
+    steps, each closed by a device synchronisation (the recipe's meters read their sums there);
+    the first interval (loader start-up, first iterations) is warm-up and skipped. The recipe's
+    final evaluation and checkpoint fall outside its intervals. Reported: the median of each side
+    over ``--repeats`` runs and the ratio recipe / bare, and as a check against bursts of load from
+    other processes the medians over all timed intervals pooled. The mean loss of the last
+    interval of each side is printed too: same initial weights, data order and schedule, so in fp32
+    they agree closely (torchvision's samplers draw from the global RNG, which the two sides seed
+    alike but do not consume identically, so not bit for bit).
+
+Run (offline; CPU defaults = the recipe's built-in demo config, about 3 minutes on 1 core with --num_workers 0):
+
+    HF_HUB_OFFLINE=1 WANDB_MODE=offline python benchmarks/faster_rcnn_throughput.py
+    # GPU, the issue's setting: resnet50-FPN at 800 px, batch 8, bf16 (digits scenes upscaled to 800 px)
+    python benchmarks/faster_rcnn_throughput.py --device cuda --mixed_precision bf16 --batch_size 8 \\
+        --num_workers 8 -- --model fasterrcnn_resnet50_fpn --anchor_sizes "[]" --min_size 800 --max_size 1333 \\
+        --fpn_channels 256 --rpn_pre_nms_top_n 2000,1000 --rpn_post_nms_top_n 2000,1000 \\
+        --rpn_batch_size_per_image 256 --box_batch_size_per_image 512 --roi_sampling_ratio 2 --lr 0.01
+
+Everything after ``--`` goes to the recipe's config (and so to both sides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overhead  # noqa: E402  same folder: machine line, timing helpers, alternation
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE_PATH = ROOT / "recipes" / "faster_rcnn.py"
+
+
+def load_recipe() -> ModuleType:
+    """Import recipes/faster_rcnn.py from its path (it puts the repository root on sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("faster_rcnn_recipe", RECIPE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def recipe_argv(args: argparse.Namespace) -> list[str]:
+    """The recipe's command line; also parsed into the Config that the bare side uses."""
+    return [*args.recipe_args, "--report_to", "none", "--batch_size", str(args.batch_size),
+            "--max_steps", str(args.steps), "--log_every", str(args.log_every), "--epochs", "1000",
+            "--eval_every", "100000", "--checkpoint_every", "10000000", "--plot_images", "0",
+            "--num_workers", str(args.num_workers), "--mixed_precision", args.mixed_precision]
+
+
+def summarise(intervals: list[tuple[float, int, float, float]]) -> dict[str, Any]:
+    """(seconds, images, mean loss, seconds waiting for data) per interval -> images/s and the rest."""
+    seconds = sum(t for t, _, _, _ in intervals)
+    return {"images_per_s": sum(n for _, n, _, _ in intervals) / seconds, "seconds": seconds,
+            "data_wait": sum(w for _, _, _, w in intervals) / seconds,
+            "interval_rates": [n / t for t, n, _, _ in intervals], "final_loss": intervals[-1][2]}
+
+
+# --------------------------------------------------------------------------------------------
+# The bare loop
+# --------------------------------------------------------------------------------------------
+def bare_run(args: argparse.Namespace, recipe: ModuleType, cfg: Any, device: torch.device) -> dict[str, Any]:
+    from accelerate.utils import set_seed
+
+    from common.data import AspectRatioBatchSampler, loader_kwargs
+    from common.detection import DetectionDataset, load_detection
+
+    data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
+    train_set = DetectionDataset(data.train, recipe.data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed)
+    sampler = AspectRatioBatchSampler([w / h for w, h in zip(data.train["width"], data.train["height"])],
+                                      cfg.batch_size, cfg.seed)
+    loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=recipe.list_collate,
+                                         **loader_kwargs(cfg.num_workers))
+    set_seed(cfg.seed)  # as the recipe's Run does before building the model: same initial weights
+    model = recipe.create_model(cfg, len(data.classes)).to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD([{"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
+                                 {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
+                                lr=cfg.lr, momentum=cfg.momentum)
+    steps_per_epoch = len(loader)
+    lr = recipe.schedule(cfg.sched, cfg.lr, 0.0, args.steps, round(cfg.warmup_epochs * steps_per_epoch),
+                         cfg.lr * cfg.warmup_factor, [m * steps_per_epoch for m in cfg.decay_milestones],
+                         cfg.decay_rate, cfg.poly_power)
+
+    step, images, loss_sum, data_seconds = 0, 0, 0.0, 0.0
+    intervals: list[tuple[float, int, float, float]] = []
+    start = time.perf_counter()
+    for epoch in range(10**6):
+        sampler.set_epoch(epoch)
+        tick = time.perf_counter()
+        for batch_images, targets in loader:
+            data_seconds += time.perf_counter() - tick
+            batch_images = [im.to(device, non_blocking=True) for im in batch_images]
+            targets = [{"boxes": t["boxes"].to(device), "labels": t["labels"].to(device)} for t in targets]
+            for group in optimizer.param_groups:
+                group["lr"] = float(lr[step])
+            losses = model(batch_images, targets)
+            loss = sum(losses.values())
+            optimizer.zero_grad()
+            loss.backward()
+            if cfg.clip_grad > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+            optimizer.step()
+            loss_sum += loss.item()  # the host sync every step
+            step += 1
+            images += len(batch_images)
+            if step % args.log_every == 0:
+                overhead.sync(device)
+                now = time.perf_counter()
+                intervals.append((now - start, images, loss_sum / args.log_every, data_seconds))
+                start, images, loss_sum, data_seconds = now, 0, 0.0, 0.0
+            if step == args.steps:
+                break
+            tick = time.perf_counter()
+        if step == args.steps:
+            break
+    del loader, sampler  # stops persistent workers before the other side runs
+    return summarise(intervals[1:])
+
+
+# --------------------------------------------------------------------------------------------
+# The recipe's real main()
+# --------------------------------------------------------------------------------------------
+def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path) -> dict[str, Any]:
+    timed = overhead.timed_recipe_intervals(args, recipe, recipe_argv(args) + ["--output_dir", str(out_dir)],
+                                            out_dir, None)
+    intervals = []
+    for r in timed:
+        seconds = r["train/s_per_step"] * args.log_every  # every logged interval is log_every steps
+        intervals.append((seconds, r["train/images_per_s"] * seconds, r["train/loss"], r["train/data_wait"] * seconds))
+    return summarise(intervals)
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch_size", type=int, default=8, help="per step (the recipe's default: 8)")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps per run, warm-up included (0: 60 on cpu, 120 on cuda)")
+    p.add_argument("--log_every", type=int, default=0, help="steps per timed interval, the first is warm-up (0: 10 on cpu, 20 on cuda)")
+    p.add_argument("--repeats", type=int, default=4, help="bare/recipe pairs, in ABBA order")
+    p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers (both sides)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores minus workers, at least 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no", help="the recipe's precision (bare: fp32)")
+    p.add_argument("--verbose", action="store_true", help="show the recipe's own output")
+    args = p.parse_args(argv)
+    args.recipe_args = recipe_args
+    cuda = args.device == "cuda"
+    args.steps = args.steps or (120 if cuda else 60)
+    args.log_every = args.log_every or (20 if cuda else 10)
+    if args.steps % args.log_every or args.steps < 2 * args.log_every:
+        p.error("--steps must be a multiple of --log_every and at least 2 x --log_every")
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device")
+    if args.threads <= 0:
+        args.threads = max(1, overhead.cores() - args.num_workers)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
+    if args.device == "cpu":  # else the recipe's Accelerator picks a GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["ACCELERATE_USE_CPU"] = "1"
+    recipe = load_recipe()
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    cfg = recipe.parse_config(recipe.Config, recipe_argv(args))  # the very config the recipe side runs
+
+    with tempfile.TemporaryDirectory(prefix="faster-rcnn-bench-") as work:
+        def run_side(side: str, r: int) -> dict[str, Any]:
+            if side == "bare":
+                return bare_run(args, recipe, cfg, device)
+            return recipe_run(args, recipe, Path(work) / f"recipe-{r}")
+
+        results = overhead.alternate(args, ("bare", "recipe"), run_side, abba=True)
+
+    bare = statistics.median(x["images_per_s"] for x in results["bare"])
+    rec = statistics.median(x["images_per_s"] for x in results["recipe"])
+    pooled = {side: statistics.median(v for x in xs for v in x["interval_rates"]) for side, xs in results.items()}
+    n_intervals = len(results["bare"][0]["interval_rates"])
+    print()
+    print(f"model {cfg.model} {cfg.model_kwargs}, FPN {cfg.fpn_channels}, min_size {cfg.min_size}, max_size "
+          f"{cfg.max_size}, batch {args.batch_size}, {args.device}, data {cfg.data}, {args.num_workers} workers")
+    print(f"precision: recipe {args.mixed_precision}, bare fp32; {args.repeats} repeats in ABBA order, each of "
+          f"{args.steps} steps: {args.log_every} warm-up, then {n_intervals} timed intervals of {args.log_every}")
+    print(f"machine: {overhead.machine(device, args.threads)}")
+    runs = {side: ", ".join(f"{x['images_per_s']:.1f}" for x in xs) for side, xs in results.items()}
+    print(f"bare      {bare:9.1f} img/s   runs: {runs['bare']}")
+    print(f"recipe    {rec:9.1f} img/s   runs: {runs['recipe']}")
+    print(f"ratio     {rec / bare:9.3f}         recipe / bare")
+    print(f"check: medians over all {n_intervals * args.repeats} timed intervals: bare {pooled['bare']:.1f}, "
+          f"recipe {pooled['recipe']:.1f} img/s, ratio {pooled['recipe'] / pooled['bare']:.3f}")
+    return {"bare": bare, "recipe": rec, "ratio": rec / bare, "ratio_intervals": pooled["recipe"] / pooled["bare"]}
+
+
+if __name__ == "__main__":
+    main()

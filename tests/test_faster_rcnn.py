@@ -1,0 +1,188 @@
+"""recipes/faster_rcnn.py: the aspect-ratio batch sampler (common/data.py), the weighted loss, the
+model's geometry (boxes back in input pixels, normalisation once), bad input, and the default
+run through the entry point learning the built-in scenes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+
+from conftest import check, load_recipe, run_recipe
+
+from common.data import AspectRatioBatchSampler
+
+frcnn = load_recipe("faster_rcnn")
+
+# 40 landscape (w / h >= 1) and 24 portrait images, interleaved
+RATIOS = [1.5 if i % 8 < 5 else 0.75 for i in range(64)]
+
+
+def _epoch(sampler: AspectRatioBatchSampler, epoch: int) -> list[list[tuple[int, int]]]:
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def test_sampler_covers_every_index_once_in_homogeneous_batches():
+    sampler = AspectRatioBatchSampler(RATIOS, 8, seed=3)
+    batches = _epoch(sampler, 0)
+    assert len(batches) == len(sampler) == 8  # 40 / 8 + 24 / 8: every batch full, nothing dropped
+    flat = [i for batch in batches for _, i in batch]
+    assert sorted(flat) == list(range(64))
+    assert all(e == 0 for batch in batches for e, _ in batch)
+    for batch in batches:
+        assert len({RATIOS[i] >= 1 for _, i in batch}) == 1  # one orientation per batch
+    # without drop_last the groups' last batches are smaller, and still every index comes once
+    ragged = AspectRatioBatchSampler(RATIOS[:61], 8, seed=3, drop_last=False)
+    flat = [i for batch in _epoch(ragged, 0) for _, i in batch]
+    assert sorted(flat) == list(range(61)) and len(ragged) == 5 + 3
+    # with drop_last they are dropped: 40 landscape -> 5 batches, 21 portrait -> 2
+    assert len(AspectRatioBatchSampler(RATIOS[:61], 8, seed=3)) == 7
+
+
+def test_sampler_order_is_a_function_of_seed_and_epoch():
+    a, b = AspectRatioBatchSampler(RATIOS, 8, seed=3), AspectRatioBatchSampler(RATIOS, 8, seed=3)
+    first = _epoch(a, 0)
+    assert _epoch(b, 0) == first  # same seed and epoch, another instance
+    second = _epoch(a, 1)
+    assert [[i for _, i in batch] for batch in second] != [[i for _, i in batch] for batch in first]
+    assert all(e == 1 for batch in second for e, _ in batch)
+    assert _epoch(a, 0) == first  # back to epoch 0: the same order again
+    assert _epoch(AspectRatioBatchSampler(RATIOS, 8, seed=4), 0) != first
+
+
+def test_sampler_splits_across_two_processes_as_accelerate_shards_it():
+    """Accelerate gives process r of W the batches r, r + W, ... of the sampler (BatchSamplerShard,
+    what ``accelerator.prepare`` wraps a batch sampler in): both processes get the same number of
+    full, homogeneous batches, disjoint, and together the rounds are the whole epoch's batches."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    ratios = RATIOS[:60]  # 39 landscape (4 full batches), 21 portrait (2): 6 batches, 3 rounds of 2
+    sampler = AspectRatioBatchSampler(ratios, 8, seed=0, num_processes=2)
+    sampler.set_epoch(2)
+    whole = list(sampler)
+    assert len(whole) == len(sampler) == 6
+    shards = [list(BatchSamplerShard(sampler, num_processes=2, process_index=r)) for r in range(2)]
+    assert len(shards[0]) == len(shards[1]) == 3
+    assert [b for pair in zip(*shards) for b in pair] == whole
+    seen = [i for shard in shards for batch in shard for _, i in batch]
+    assert len(seen) == len(set(seen)) == 48
+    for shard in shards:
+        assert all(len(batch) == 8 and len({ratios[i] >= 1 for _, i in batch}) == 1 for batch in shard)
+    # 3 processes: 6 full batches make 2 rounds; 7 would be cut to 6
+    assert len(AspectRatioBatchSampler(RATIOS, 8, seed=0, num_processes=3)) == 6
+
+
+def test_weighted_loss_is_the_weights_applied_to_the_logged_terms():
+    losses = {"loss_objectness": torch.tensor(0.7), "loss_rpn_box_reg": torch.tensor(0.2),
+              "loss_classifier": torch.tensor(1.5), "loss_box_reg": torch.tensor(0.4)}
+    weights = [1.0, 2.0, 0.5, 3.0]
+    total, terms = frcnn.weighted_loss(losses, weights)
+    assert list(terms) == ["rpn_objectness", "rpn_box", "roi_classifier", "roi_box"]
+    assert float(total) == pytest.approx(0.7 * 1.0 + 0.2 * 2.0 + 1.5 * 0.5 + 0.4 * 3.0)
+    assert float(total) == pytest.approx(sum(w * float(v) for w, v in zip(weights, terms.values())))
+    assert float(frcnn.weighted_loss(losses, [1, 1, 1, 1])[0]) == pytest.approx(2.8)
+    # and through the real model: the logged terms are torchvision's four losses, unweighted
+    model = _model()
+    torch.manual_seed(0)
+    images = [torch.rand(3, 96, 96), torch.rand(3, 80, 96)]
+    targets = [{"boxes": torch.tensor([[10.0, 10.0, 30.0, 40.0]]), "labels": torch.tensor([3])},
+               {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)}]  # a negative image
+    torch.manual_seed(1)
+    raw = model(images, targets)
+    assert set(raw) == set(frcnn.LOSS_NAMES)
+    total, terms = frcnn.weighted_loss(raw, weights)
+    expected = sum(w * float(raw[k].detach()) for w, k in zip(weights, frcnn.LOSS_NAMES))
+    assert float(total.detach()) == pytest.approx(expected, rel=1e-6)
+
+
+def _model() -> frcnn.TwoStageDetector:
+    torch.manual_seed(0)
+    return frcnn.create_model(frcnn.parse_config(frcnn.Config, []), num_classes=10)
+
+
+def test_model_normalises_once_and_returns_boxes_in_input_pixels():
+    """The data pipeline gives 0..1 images; the model's transform normalises with ImageNet mean/std
+    (once) and resizes to min_size; detections come back in the pixels of the image as given."""
+    from common.detection import IMAGENET_MEAN, IMAGENET_STD
+
+    cfg = frcnn.parse_config(frcnn.Config, ["--min_size", "128", "--max_size", "128"])
+    model = frcnn.create_model(cfg, num_classes=10).eval()
+    image = torch.rand(3, 96, 64)
+    batch, _ = model.transform([image])
+    assert tuple(batch.image_sizes[0]) == (128, 85)  # shorter side 64 -> 128 would make 192 > max 128
+    resized = torch.nn.functional.interpolate(image[None], size=(128, 85), mode="bilinear", align_corners=False)[0]
+    mean, std = torch.tensor(IMAGENET_MEAN)[:, None, None], torch.tensor(IMAGENET_STD)[:, None, None]
+    assert torch.allclose(batch.tensors[0, :, :128, :85], (resized - mean) / std, atol=1e-5)
+    detections = [{"boxes": torch.tensor([[0.0, 0.0, 85.0, 128.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.9])}]
+    back = model.transform.postprocess(detections, batch.image_sizes, [(96, 64)])
+    assert back[0]["boxes"][0].tolist() == pytest.approx([0.0, 0.0, 64.0, 96.0])
+    train_tf = frcnn.data_transforms(True, 0.0, False)
+    from PIL import Image
+    from torchvision import tv_tensors
+    picture = Image.fromarray((torch.rand(40, 50, 3) * 255).byte().numpy())
+    boxes = tv_tensors.BoundingBoxes([[1.0, 2.0, 20.0, 30.0]], format="XYXY", canvas_size=(40, 50))
+    out, target = train_tf(picture, {"boxes": boxes, "labels": torch.tensor([2])})
+    assert out.shape == (3, 40, 50) and 0.0 <= float(out.min()) and float(out.max()) <= 1.0  # not normalised
+    assert target["boxes"].tolist() == [[1.0, 2.0, 20.0, 30.0]]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The default config through the real entry point (the README's command, offline)."""
+    run = tmp_path_factory.mktemp("faster_rcnn") / "run"
+    proc = check(run_recipe("faster_rcnn", ["--output_dir", str(run), "--report_to", "none"], timeout=900))
+    return run, proc
+
+
+def test_default_run_learns_the_builtin_scenes(default_run):
+    run, proc = default_run
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/loss" in r]
+    assert train and all(k in train[-1] for k in ("train/loss_rpn_objectness", "train/loss_rpn_box",
+                                                  "train/loss_roi_classifier", "train/loss_roi_box",
+                                                  "train/data_s_per_step", "train/compute_s_per_step"))
+    for r in train:  # the logged total is the weighted (here: plain) sum of the logged terms
+        terms = sum(r[f"train/loss_{k}"] for k in ("rpn_objectness", "rpn_box", "roi_classifier", "roi_box"))
+        assert r["train/loss"] == pytest.approx(terms, rel=1e-4)
+    final = [r for r in records if "eval/map_50" in r][-1]
+    assert final["eval/map_50"] >= 0.80, final
+    assert (run / "plots").glob("detections_step*.png")
+    # best.safetensors holds the best weights and rebuilds the model from its metadata
+    meta = safetensors.safe_open(str(run / "best.safetensors"), "pt").metadata()
+    cfg = frcnn.parse_config(frcnn.Config, [])
+    assert json.loads(meta["config"])["model"] == cfg.model and len(json.loads(meta["classes"])) == 10
+    model = frcnn.create_model(cfg, 10)
+    model.load_state_dict(safetensors.torch.load_file(str(run / "best.safetensors")))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--loss_weights", "1,1,1"], "loss_weights must be 4 non-negative numbers"),
+    (["--sched", "cosine"], "sched must be step or poly"),
+    (["--min_size", "128"], "min_size must be one or more positive sizes no larger than max_size"),
+    (["--anchor_sizes", "[[16], [32]]"], "anchor_sizes must give one list of sizes per FPN level"),
+    (["--anchor_sizes", "[[16], [32, 48], [64]]"], "anchor_sizes must give one list of sizes per FPN level"),
+    (["--model", "no_such_net"], "unknown timm model 'no_such_net'"),
+    (["--model", "fasterrcnn_resnet50_fpn"], "do not fit fasterrcnn_resnet50_fpn"),  # the demo's timm kwargs
+])
+def test_bad_input_is_a_user_error(args, message):
+    """In-process (a subprocess per case would cost seconds of imports each): what ``main`` checks
+    before it makes the run folder (``check_config``, then ``create_model``) raises a UserError,
+    which the entry point prints as one line with exit status 2 (tested below)."""
+    from common import UserError
+
+    cfg = frcnn.parse_config(frcnn.Config, args)
+    with pytest.raises(UserError, match=message):
+        frcnn.check_config(cfg)
+        frcnn.create_model(cfg, 10)
+
+
+def test_bad_input_is_one_clear_line(tmp_path):
+    """Through the entry point: one ``error:`` line, exit status 2."""
+    proc = run_recipe("faster_rcnn", ["--output_dir", str(tmp_path / "run"), "--report_to", "none",
+                                      "--data", "/nonexistent/folder"], timeout=120)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "/nonexistent/folder" in last, proc.stderr[-2000:]
