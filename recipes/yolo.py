@@ -574,9 +574,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if cfg.report_to == "wandb":
             import wandb
 
-            logged = [wandb.Image(np.asarray(picture), boxes=wandb_boxes(t["boxes"], t["labels"], p["boxes"].cpu(),
-                                  p["labels"].cpu(), p["scores"].cpu(), data.classes, image.shape[-2:]))
-                      for picture, (image, t), p in zip(pictures, samples, predictions)]
+            none = torch.zeros(0, 4)  # the plain image at its own size: W&B draws the boxes, in its pixels
+            logged = [wandb.Image(draw_detections(image.cpu(), none, [], none, [], [], data.classes, min_size=1),
+                                  boxes=wandb_boxes(t["boxes"], t["labels"], p["boxes"].cpu(), p["labels"].cpu(),
+                                                    p["scores"].cpu(), data.classes))
+                      for (image, t), p in zip(samples, predictions)]
             accelerator.get_tracker("wandb", unwrap=True).log({"detections": logged}, step=step)
 
     # ---- resume --------------------------------------------------------------------------------
