@@ -60,34 +60,38 @@ def digits_dataset():
 
 def _load_source(data: str):
     """A ``DatasetDict`` (or ``Dataset``) from a built-in name, a local folder or a hub name."""
-    import datasets
-
     if data == "digits":
         return digits_dataset()
     if data == "digits_ssl":
         from common.synthetic import digits_ssl_dataset  # lazy: only this set needs the renderer
 
         return digits_ssl_dataset()
+    if Path(data).is_file():
+        raise UserError(f"data '{data}' is a file; expected a folder (imagefolder layout or a saved dataset)")
+    return load_saved_or_hub(data, "dataset", f"one of {', '.join(BUILTIN)}, an existing folder, or a hub dataset "
+                             "name (with network, or already in the cache)")
+
+
+def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
+    """A ``DatasetDict`` or ``Dataset`` from a ``save_to_disk`` folder, else through
+    ``datasets.load_dataset``: a hub name (``org/name`` or ``org/name:config``), or a local folder it
+    reads as the hub would (images in ``<split>/<class>/`` folders, or a downloaded dataset
+    repository with ``data/*.parquet``). A failure is one :class:`UserError`:
+    "<what> '<data>' could not be loaded (<first line of the cause>); expected <expected>"."""
+    import datasets
+
     path = Path(data)
-    if path.exists():
-        if not path.is_dir():
-            raise UserError(f"data '{data}' is a file; expected a folder (imagefolder layout or a saved dataset)")
-        if any((path / f).exists() for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
-            try:
-                return datasets.load_from_disk(str(path))
-            except Exception as e:
-                raise UserError(f"saved dataset '{data}' could not be read: {type(e).__name__}: {e}") from None
-    # A hub name, or a local folder, which load_dataset reads as the hub would: images in
-    # <split>/<class>/ folders (imagefolder) or a downloaded dataset repository (data/*.parquet).
+    if path.is_dir() and any((path / f).exists() for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
+        try:
+            return datasets.load_from_disk(str(path))
+        except Exception as e:
+            raise UserError(f"saved dataset '{data}' could not be read: {type(e).__name__}: {e}") from None
     name, _, subset = (data, "", "") if path.exists() else data.partition(":")  # "frgfm/imagenette:320px"
     try:
         return datasets.load_dataset(name, subset or None)
     except Exception as e:  # hub errors come in many types; the first line says what happened
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(
-            f"dataset '{data}' could not be loaded ({first}); expected one of {', '.join(BUILTIN)}, "
-            "an existing folder, or a hub dataset name (with network, or already in the cache)"
-        ) from None
+        raise UserError(f"{what} '{data}' could not be loaded ({first}); expected {expected}") from None
 
 
 def _detect_columns(ds, image_column: str, label_column: str) -> tuple[str, str]:

@@ -45,7 +45,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from common import UserError
-from common.data import EVAL_SPLITS, decode_image, sample_seed, seeded
+from common.data import EVAL_SPLITS, decode_image, load_saved_or_hub, sample_seed, seeded
 from common.synthetic import _LUMA, _blend, _coverage, _rgba
 
 if TYPE_CHECKING:
@@ -424,23 +424,8 @@ def _normalise(ds: Any, data: str, split: str) -> tuple[Any, list[str] | None]:
 
 def _load_table(data: str) -> Any:
     """A ``DatasetDict`` or ``Dataset`` from a ``save_to_disk`` folder, a local repository copy or a hub name."""
-    import datasets
-
-    path = Path(data)
-    if path.is_dir() and any((path / f).exists() for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
-        try:
-            return datasets.load_from_disk(str(path))
-        except Exception as e:
-            raise UserError(f"saved dataset '{data}' could not be read: {type(e).__name__}: {e}") from None
-    name, _, subset = (data, "", "") if path.exists() else data.partition(":")  # "org/name:config"
-    try:
-        return datasets.load_dataset(name, subset or None)
-    except Exception as e:  # hub errors come in many types; the first line says what happened
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(
-            f"detection dataset '{data}' could not be loaded ({first}); expected {', '.join(BUILTIN)}, "
-            "a COCO-json folder, a saved dataset, or a hub dataset name (with network, or already in the cache)"
-        ) from None
+    return load_saved_or_hub(data, "detection dataset", f"{', '.join(BUILTIN)}, a COCO-json folder, a saved dataset, "
+                             "or a hub dataset name (with network, or already in the cache)")
 
 
 def _sources(data: str) -> tuple[dict[str, Callable[[], tuple[Any, list[str] | None]]], str]:
