@@ -7,7 +7,7 @@ What is measured
 
     reference  a loop written the way facebookresearch/dino ``main_dino.py`` ``train_one_epoch``
                is: the recipe module's own ``create_backbone``, ``DINOHead``, ``MultiCropWrapper``,
-               ``DINOLoss`` and ``param_groups`` (so model and loss are identical), the teacher a
+               ``DINOLoss`` and ``weight_decay_groups`` (so model and loss are identical), the teacher a
                copy of the student without drop path and with ``requires_grad = False``; plain
                ``torch.optim.AdamW`` (``foreach=False``: one parameter at a time, as the AdamW of
                the reference's era);
@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import importlib.util
 import itertools
 import math
 import os
@@ -86,19 +85,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # noqa: E402  same folder: machine line, synthetic loader, rebinding, signal handlers
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE_PATH = ROOT / "recipes" / "dino.py"
 TARGET = {"cuda": 1.3, "cpu": 1.0}
 KNN_TRAIN_LIMIT = 64  # the recipe's kNN memory bank: its step-0 and final evaluations stay short
-
-
-def load_recipe() -> ModuleType:
-    """Import recipes/dino.py from its path (it puts the repository root on sys.path)."""
-    spec = importlib.util.spec_from_file_location("dino_recipe", RECIPE_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and typing.get_type_hints look the module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def recipe_argv(args: argparse.Namespace) -> list[str]:
@@ -177,7 +165,7 @@ def reference_run(args: argparse.Namespace, recipe: ModuleType, cfg: Any, device
     dino_loss = recipe.DINOLoss(cfg.out_dim, 2 + cfg.local_crops, cfg.warmup_teacher_temp, cfg.teacher_temp,
                                 cfg.warmup_teacher_temp_epochs, cfg.epochs, cfg.student_temp,
                                 cfg.center_momentum).to(device)
-    optimizer = torch.optim.AdamW(recipe.param_groups(student), foreach=False)  # = utils.get_params_groups
+    optimizer = torch.optim.AdamW(recipe.weight_decay_groups(student, cfg.weight_decay), foreach=False)  # = utils.get_params_groups
     fp16_scaler = torch.amp.GradScaler("cuda") if args.reference_precision == "fp16" else None
     data_loader, sampler = make_loader()
     lr_schedule, wd_schedule, momentum_schedule = schedules(recipe, cfg, len(data_loader), args.steps)
@@ -325,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if pre.parse_known_args(argv)[0].device == "cpu":  # else the recipe's Accelerator picks a GPU
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything (the recipe's imports) initialises CUDA
         os.environ["ACCELERATE_USE_CPU"] = "1"
-    recipe = load_recipe()  # its Config's defaults are the flags' defaults
+    recipe = overhead.load_recipe("dino")  # its Config's defaults are the flags' defaults
     args = parse_args(argv, recipe.Config())
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)

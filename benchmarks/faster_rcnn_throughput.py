@@ -58,21 +58,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import overhead  # noqa: E402  same folder: machine line, timing helpers, alternation
-
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE_PATH = ROOT / "recipes" / "faster_rcnn.py"
-
-
-def load_recipe() -> ModuleType:
-    """Import recipes/faster_rcnn.py from its path (it puts the repository root on sys.path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("faster_rcnn_recipe", RECIPE_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+import overhead  # noqa: E402  same folder: machine line, timing helpers, alternation, recipe import
 
 
 def recipe_argv(args: argparse.Namespace) -> list[str]:
@@ -108,10 +94,7 @@ def bare_run(args: argparse.Namespace, recipe: ModuleType, cfg: Any, device: tor
                                          **loader_kwargs(cfg.num_workers))
     set_seed(cfg.seed)  # as the recipe's Run does before building the model: same initial weights
     model = recipe.create_model(cfg, len(data.classes)).to(device).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD([{"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
-                                 {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-                                lr=cfg.lr, momentum=cfg.momentum)
+    optimizer = torch.optim.SGD(recipe.weight_decay_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=cfg.momentum)
     steps_per_epoch = len(loader)
     lr = recipe.schedule(cfg.sched, cfg.lr, 0.0, args.steps, round(cfg.warmup_epochs * steps_per_epoch),
                          cfg.lr * cfg.warmup_factor, [m * steps_per_epoch for m in cfg.decay_milestones],
@@ -202,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.device == "cpu":  # else the recipe's Accelerator picks a GPU
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ["ACCELERATE_USE_CPU"] = "1"
-    recipe = load_recipe()
+    recipe = overhead.load_recipe("faster_rcnn")
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     cfg = recipe.parse_config(recipe.Config, recipe_argv(args))  # the very config the recipe side runs

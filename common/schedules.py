@@ -61,6 +61,16 @@ def schedule(
     return values
 
 
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Optimizer param groups of ``model``'s trainable parameters: weights and kernels (ndim > 1)
+    decayed by ``weight_decay``, and biases and other 1-D parameters (norms, weight-norm magnitudes)
+    not decayed. The scales are explicit (1 and 0), so :func:`set_group_values` keeps the second
+    group at zero whatever the first group's starting value, 0 included."""
+    params = [p for p in model.parameters() if p.requires_grad]  # frozen stages stay out
+    return [{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay, "weight_decay_scale": 1.0},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "weight_decay_scale": 0.0}]
+
+
 def set_group_values(optimizer: torch.optim.Optimizer, name: str, value: float) -> None:
     """Set ``group[name] = value * group[name + '_scale']`` for every param group.
 

@@ -55,7 +55,7 @@ from common.data import ClassificationDataset, eval_loader_for, load_classificat
 from common.ema import ema_update_
 from common.meters import Meters, prefixed
 from common.run import Run, TrainState, cli_main, steps_total
-from common.schedules import schedule, set_group_values
+from common.schedules import schedule, set_group_values, weight_decay_groups
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -284,15 +284,6 @@ class DINOLoss(nn.Module):
 # ============================================================================================
 # Optimisation helpers
 # ============================================================================================
-def param_groups(model: nn.Module) -> list[dict]:
-    """No weight decay for biases and 1-D parameters (norms, weight-norm magnitudes)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 @torch.no_grad()
 def clip_gradients_per_param(params: list[nn.Parameter], clip: float) -> torch.Tensor:
     """Scale each parameter's gradient to norm <= clip, separately (the reference's clip_gradients),
@@ -424,8 +415,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     if cfg.opt not in ("adamw", "sgd"):
         raise UserError(f"opt must be adamw or sgd, got '{cfg.opt}'")
-    optimizer = (torch.optim.AdamW(param_groups(student), lr=cfg.lr, **fused) if cfg.opt == "adamw"  # lr, wd: per step
-                 else torch.optim.SGD(param_groups(student), lr=cfg.lr, momentum=0.9, **fused))
+    groups = weight_decay_groups(student, cfg.weight_decay)  # lr and decay: per step; none for biases and norms
+    optimizer = (torch.optim.AdamW(groups, lr=cfg.lr, **fused) if cfg.opt == "adamw"
+                 else torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, **fused))
     student, optimizer, train_loader, bank_loader, eval_loader = accelerator.prepare(
         student, optimizer, train_loader, bank_loader, eval_loader)
     teacher.to(accelerator.device)

@@ -66,7 +66,7 @@ from common.detection import (IMAGENET_MEAN, IMAGENET_STD, CocoEvaluator, Detect
                               load_detection, rescale_boxes, wandb_boxes)
 from common.meters import Meters, prefixed
 from common.run import Run, TrainState, cli_main, steps_total
-from common.schedules import schedule, set_group_values
+from common.schedules import schedule, set_group_values, weight_decay_groups
 
 # torchvision's Faster R-CNN presets (model = one of these names), each built by its own function.
 PRESETS = ("fasterrcnn_resnet50_fpn", "fasterrcnn_resnet50_fpn_v2", "fasterrcnn_mobilenet_v3_large_fpn",
@@ -399,9 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BN statistics over the global batch
 
     # ---- optimizer and schedules (SGD; no weight decay on biases and norms) ----------------------
-    params = [p for p in model.parameters() if p.requires_grad]  # frozen stages stay out
-    groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    groups = weight_decay_groups(model, cfg.weight_decay)  # frozen stages stay out
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **fused)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)

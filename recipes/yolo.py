@@ -60,7 +60,7 @@ from common.detection import (CocoEvaluator, DetectionDataset, collate, detectio
 from common.ema import ModelEma
 from common.meters import Meters, prefixed
 from common.run import Run, TrainState, cli_main, steps_total
-from common.schedules import schedule, set_group_values
+from common.schedules import schedule, set_group_values, weight_decay_groups
 
 # YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they are at every input size.
 COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
@@ -531,9 +531,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BN statistics over the global batch
 
     # ---- optimizer and schedules (no weight decay on biases and norms) --------------------------
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]  # biases, norm weights
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = weight_decay_groups(model, cfg.weight_decay)
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     if cfg.opt == "adamw":
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **fused)

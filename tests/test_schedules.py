@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.schedules import schedule, set_group_values
+from common.schedules import schedule, set_group_values, weight_decay_groups
 
 # 10 warmup steps, then 101 steps of decay: t = (step - 10) / 100, so step 60 is the midpoint.
 TOTAL, WARMUP = 111, 10
@@ -65,3 +65,14 @@ def test_group_scaling_and_no_decay_group():
     assert [g["weight_decay"] for g in opt.param_groups] == pytest.approx([0.4, 0.0])
     set_group_values(opt, "weight_decay", 0.04)  # the scale found on first call sticks
     assert [g["weight_decay"] for g in opt.param_groups] == pytest.approx([0.04, 0.0])
+
+
+def test_weight_decay_groups_split_and_follow_the_schedule_from_zero():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    model[2].requires_grad_(False)  # frozen: in no group
+    groups = weight_decay_groups(model, 0.0)
+    assert [len(g["params"]) for g in groups] == [1, 3]  # Linear weight | Linear bias, norm weight and bias
+    assert groups[0]["params"][0] is model[0].weight
+    opt = torch.optim.AdamW(groups, lr=1.0)
+    set_group_values(opt, "weight_decay", 0.4)  # a decay schedule that starts at 0 still reaches the first group
+    assert [g["weight_decay"] for g in opt.param_groups] == pytest.approx([0.4, 0.0])
