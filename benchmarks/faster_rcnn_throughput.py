@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -59,22 +58,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # noqa: E402  same folder: machine line, timing helpers, alternation, recipe import
-
-
-def recipe_argv(args: argparse.Namespace) -> list[str]:
-    """The recipe's command line; also parsed into the Config that the bare side uses."""
-    return [*args.recipe_args, "--report_to", "none", "--batch_size", str(args.batch_size),
-            "--max_steps", str(args.steps), "--log_every", str(args.log_every), "--epochs", "1000",
-            "--eval_every", "100000", "--checkpoint_every", "10000000", "--plot_images", "0",
-            "--num_workers", str(args.num_workers), "--mixed_precision", args.mixed_precision]
-
-
-def summarise(intervals: list[tuple[float, int, float, float]]) -> dict[str, Any]:
-    """(seconds, images, mean loss, seconds waiting for data) per interval -> images/s and the rest."""
-    seconds = sum(t for t, _, _, _ in intervals)
-    return {"images_per_s": sum(n for _, n, _, _ in intervals) / seconds, "seconds": seconds,
-            "data_wait": sum(w for _, _, _, w in intervals) / seconds,
-            "interval_rates": [n / t for t, n, _, _ in intervals], "final_loss": intervals[-1][2]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,88 +116,30 @@ def bare_run(args: argparse.Namespace, recipe: ModuleType, cfg: Any, device: tor
         if step == args.steps:
             break
     del loader, sampler  # stops persistent workers before the other side runs
-    return summarise(intervals[1:])
+    return overhead.interval_summary(intervals[1:])
 
 
 # --------------------------------------------------------------------------------------------
-# The recipe's real main()
+# Main: the recipe side is overhead.detector_recipe_run, the recipe's real main()
 # --------------------------------------------------------------------------------------------
-def recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path) -> dict[str, Any]:
-    timed = overhead.timed_recipe_intervals(args, recipe, recipe_argv(args) + ["--output_dir", str(out_dir)],
-                                            out_dir, None)
-    intervals = []
-    for r in timed:
-        seconds = r["train/s_per_step"] * args.log_every  # every logged interval is log_every steps
-        intervals.append((seconds, r["train/images_per_s"] * seconds, r["train/loss"], r["train/data_wait"] * seconds))
-    return summarise(intervals)
-
-
-# --------------------------------------------------------------------------------------------
-# Main
-# --------------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    recipe_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch_size", type=int, default=8, help="per step (the recipe's default: 8)")
-    p.add_argument("--steps", type=int, default=0, help="optimizer steps per run, warm-up included (0: 60 on cpu, 120 on cuda)")
-    p.add_argument("--log_every", type=int, default=0, help="steps per timed interval, the first is warm-up (0: 10 on cpu, 20 on cuda)")
-    p.add_argument("--repeats", type=int, default=4, help="bare/recipe pairs, in ABBA order")
-    p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers (both sides)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores minus workers, at least 1)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no", help="the recipe's precision (bare: fp32)")
-    p.add_argument("--verbose", action="store_true", help="show the recipe's own output")
-    args = p.parse_args(argv)
-    args.recipe_args = recipe_args
-    cuda = args.device == "cuda"
-    args.steps = args.steps or (120 if cuda else 60)
-    args.log_every = args.log_every or (20 if cuda else 10)
-    if args.steps % args.log_every or args.steps < 2 * args.log_every:
-        p.error("--steps must be a multiple of --log_every and at least 2 x --log_every")
-    if cuda and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device")
-    if args.threads <= 0:
-        args.threads = max(1, overhead.cores() - args.num_workers)
-    return args
-
-
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    args = parse_args(argv)
-    if args.device == "cpu":  # else the recipe's Accelerator picks a GPU
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        os.environ["ACCELERATE_USE_CPU"] = "1"
+    args = overhead.detector_args(__doc__, argv, batch_size=8)
     recipe = overhead.load_recipe("faster_rcnn")
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    cfg = recipe.parse_config(recipe.Config, recipe_argv(args))  # the very config the recipe side runs
+    cfg = recipe.parse_config(recipe.Config, overhead.detector_recipe_argv(args))  # the very config the recipe side runs
 
     with tempfile.TemporaryDirectory(prefix="faster-rcnn-bench-") as work:
         def run_side(side: str, r: int) -> dict[str, Any]:
             if side == "bare":
                 return bare_run(args, recipe, cfg, device)
-            return recipe_run(args, recipe, Path(work) / f"recipe-{r}")
+            return overhead.detector_recipe_run(args, recipe, Path(work) / f"recipe-{r}")
 
         results = overhead.alternate(args, ("bare", "recipe"), run_side, abba=True)
-
-    bare = statistics.median(x["images_per_s"] for x in results["bare"])
-    rec = statistics.median(x["images_per_s"] for x in results["recipe"])
-    pooled = {side: statistics.median(v for x in xs for v in x["interval_rates"]) for side, xs in results.items()}
-    n_intervals = len(results["bare"][0]["interval_rates"])
-    print()
-    print(f"model {cfg.model} {cfg.model_kwargs}, FPN {cfg.fpn_channels}, min_size {cfg.min_size}, max_size "
-          f"{cfg.max_size}, batch {args.batch_size}, {args.device}, data {cfg.data}, {args.num_workers} workers")
-    print(f"precision: recipe {args.mixed_precision}, bare fp32; {args.repeats} repeats in ABBA order, each of "
-          f"{args.steps} steps: {args.log_every} warm-up, then {n_intervals} timed intervals of {args.log_every}")
-    print(f"machine: {overhead.machine(device, args.threads)}")
-    runs = {side: ", ".join(f"{x['images_per_s']:.1f}" for x in xs) for side, xs in results.items()}
-    print(f"bare      {bare:9.1f} img/s   runs: {runs['bare']}")
-    print(f"recipe    {rec:9.1f} img/s   runs: {runs['recipe']}")
-    print(f"ratio     {rec / bare:9.3f}         recipe / bare")
-    print(f"check: medians over all {n_intervals * args.repeats} timed intervals: bare {pooled['bare']:.1f}, "
-          f"recipe {pooled['recipe']:.1f} img/s, ratio {pooled['recipe'] / pooled['bare']:.3f}")
-    return {"bare": bare, "recipe": rec, "ratio": rec / bare, "ratio_intervals": pooled["recipe"] / pooled["bare"]}
+    return overhead.report_ratio(results, [
+        f"model {cfg.model} {cfg.model_kwargs}, FPN {cfg.fpn_channels}, min_size {cfg.min_size}, max_size "
+        f"{cfg.max_size}, batch {args.batch_size}, {args.device}, data {cfg.data}, {args.num_workers} workers",
+        f"precision: recipe {args.mixed_precision}, bare fp32"], args, device)
 
 
 if __name__ == "__main__":

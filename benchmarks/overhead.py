@@ -469,3 +469,92 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 if __name__ == "__main__":
     main()
+
+
+# --------------------------------------------------------------------------------------------
+# Shared by the detector benchmarks (faster_rcnn_throughput.py, yolo_throughput.py, ...):
+# everything but each one's bare loop and its header line
+# --------------------------------------------------------------------------------------------
+def detector_args(doc: str, argv: list[str] | None, batch_size: int) -> argparse.Namespace:
+    """The flags every detector benchmark takes; everything after ``--`` is the recipe's config
+    (``args.recipe_args``) and so reaches both sides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch_size", type=int, default=batch_size, help=f"per step (default: {batch_size}, the recipe's)")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps per run, warm-up included (0: 60 on cpu, 120 on cuda)")
+    p.add_argument("--log_every", type=int, default=0, help="steps per timed interval, the first is warm-up (0: 10 on cpu, 20 on cuda)")
+    p.add_argument("--repeats", type=int, default=4, help="bare/recipe pairs, in ABBA order")
+    p.add_argument("--num_workers", type=int, default=1, help="DataLoader workers (both sides)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: cores minus workers, at least 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no", help="the recipe's precision (bare: fp32)")
+    p.add_argument("--verbose", action="store_true", help="show the recipe's own output")
+    args = p.parse_args(argv)
+    args.recipe_args = recipe_args
+    cuda = args.device == "cuda"
+    args.steps = args.steps or (120 if cuda else 60)
+    args.log_every = args.log_every or (20 if cuda else 10)
+    if args.steps % args.log_every or args.steps < 2 * args.log_every:
+        p.error("--steps must be a multiple of --log_every and at least 2 x --log_every")
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device")
+    if args.threads <= 0:
+        args.threads = max(1, cores() - args.num_workers)
+    if not cuda:  # else the recipe's Accelerator picks a GPU; set before anything initialises CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["ACCELERATE_USE_CPU"] = "1"
+    return args
+
+
+def detector_recipe_argv(args: argparse.Namespace) -> list[str]:
+    """The recipe's command line: no evaluation, checkpoint or plot inside the timed run. Also
+    parsed into the Config that the bare side uses, so both sides run the very same settings."""
+    return [*args.recipe_args, "--report_to", "none", "--batch_size", str(args.batch_size),
+            "--max_steps", str(args.steps), "--log_every", str(args.log_every), "--epochs", "1000",
+            "--eval_every", "100000", "--checkpoint_every", "10000000", "--plot_images", "0",
+            "--num_workers", str(args.num_workers), "--mixed_precision", args.mixed_precision]
+
+
+def interval_summary(intervals: list[tuple[float, int, float, float]]) -> dict[str, Any]:
+    """(seconds, images, mean loss, seconds waiting for data) per timed interval -> images/s, the
+    data-wait fraction, the per-interval rates and the last interval's loss."""
+    seconds = sum(t for t, _, _, _ in intervals)
+    return {"images_per_s": sum(n for _, n, _, _ in intervals) / seconds, "seconds": seconds,
+            "data_wait": sum(w for _, _, _, w in intervals) / seconds,
+            "interval_rates": [n / t for t, n, _, _ in intervals], "final_loss": intervals[-1][2]}
+
+
+def detector_recipe_run(args: argparse.Namespace, recipe: ModuleType, out_dir: Path,
+                        extra_argv: list[str] = ()) -> dict[str, Any]:
+    """The recipe's real ``main()`` on ``detector_recipe_argv``; its intervals read back from metrics.jsonl."""
+    argv = detector_recipe_argv(args) + list(extra_argv) + ["--output_dir", str(out_dir)]
+    intervals = []
+    for r in timed_recipe_intervals(args, recipe, argv, out_dir, None):
+        seconds = r["train/s_per_step"] * args.log_every  # every logged interval is log_every steps
+        intervals.append((seconds, r["train/images_per_s"] * seconds, r["train/loss"], r["train/data_wait"] * seconds))
+    return interval_summary(intervals)
+
+
+def report_ratio(results: dict[str, list[dict[str, Any]]], header: list[str], args: argparse.Namespace,
+                 device: torch.device) -> dict[str, float]:
+    """Print the header lines, the median images/s of each side and the ratio recipe / the other side."""
+    other, _ = results  # ("bare" or "reference", "recipe")
+    base = statistics.median(x["images_per_s"] for x in results[other])
+    rec = statistics.median(x["images_per_s"] for x in results["recipe"])
+    pooled = {side: statistics.median(v for x in xs for v in x["interval_rates"]) for side, xs in results.items()}
+    n_intervals = len(results[other][0]["interval_rates"])
+    print()
+    for line in header:
+        print(line)
+    print(f"{args.repeats} repeats in ABBA order, each of {args.steps} steps: {args.log_every} warm-up, "
+          f"then {n_intervals} timed intervals of {args.log_every}")
+    print(f"machine: {machine(device, args.threads)}")
+    runs = {side: ", ".join(f"{x['images_per_s']:.1f}" for x in xs) for side, xs in results.items()}
+    print(f"{other:<9} {base:9.1f} img/s   runs: {runs[other]}")
+    print(f"{'recipe':<9} {rec:9.1f} img/s   runs: {runs['recipe']}")
+    print(f"{'ratio':<9} {rec / base:9.3f}         recipe / {other}")
+    print(f"check: medians over all {n_intervals * args.repeats} timed intervals: {other} {pooled[other]:.1f}, "
+          f"recipe {pooled['recipe']:.1f} img/s, ratio {pooled['recipe'] / pooled[other]:.3f}")
+    return {other: base, "recipe": rec, "ratio": rec / base, "ratio_intervals": pooled["recipe"] / pooled[other]}

@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
     if (_root / "common" / "__init__.py").is_file():
@@ -315,6 +316,18 @@ class Exported(nn.Module):
         return self.model.decode(self.model(images), images.shape[-2], images.shape[-1])
 
 
+def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
+    """[3 * A, 2] anchor (w, h) in pixels at img_size, small to large: the config's, or k-means on
+    the training boxes (each image resized so that its longer side is img_size, as the transforms do)."""
+    if cfg.anchors:
+        return torch.tensor(cfg.anchors, dtype=torch.float32)
+    wh = [(w * cfg.img_size / max(iw, ih), h * cfg.img_size / max(iw, ih))
+          for objects, iw, ih in zip(train["objects"], train["width"], train["height"])
+          for _, _, w, h in objects["bbox"]]
+    return torch.tensor(kmeans_anchors(np.array(wh, dtype=np.float64), 3 * cfg.anchors_per_level, seed=cfg.seed),
+                        dtype=torch.float32)
+
+
 def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor) -> YOLOv3:
     try:
         backbone = timm.create_model(cfg.model, features_only=True, pretrained=cfg.pretrained, **cfg.model_kwargs)
@@ -516,14 +529,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     evaluator = CocoEvaluator(data.eval)
 
     # ---- model: anchors from the config, or k-means on the training boxes at img_size -----------
-    if cfg.anchors:
-        anchors = torch.tensor(cfg.anchors, dtype=torch.float32)
-    else:
-        wh = [(w * cfg.img_size / max(iw, ih), h * cfg.img_size / max(iw, ih))
-              for objects, iw, ih in zip(data.train["objects"], data.train["width"], data.train["height"])
-              for _, _, w, h in objects["bbox"]]
-        anchors = torch.tensor(kmeans_anchors(np.array(wh, dtype=np.float64), 3 * cfg.anchors_per_level,
-                                              seed=cfg.seed), dtype=torch.float32)
+    anchors = anchors_for(cfg, data.train)
+    if not cfg.anchors:
         run.print("anchors (k-means on the training boxes, px at img_size): "
                   + " ".join(f"{w:.0f}x{h:.0f}" for w, h in anchors.tolist()))
     model = create_model(cfg, num_classes, anchors)
