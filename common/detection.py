@@ -800,6 +800,30 @@ def wandb_boxes(target_boxes: Any, target_labels: Any, pred_boxes: Any, pred_lab
                             "class_labels": class_labels}}
 
 
+def save_detections(images: Sequence[torch.Tensor], targets: Sequence[dict[str, Any]],
+                    predictions: Sequence[dict[str, Any]], classes: Sequence[str], path: Path,
+                    wandb_run: Any = None, step: int = 0, score_threshold: float = 0.3) -> None:
+    """Ground truth (green) and predictions (red) of a few images side by side in one PNG at ``path``;
+    with ``wandb_run`` (a ``wandb`` run), also each plain image at its own size with its boxes as
+    W&B box overlays under the key ``detections``. ``images``: what :func:`draw_detections` takes;
+    ``targets``: ``boxes`` and ``labels``; ``predictions``: ``boxes``, ``labels`` (0-based, as
+    ``classes``) and ``scores``; boxes XYXY in each image's pixels. Every recipe's "plots" step."""
+    pictures = [draw_detections(image, t["boxes"], t["labels"], p["boxes"], p["labels"], p["scores"], classes,
+                                score_threshold) for image, t, p in zip(images, targets, predictions)]
+    height = max(p.height for p in pictures)
+    canvas = np.concatenate([np.pad(np.asarray(p), ((0, height - p.height), (0, 0), (0, 0))) for p in pictures], axis=1)
+    Image.fromarray(canvas).save(path)
+    if wandb_run is not None:
+        import wandb
+
+        none = torch.zeros(0, 4)  # the plain image, at its own size: W&B draws the boxes, in its pixels
+        logged = [wandb.Image(draw_detections(image, none, [], none, [], [], classes, min_size=1),
+                              boxes=wandb_boxes(t["boxes"], t["labels"], p["boxes"], p["labels"], p["scores"], classes,
+                                                score_threshold))
+                  for image, t, p in zip(images, targets, predictions)]
+        wandb_run.log({"detections": logged}, step=step)
+
+
 # --------------------------------------------------------------------------------------------
 # Anchors
 # --------------------------------------------------------------------------------------------

@@ -44,7 +44,6 @@ for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout"
 import inspect
 import json
 
-import numpy as np
 import safetensors.torch
 import timm
 import torch
@@ -62,8 +61,8 @@ from tqdm.auto import tqdm
 from common import UserError
 from common.config import parse_config, to_dict
 from common.data import AspectRatioBatchSampler, eval_loader_for, loader_kwargs
-from common.detection import (IMAGENET_MEAN, IMAGENET_STD, CocoEvaluator, DetectionDataset, draw_detections,
-                              load_detection, rescale_boxes, wandb_boxes)
+from common.detection import (IMAGENET_MEAN, IMAGENET_STD, CocoEvaluator, DetectionDataset, load_detection,
+                              rescale_boxes, save_detections)
 from common.meters import Meters, prefixed
 from common.run import Run, TrainState, cli_main, steps_total
 from common.schedules import schedule, set_group_values, weight_decay_groups
@@ -420,21 +419,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         with torch.no_grad(), accelerator.autocast():
             detections = accelerator.unwrap_model(model)([image.to(accelerator.device) for image, _ in samples])
         model.train()
-        pixels = [(image * 255).round().to(torch.uint8) for image, _ in samples]
-        pictures = [draw_detections(p, t["boxes"], t["labels"], d["boxes"].cpu(), d["labels"].cpu() - 1,
-                                    d["scores"].cpu(), data.classes) for p, (_, t), d in zip(pixels, samples, detections)]
-        height = max(p.height for p in pictures)
-        canvas = np.concatenate([np.pad(np.asarray(p), ((0, height - p.height), (0, 0), (0, 0))) for p in pictures], axis=1)
-        from PIL import Image
-        Image.fromarray(canvas).save(run.plots_dir / f"detections_step{step:08d}.png")
-        if cfg.report_to == "wandb":
-            import wandb
-
-            logged = [wandb.Image(np.asarray(picture), boxes=wandb_boxes(
-                t["boxes"] * picture.width / p.shape[-1], t["labels"], d["boxes"].cpu() * picture.width / p.shape[-1],
-                d["labels"].cpu() - 1, d["scores"].cpu(), data.classes))
-                for picture, p, (_, t), d in zip(pictures, pixels, samples, detections)]
-            accelerator.get_tracker("wandb", unwrap=True).log({"detections": logged}, step=step)
+        tracker = accelerator.get_tracker("wandb", unwrap=True) if cfg.report_to == "wandb" else None
+        save_detections([(image * 255).round().to(torch.uint8) for image, _ in samples], [t for _, t in samples],
+                        [{"boxes": d["boxes"].cpu(), "labels": d["labels"].cpu() - 1, "scores": d["scores"].cpu()}
+                         for d in detections], data.classes, run.plots_dir / f"detections_step{step:08d}.png",
+                        tracker, step)
 
     # ---- resume --------------------------------------------------------------------------------
     state = run.resume()

@@ -56,8 +56,8 @@ from tqdm.auto import tqdm
 from common import UserError
 from common.config import parse_config
 from common.data import eval_loader_for, sample_seed, train_loader_for
-from common.detection import (CocoEvaluator, DetectionDataset, collate, detection_transforms, draw_detections,
-                              kmeans_anchors, load_detection, rescale_boxes, wandb_boxes)
+from common.detection import (CocoEvaluator, DetectionDataset, collate, detection_transforms, kmeans_anchors,
+                              load_detection, rescale_boxes, save_detections)
 from common.ema import ModelEma
 from common.meters import Meters, prefixed
 from common.run import Run, TrainState, cli_main, steps_total
@@ -571,20 +571,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             boxes, scores = unwrapped.decode(net(images), images.shape[-2], images.shape[-1])
         net.train(was_training)
         predictions = postprocess(boxes, scores, 0.3, cfg.nms_iou, cfg.max_detections)
-        pictures = [draw_detections(image.cpu(), t["boxes"], t["labels"], p["boxes"].cpu(), p["labels"].cpu(),
-                                    p["scores"].cpu(), data.classes) for (image, t), p in zip(samples, predictions)]
-        canvas = np.concatenate([np.asarray(p) for p in pictures], axis=1)
-        from PIL import Image
-        Image.fromarray(canvas).save(run.plots_dir / f"detections_step{step:08d}.png")
-        if cfg.report_to == "wandb":
-            import wandb
-
-            none = torch.zeros(0, 4)  # the plain image at its own size: W&B draws the boxes, in its pixels
-            logged = [wandb.Image(draw_detections(image.cpu(), none, [], none, [], [], data.classes, min_size=1),
-                                  boxes=wandb_boxes(t["boxes"], t["labels"], p["boxes"].cpu(), p["labels"].cpu(),
-                                                    p["scores"].cpu(), data.classes))
-                      for (image, t), p in zip(samples, predictions)]
-            accelerator.get_tracker("wandb", unwrap=True).log({"detections": logged}, step=step)
+        tracker = accelerator.get_tracker("wandb", unwrap=True) if cfg.report_to == "wandb" else None
+        save_detections([image for image, _ in samples], [t for _, t in samples],
+                        [{k: v.cpu() for k, v in p.items()} for p in predictions], data.classes,
+                        run.plots_dir / f"detections_step{step:08d}.png", tracker, step)
 
     # ---- resume --------------------------------------------------------------------------------
     state = run.resume()

@@ -19,7 +19,7 @@ from torchvision import tv_tensors
 from common import UserError, detection
 from common.data import decode_image, digits_dataset
 from common.detection import (CocoEvaluator, DetectionDataset, collate, detection_transforms, draw_detections,
-                              kmeans_anchors, load_detection, rescale_boxes, wandb_boxes)
+                              kmeans_anchors, load_detection, rescale_boxes, save_detections, wandb_boxes)
 from conftest import ROOT, free_port, recipe_env
 
 
@@ -583,6 +583,34 @@ def test_draw_detections_and_wandb_boxes():
     assert boxes["ground_truth"]["box_data"][0]["position"] == {"minX": 20.0, "minY": 10.0, "maxX": 45.0, "maxY": 30.0}
     assert len(boxes["predictions"]["box_data"]) == 1  # the 0.1 score is under the threshold
     assert boxes["predictions"]["box_data"][0]["scores"] == {"score": pytest.approx(0.9)}
+
+
+def test_save_detections_writes_one_png_and_logs_plain_images_with_boxes(tmp_path):
+    images = [torch.from_numpy(np.array(_bright_rectangle(80, 60))).permute(2, 0, 1),
+              torch.from_numpy(np.array(_bright_rectangle(50, 70))).permute(2, 0, 1)]
+    targets = [{"boxes": torch.tensor([[20.0, 10.0, 45.0, 30.0]]), "labels": torch.tensor([1])},
+               {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long)}]
+    predictions = [{"boxes": torch.tensor([[21.0, 11.0, 44.0, 29.0]]), "labels": torch.tensor([1]),
+                    "scores": torch.tensor([0.9])},
+                   {"boxes": torch.tensor([[1.0, 2.0, 30.0, 40.0]]), "labels": torch.tensor([2]),
+                    "scores": torch.tensor([0.8])}]
+
+    class Run:  # stands in for a wandb run: records what is logged
+        logged: list = []
+
+        def log(self, values, step):
+            self.logged.append((values, step))
+
+    path = tmp_path / "plots.png"
+    save_detections(images, targets, predictions, CLASSES, path, Run(), step=7)
+    # both pictures enlarged to a shorter side of at least 256 (x5 and x6), side by side, padded to the taller
+    assert Image.open(path).size == (80 * 5 + 50 * 6, max(60 * 5, 70 * 6))
+    ((values, step),) = Run.logged
+    assert step == 7 and len(values["detections"]) == 2
+    first = values["detections"][0]
+    assert first.image.size == (80, 60)  # the plain image at its own size: boxes in its pixels
+    # wandb keeps the box list in a private attribute; the positions are the target's, unscaled
+    assert first._boxes["ground_truth"]._val[0]["position"] == {"minX": 20.0, "minY": 10.0, "maxX": 45.0, "maxY": 30.0}
 
 
 def test_kmeans_anchors_find_the_clusters():
