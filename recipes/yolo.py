@@ -83,7 +83,7 @@ class Config:
     scale_range: list[float] = field(default_factory=lambda: [0.75, 1.25])  # random rescale before crop/pad
     hflip: float = 0.0  # digits must not be mirrored; 0.5 for natural images
     color_jitter: bool = True
-    mosaic: float = 0.0  # probability that a training image is a 4-image mosaic (0.5 at scale; the demo's 5 epochs are too few)
+    mosaic: float = 0.0  # probability that a training image is a 4-image mosaic (0.5 at scale; the demo's 8 epochs are too few)
     mixup: float = 0.0  # probability that a training image is mixed with another (GluonCV: Beta(1.5, 1.5))
     no_aug_epochs: int = 2  # mosaic and mixup are off for the last N epochs
     num_workers: int = 2
@@ -98,7 +98,7 @@ class Config:
     ignore_iou: float = 0.7  # predictions overlapping a ground truth above this get no objectness loss
     label_smoothing: bool = False  # GluonCV: class targets smoothed by min(1/C, 1/40)
     # optimization
-    epochs: int = 5
+    epochs: int = 8  # mAP@0.5 0.80 after 5 of 8, 0.91 at the end (README)
     max_steps: int = 0
     batch_size: int = 16  # per process
     grad_accum_steps: int = 1
