@@ -19,6 +19,19 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+def _share_the_cores() -> None:
+    """Under pytest-xdist (``-n N``, pytest.ini) N workers run tests side by side: give each worker,
+    and every recipe process it starts, its share of the cores instead of all of them, so that N
+    workers on N cores do not oversubscribe them (torch's default is one thread per core)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
+
+
+_share_the_cores()  # before any test module imports torch
+
+
 def load_recipe(name: str):
     """Import recipes/<name>.py as a module (importing a recipe has no side effects)."""
     import importlib.util
@@ -67,3 +80,14 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 @pytest.fixture
 def tmp_run(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-xdist (``--dist loadgroup``, pytest.ini) hands tests to workers one by one. A
+    module-scoped fixture (one shared training run) would then run once in every worker that gets
+    one of its tests, so the tests of a module that use such fixtures form one group, run by one
+    worker; the rest are balanced freely."""
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(d.scope == "module" for fixture_defs in defs.values() for d in fixture_defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

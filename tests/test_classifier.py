@@ -38,10 +38,12 @@ def assert_same_weights(a: dict, b: dict, atol: float) -> None:
 
 @pytest.mark.slow
 def test_digits_config_reaches_97_percent(tmp_path):
-    """The default demo, as the README runs it (wandb offline), then the weights checked independently."""
+    """The default demo, as the README runs it (wandb offline) but shortened from 12 epochs to 5
+    (the schedule with it; measured 99.2 % in 68 s on one core), then the weights checked independently."""
     run = tmp_path / "digits"
     env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    proc = subprocess.run(recipe_cmd("classifier", ["--config", "configs/classifier/digits.yaml", "--output_dir", str(run)]),
+    proc = subprocess.run(recipe_cmd("classifier", ["--config", "configs/classifier/digits.yaml", "--epochs", "5",
+                                                    "--output_dir", str(run)]),
                           cwd=ROOT, env={**recipe_env(), **{"WANDB_MODE": ""}, "HOME": str(tmp_path)} | {
                               k: env[k] for k in ("PATH",) if k in env}, capture_output=True, text=True, timeout=900)
     check(proc)
