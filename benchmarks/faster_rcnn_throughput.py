@@ -45,7 +45,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -83,40 +82,24 @@ def bare_run(args: argparse.Namespace, recipe: ModuleType, cfg: Any, device: tor
                          cfg.lr * cfg.warmup_factor, [m * steps_per_epoch for m in cfg.decay_milestones],
                          cfg.decay_rate, cfg.poly_power)
 
-    step, images, loss_sum, data_seconds = 0, 0, 0.0, 0.0
-    intervals: list[tuple[float, int, float, float]] = []
-    start = time.perf_counter()
-    for epoch in range(10**6):
-        sampler.set_epoch(epoch)
-        tick = time.perf_counter()
-        for batch_images, targets in loader:
-            data_seconds += time.perf_counter() - tick
-            batch_images = [im.to(device, non_blocking=True) for im in batch_images]
-            targets = [{"boxes": t["boxes"].to(device), "labels": t["labels"].to(device)} for t in targets]
-            for group in optimizer.param_groups:
-                group["lr"] = float(lr[step])
-            losses = model(batch_images, targets)
-            loss = sum(losses.values())
-            optimizer.zero_grad()
-            loss.backward()
-            if cfg.clip_grad > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-            optimizer.step()
-            loss_sum += loss.item()  # the host sync every step
-            step += 1
-            images += len(batch_images)
-            if step % args.log_every == 0:
-                overhead.sync(device)
-                now = time.perf_counter()
-                intervals.append((now - start, images, loss_sum / args.log_every, data_seconds))
-                start, images, loss_sum, data_seconds = now, 0, 0.0, 0.0
-            if step == args.steps:
-                break
-            tick = time.perf_counter()
-        if step == args.steps:
-            break
+    def train_step(step: int, batch: Any) -> float:
+        batch_images, targets = batch
+        batch_images = [im.to(device, non_blocking=True) for im in batch_images]
+        targets = [{"boxes": t["boxes"].to(device), "labels": t["labels"].to(device)} for t in targets]
+        for group in optimizer.param_groups:
+            group["lr"] = float(lr[step])
+        losses = model(batch_images, targets)
+        loss = sum(losses.values())
+        optimizer.zero_grad()
+        loss.backward()
+        if cfg.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+        optimizer.step()
+        return loss.item()  # the host sync every step
+
+    result = overhead.timed_loop(args, device, loader, sampler, train_step)
     del loader, sampler  # stops persistent workers before the other side runs
-    return overhead.interval_summary(intervals[1:])
+    return result
 
 
 # --------------------------------------------------------------------------------------------

@@ -558,3 +558,32 @@ def report_ratio(results: dict[str, list[dict[str, Any]]], header: list[str], ar
     print(f"check: medians over all {n_intervals * args.repeats} timed intervals: {other} {pooled[other]:.1f}, "
           f"recipe {pooled['recipe']:.1f} img/s, ratio {pooled['recipe'] / pooled[other]:.3f}")
     return {other: base, "recipe": rec, "ratio": rec / base, "ratio_intervals": pooled["recipe"] / pooled[other]}
+
+
+def timed_loop(args: argparse.Namespace, device: torch.device, loader: Any, sampler: Any,
+               train_step: Callable[[int, Any], float]) -> dict[str, Any]:
+    """The bare or reference side's loop: ``train_step(step, batch)`` (optimizer step ``step``, from 0,
+    on a batch as the loader gives it, returning the loss as a host float, i.e. synchronising as such
+    loops do) for
+    ``args.steps`` steps across epochs (``sampler.set_epoch``), timed in intervals of
+    ``args.log_every`` steps, each closed by a device synchronisation; the first is warm-up."""
+    step, images, loss_sum, data_seconds = 0, 0, 0.0, 0.0
+    intervals: list[tuple[float, int, float, float]] = []
+    start = time.perf_counter()
+    while step < args.steps:
+        sampler.set_epoch(step // max(len(loader), 1))
+        tick = time.perf_counter()
+        for batch in loader:
+            data_seconds += time.perf_counter() - tick
+            loss_sum += train_step(step, batch)
+            step += 1
+            images += len(batch[0])
+            if step % args.log_every == 0:
+                sync(device)
+                now = time.perf_counter()
+                intervals.append((now - start, images, loss_sum / args.log_every, data_seconds))
+                start, images, loss_sum, data_seconds = now, 0, 0.0, 0.0
+            if step == args.steps:
+                break
+            tick = time.perf_counter()
+    return interval_summary(intervals[1:])
