@@ -82,6 +82,7 @@ def tmp_run(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """pytest-xdist (``--dist loadgroup``, pytest.ini) hands tests to workers one by one. A
     module-scoped fixture (one shared training run) would then run once in every worker that gets
