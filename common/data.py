@@ -24,7 +24,7 @@ from PIL import Image
 
 from common import UserError
 
-BUILTIN = ("digits", "digits_ssl")
+BUILTIN = ("digits", "digits_ssl", "digits_det_crops")
 EVAL_SPLITS = ("validation", "val", "valid", "test")
 
 
@@ -66,6 +66,10 @@ def _load_source(data: str):
         from common.synthetic import digits_ssl_dataset  # lazy: only this set needs the renderer
 
         return digits_ssl_dataset()
+    if data == "digits_det_crops":
+        from common.detection import digits_det_crops_dataset  # the boxes of digits_det as 32-px crops
+
+        return digits_det_crops_dataset()
     if Path(data).is_file():
         raise UserError(f"data '{data}' is a file; expected a folder (imagefolder layout or a saved dataset)")
     return load_saved_or_hub(data, "dataset", f"one of {', '.join(BUILTIN)}, an existing folder, or a hub dataset "

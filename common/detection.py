@@ -257,6 +257,32 @@ def digits_det_folder(seed: int = 0) -> Path:
     return cache
 
 
+def digits_det_crops_dataset(seed: int = 0, size: int = 32, margin: float = 0.15) -> Any:
+    """``digits_det_crops``: every box of ``digits_det`` cut out of its scene as a classification set,
+    so that ``recipes/classifier.py`` can pretrain a detector's backbone on the detection demo's own
+    data (DETR's demo does; ImageNet weights play that part with network). Each crop is the box grown
+    by ``margin`` of its longer side on every side (clipped to the scene), resized to ``size`` px
+    square (bicubic): splits ``train`` (the train scenes' digits) and ``test`` (the val scenes'),
+    columns ``image`` and ``label`` (``ClassLabel`` '0'..'9'), as ``common.data.digits_dataset``.
+    Built from the cached scenes in seconds; not cached itself."""
+    import datasets
+
+    data = load_detection("digits_det", seed=seed)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=data.classes)})
+    splits = {}
+    for name, table in (("train", data.train), ("test", data.eval)):
+        images, labels = [], []
+        for row in table.cast_column("image", datasets.Image(decode=False)):
+            scene = decode_image(row["image"], row.get("file_name", ""))
+            for (x, y, w, h), category in zip(row["objects"]["bbox"], row["objects"]["category"]):
+                m = margin * max(w, h)
+                box = (max(x - m, 0), max(y - m, 0), min(x + w + m, scene.width), min(y + h + m, scene.height))
+                images.append(scene.resize((size, size), Image.BICUBIC, box=box))
+                labels.append(category)
+        splits[name] = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
+    return datasets.DatasetDict(splits)
+
+
 # --------------------------------------------------------------------------------------------
 # Loading: COCO-json folders, datasets with an `objects` column
 # --------------------------------------------------------------------------------------------

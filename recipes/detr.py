@@ -23,6 +23,10 @@ read at stride 8, and a 3 + 3-layer transformer of width 128 with 16 queries, 15
     accelerate launch --config_file configs/accelerate/multi_gpu_bf16.yaml recipes/detr.py \\
         --config configs/detr/coco_r50.yaml
 
+From scratch the demo finds the boxes but not the classes within its budget; from a backbone that
+already knows digits (``configs/classifier/digits_det_crops.yaml``, then
+``--config configs/detr/digits_det_pretrained.yaml``) the classes come (README, "DETR").
+
 Expected (defaults, measured): see the README's recipe table (mAP@0.5 on the 400 held-out scenes).
 """
 
@@ -91,6 +95,7 @@ class Config:
     out_index: int = 3  # the backbone level the transformer reads (timm's feature index; -1 = the last)
     pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
     frozen_bn: bool = False  # backbone batch norm as fixed affine layers (DETR does so with pretrained weights)
+    init_backbone: str = ""  # safetensors of the same timm model (e.g. classifier.py's best.safetensors) for the backbone; keys it does not use (head, later stages) are ignored
     d_model: int = 128  # DETR: 256
     nheads: int = 8
     enc_layers: int = 3  # DETR: 6
@@ -322,9 +327,31 @@ def create_model(cfg: Config, num_classes: int) -> DETR:
     except (IndexError, TypeError) as e:
         raise UserError(f"model '{cfg.model}' does not take out_index {cfg.out_index} "
                         f"and model_kwargs {cfg.model_kwargs}: {e}") from None
+    if cfg.init_backbone:
+        load_backbone(backbone, cfg.init_backbone)
     if cfg.frozen_bn:
         backbone = timm.layers.freeze_batch_norm_2d(backbone)  # BatchNorm2d -> FrozenBatchNorm2d
     return DETR(backbone, num_classes, cfg)
+
+
+def load_backbone(backbone: nn.Module, path: str) -> None:
+    """Backbone weights from a safetensors file of the same timm model (a classifier's, or one saved
+    from ``timm.create_model``): every tensor the ``features_only`` backbone has must be there with its
+    shape; the rest (the classifier head, stages after ``out_index``) is ignored. Keys under
+    ``backbone.`` (a DETR's own file) or ``model.`` / ``module.`` (a wrapped model's) are found too."""
+    if not Path(path).is_file():
+        raise UserError(f"init_backbone '{path}' does not exist")
+    state = safetensors.torch.load_file(path)
+    own = backbone.state_dict()
+    for prefix in ("backbone.", "model.", "module."):
+        if not any(k in state for k in own):
+            state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} or state
+    missing = [k for k in own if k not in state]
+    wrong = [k for k in own if k in state and state[k].shape != own[k].shape]
+    if missing or wrong:
+        raise UserError(f"init_backbone '{path}' does not fit the backbone: missing {missing[:5]}, "
+                        f"shape differs {wrong[:5]}")
+    backbone.load_state_dict({k: state[k] for k in own})
 
 
 # ============================================================================================

@@ -18,7 +18,8 @@ from torchvision import tv_tensors
 
 from common import UserError, detection
 from common.data import decode_image, digits_dataset
-from common.detection import (CocoEvaluator, DetectionDataset, collate, detection_transforms, draw_detections,
+from common.detection import (CocoEvaluator, DetectionDataset, collate, detection_transforms, digits_det_crops_dataset,
+                              draw_detections,
                               kmeans_anchors, load_detection, rescale_boxes, save_detections, wandb_boxes)
 from conftest import ROOT, free_port, recipe_env
 
@@ -94,6 +95,27 @@ def test_builtin_generation_is_fast_and_cached(builtin, cache):
     assert detection.digits_det_folder() == builtin.folder
     data = load_detection("digits_det")
     assert time.perf_counter() - start < 5 and list(data.eval["objects"]) == list(builtin.data.eval["objects"])
+
+
+def test_digits_det_crops_are_the_boxes_as_a_classification_set(builtin, cache):
+    """The crops set (a detector backbone's pretraining data) holds every box of each split once, in
+    order, with its category, at 32 px, and loads as a built-in classification set."""
+    from common.data import decode_image, load_classification
+
+    crops = digits_det_crops_dataset()
+    for split, table in (("train", builtin.data.train), ("test", builtin.data.eval)):
+        categories = [c for objects in table["objects"] for c in objects["category"]]
+        assert crops[split]["label"] == categories
+    first = builtin.data.train[0]
+    x, y, w, h = first["objects"]["bbox"][0]
+    assert crops["train"][0]["image"].size == (32, 32)
+    # the first crop is the first box's pixels, grown by 15 % of its longer side and resized
+    m = 0.15 * max(w, h)
+    expected = decode_image(first["image"], "").resize((32, 32), Image.BICUBIC, box=(max(x - m, 0), max(y - m, 0),
+                                                                                  min(x + w + m, 96), min(y + h + m, 96)))
+    assert np.array_equal(np.asarray(crops["train"][0]["image"].convert("RGB")), np.asarray(expected))
+    loaded = load_classification("digits_det_crops")
+    assert loaded.classes == [str(i) for i in range(10)] and len(loaded.eval) == len(crops["test"])
 
 
 def test_builtin_is_deterministic_and_splits_draw_from_disjoint_digits(builtin):

@@ -257,6 +257,29 @@ def test_shortened_default_run_learns_the_builtin_scenes(short_run):
     assert 0.0 <= final["eval/map_50"] <= 1.0 and final["step"] == 120, final
 
 
+def test_init_backbone_loads_a_classifiers_weights_and_refuses_a_mismatch(tmp_path):
+    """A timm classifier's state dict (head and stage 4 included, as classifier.py saves it) fills
+    DETR's features_only backbone exactly; a file of another width is one clear error."""
+    import timm
+
+    from common import UserError
+
+    cfg = detr.Config()
+    kwargs = {k: v for k, v in cfg.model_kwargs.items() if k != "output_stride"}
+    classifier = timm.create_model(cfg.model, num_classes=10, **kwargs)
+    path = tmp_path / "cls.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in classifier.state_dict().items()}, str(path))
+    model = detr.create_model(detr.parse_config(detr.Config, ["--init_backbone", str(path)]), 10)
+    own = model.backbone.state_dict()
+    assert own and all(torch.equal(v, classifier.state_dict()[k]) for k, v in own.items())
+    other = timm.create_model(cfg.model, num_classes=10)  # full width: every shape differs
+    safetensors.torch.save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(path))
+    with pytest.raises(UserError, match="does not fit the backbone"):
+        detr.create_model(detr.parse_config(detr.Config, ["--init_backbone", str(path)]), 10)
+    with pytest.raises(UserError, match="does not exist"):
+        detr.create_model(detr.parse_config(detr.Config, ["--init_backbone", str(tmp_path / "none")]), 10)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--loss_weights", "1,1"], "loss_weights must be 3 non-negative numbers"),
     (["--matcher_costs", "1,-1,1"], "matcher_costs must be 3 non-negative numbers"),
