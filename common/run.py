@@ -276,6 +276,31 @@ class Run:
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group, async_op=True), flag)
         return stop
 
+    def after_step(self, state: TrainState, last_batch: bool) -> bool:
+        """Call after each optimizer step with the position after its batch. Returns True when the
+        run must stop (:meth:`should_stop`); then, and every ``cfg.checkpoint_every`` steps, saves a
+        checkpoint there. Not on an epoch's ``last_batch``: :meth:`after_epoch` saves that position
+        as the start of the next epoch, after the evaluation."""
+        stopping = self.should_stop()
+        if stopping or (state.step % self.cfg.checkpoint_every == 0 and not last_batch):
+            self.save_checkpoint(state)
+        return stopping
+
+    def after_epoch(self, state: TrainState, epoch_done: bool, last_epoch: bool) -> None:
+        """Call after each epoch's evaluation with the position after its last batch. A finished
+        epoch is checkpointed as the start of the next (every ``cfg.checkpoint_every`` steps, and
+        always after the last); a last epoch cut short by ``max_steps`` as where it stopped."""
+        if epoch_done and (state.step % self.cfg.checkpoint_every == 0 or last_epoch):
+            self.save_checkpoint(TrainState(state.step, state.epoch + 1, 0, state.extra))
+        elif last_epoch:
+            self.save_checkpoint(state)
+
+    def stopped(self, step: int) -> None:
+        """End a run stopped by a signal at ``step``: say how to continue, then :meth:`finish`."""
+        self.print(f"stopped by {self.stop_reason} at step {step}; checkpoint {self.last_checkpoint}; "
+                   "continue with --resume auto")
+        self.finish()
+
     @property
     def stop_reason(self) -> str:
         return signal.Signals(self._stop_signal).name if self._stop_signal is not None else ""

@@ -699,17 +699,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         echo=False)
                 progress.set_postfix(loss=f"{values['loss']:.3f}", map_best=f"{best:.3f}")
             last_batch = batch_idx + 1 == len(train_loader)
-            stopping = run.should_stop()
-            if stopping or (step % cfg.checkpoint_every == 0 and not last_batch):
-                run.save_checkpoint(TrainState(step, epoch, batch_idx + 1, {"best_map_50": best}))
+            stopping = run.after_step(TrainState(step, epoch, batch_idx + 1, {"best_map_50": best}), last_batch)
             if stopping or step >= total_steps:
                 epoch_done = last_batch
                 break
         if stopping:
-            run.print(f"stopped by {run.stop_reason} at step {step}; checkpoint {run.last_checkpoint}; "
-                      "continue with --resume auto")
             progress.close()
-            run.finish()
+            run.stopped(step)
             return results
 
         # ---- evaluation and best weights by mAP@0.5 ------------------------------------------------
@@ -723,10 +719,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
                 save_weights(weights, run.dir / "best.safetensors", cfg, data.classes)
-        if epoch_done and (step % cfg.checkpoint_every == 0 or last_epoch):
-            run.save_checkpoint(TrainState(step, epoch + 1, 0, {"best_map_50": best}))
-        elif last_epoch:
-            run.save_checkpoint(TrainState(step, epoch, batch_idx + 1, {"best_map_50": best}))
+        run.after_epoch(TrainState(step, epoch, batch_idx + 1, {"best_map_50": best}), epoch_done, last_epoch)
 
     # ---- saving -----------------------------------------------------------------------------------
     progress.close()

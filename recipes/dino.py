@@ -526,18 +526,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                          "train/teacher_temp": float(dino_loss.teacher_temp_schedule[min(epoch, cfg.epochs - 1)]),
                          "epoch": epoch}, step)
             last_batch = batch_idx + 1 == len(train_loader)
-            stopping = run.should_stop()
-            extra = {"baseline": baseline}
-            if stopping or (step % cfg.checkpoint_every == 0 and not last_batch):
-                run.save_checkpoint(TrainState(step, epoch, batch_idx + 1, extra))
+            stopping = run.after_step(TrainState(step, epoch, batch_idx + 1, {"baseline": baseline}), last_batch)
             if stopping or step >= total_steps:
                 epoch_done = last_batch
                 break
         if stopping:
-            run.print(f"stopped by {run.stop_reason} at step {step}; checkpoint {run.last_checkpoint}; "
-                      "continue with --resume auto")
             progress.close()
-            run.finish()
+            run.stopped(step)
             return results
 
         # ---- evaluation ------------------------------------------------------------------------
@@ -545,10 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if (epoch + 1) % cfg.eval_every == 0 or last_epoch:
             results = {**baseline, **evaluate(step)}
             run.log({**results, "epoch": epoch}, step)
-        if epoch_done and (step % cfg.checkpoint_every == 0 or last_epoch):
-            run.save_checkpoint(TrainState(step, epoch + 1, 0, {"baseline": baseline}))
-        elif last_epoch:
-            run.save_checkpoint(TrainState(step, epoch, batch_idx + 1, {"baseline": baseline}))
+        run.after_epoch(TrainState(step, epoch, batch_idx + 1, {"baseline": baseline}), epoch_done, last_epoch)
 
     # ---- saving: the teacher backbone, for recipes/classifier.py --init_weights ----------------
     progress.close()

@@ -634,17 +634,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 run.guard.check(accelerator, run.last_checkpoint)
                 run.log({**prefixed(values, "train"), "train/lr": float(lr_values[step - 1]), "epoch": epoch}, step)
             last_batch = batch_idx + 1 == len(train_loader)
-            stopping = run.should_stop()
-            if stopping or (step % cfg.checkpoint_every == 0 and not last_batch):
-                run.save_checkpoint(TrainState(step, epoch, batch_idx + 1, {"best_map": best}))
+            stopping = run.after_step(TrainState(step, epoch, batch_idx + 1, {"best_map": best}), last_batch)
             if stopping or step >= total_steps:
                 epoch_done = last_batch
                 break
         if stopping:
-            run.print(f"stopped by {run.stop_reason} at step {step}; checkpoint {run.last_checkpoint}; "
-                      "continue with --resume auto")
             progress.close()
-            run.finish()
+            run.stopped(step)
             return results
 
         # ---- evaluation and best weights (the EMA when there is one) -----------------------------
@@ -659,10 +655,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
                 if accelerator.is_main_process:
                     save_weights(weights, run.dir / "best.safetensors", cfg, data.classes)
-        if epoch_done and (step % cfg.checkpoint_every == 0 or last_epoch):
-            run.save_checkpoint(TrainState(step, epoch + 1, 0, {"best_map": best}))
-        elif last_epoch:
-            run.save_checkpoint(TrainState(step, epoch, batch_idx + 1, {"best_map": best}))
+        run.after_epoch(TrainState(step, epoch, batch_idx + 1, {"best_map": best}), epoch_done, last_epoch)
 
     # ---- saving and export ------------------------------------------------------------------------
     progress.close()
