@@ -129,6 +129,9 @@ def reference_run(args: argparse.Namespace, recipe: ModuleType, cfg: Any, device
 # --------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = overhead.detector_args(__doc__, argv, batch_size=16)
+    # the DETR loop is what is compared: no backbone pre-training stage before the recipe's side (the
+    # bare side starts from create_model's random weights too); a later flag on the command line wins
+    args.recipe_args = ["--pretrain_crops_epochs", "0", *args.recipe_args]
     recipe = overhead.load_recipe("detr")
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)

@@ -257,6 +257,19 @@ def digits_det_folder(seed: int = 0) -> Path:
     return cache
 
 
+def crop_box(image: Image.Image, xywh: Sequence[float], size: int, margin: float = 0.15,
+             shift: tuple[float, float] = (0.0, 0.0)) -> Image.Image:
+    """The COCO box ``xywh`` (pixels) of ``image`` grown by ``margin`` of its longer side on every
+    side, moved by ``shift`` (fractions of the grown window's width and height), clipped to the
+    image and resized to ``size`` x ``size`` (bicubic): a detection box as a classification sample."""
+    x, y, w, h = xywh
+    m = margin * max(w, h)
+    x0, y0, x1, y1 = x - m, y - m, x + w + m, y + h + m
+    dx, dy = shift[0] * (x1 - x0), shift[1] * (y1 - y0)
+    box = (max(x0 + dx, 0), max(y0 + dy, 0), min(x1 + dx, image.width), min(y1 + dy, image.height))
+    return image.resize((size, size), Image.BICUBIC, box=box)
+
+
 def digits_det_crops_dataset(seed: int = 0, size: int = 32, margin: float = 0.15) -> Any:
     """``digits_det_crops``: every box of ``digits_det`` cut out of its scene as a classification set,
     so that ``recipes/classifier.py`` can pretrain a detector's backbone on the detection demo's own
@@ -274,10 +287,8 @@ def digits_det_crops_dataset(seed: int = 0, size: int = 32, margin: float = 0.15
         images, labels = [], []
         for row in table.cast_column("image", datasets.Image(decode=False)):
             scene = decode_image(row["image"], row.get("file_name", ""))
-            for (x, y, w, h), category in zip(row["objects"]["bbox"], row["objects"]["category"]):
-                m = margin * max(w, h)
-                box = (max(x - m, 0), max(y - m, 0), min(x + w + m, scene.width), min(y + h + m, scene.height))
-                images.append(scene.resize((size, size), Image.BICUBIC, box=box))
+            for box, category in zip(row["objects"]["bbox"], row["objects"]["category"]):
+                images.append(crop_box(scene, box, size, margin))
                 labels.append(category)
         splits[name] = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
     return datasets.DatasetDict(splits)
@@ -648,6 +659,39 @@ class DetectionDataset(torch.utils.data.Dataset):
                       dropped=len(keep) - len(target["boxes"]))
         target.setdefault("size", tuple(out.shape[-2:]))
         return out, target
+
+
+class BoxCropDataset(torch.utils.data.Dataset):
+    """Every box of a normalised detection dataset as a classification sample ``(image [3, size, size]
+    float normalised with the ImageNet mean and std as the detection transforms do, class index)``,
+    cut by :func:`crop_box` (crowd regions and boxes under 1 px left out). What a detector's backbone
+    can be pre-trained on when no pretrained weights are at hand (recipes/detr.py does).
+
+    ``shift`` > 0 (training): the window moves by up to that fraction of its side on each axis, drawn
+    per ``(epoch, index)`` (keys as :class:`DetectionDataset`'s), so that the classifier does not learn
+    that a digit always sits in the middle. Scenes are decoded per crop, nothing is cached: any size of
+    dataset stays on disk, and DataLoader workers do the decoding.
+    """
+
+    def __init__(self, ds: Any, size: int = 32, margin: float = 0.15, shift: float = 0.0, seed: int = 0) -> None:
+        self.ds, self.size, self.margin, self.shift, self.seed = ds, size, margin, shift, seed
+        objects = ds.select_columns(["objects"])[:]["objects"]
+        self.items = [(row, box, category) for row, o in enumerate(objects)
+                      for box, category, crowd in zip(o["bbox"], o["category"], o["iscrowd"])
+                      if not crowd and box[2] >= 1 and box[3] >= 1]  # (row, COCO box, class)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        row, box, category = self.items[int(index)]
+        image = decode_image(self.ds[row]["image"], f"row {row} of the detection dataset")
+        shift = (0.0, 0.0)
+        if self.shift > 0:
+            shift = tuple(np.random.default_rng(sample_seed(self.seed, epoch, index)).uniform(-self.shift, self.shift, 2))
+        crop = F.to_dtype(F.pil_to_tensor(crop_box(image, box, self.size, self.margin, shift)), torch.float32, scale=True)
+        return F.normalize(crop, IMAGENET_MEAN, IMAGENET_STD), int(category)
 
 
 def collate(batch: Sequence[tuple[torch.Tensor, dict[str, Any]]]

@@ -18,7 +18,8 @@ from torchvision import tv_tensors
 
 from common import UserError, detection
 from common.data import decode_image, digits_dataset
-from common.detection import (CocoEvaluator, DetectionDataset, collate, detection_transforms, digits_det_crops_dataset,
+from common.detection import (IMAGENET_MEAN, IMAGENET_STD, BoxCropDataset, CocoEvaluator, DetectionDataset, collate,
+                              detection_transforms, digits_det_crops_dataset,
                               draw_detections,
                               kmeans_anchors, load_detection, rescale_boxes, save_detections, wandb_boxes)
 from conftest import ROOT, free_port, recipe_env
@@ -116,6 +117,27 @@ def test_digits_det_crops_are_the_boxes_as_a_classification_set(builtin, cache):
     assert np.array_equal(np.asarray(crops["train"][0]["image"].convert("RGB")), np.asarray(expected))
     loaded = load_classification("digits_det_crops")
     assert loaded.classes == [str(i) for i in range(10)] and len(loaded.eval) == len(crops["test"])
+
+
+def test_box_crop_dataset_is_the_crops_set_normalised_and_shifts_reproducibly(builtin, cache):
+    """BoxCropDataset (DETR's backbone pre-training data, for any detection set): every box once with
+    its class; unshifted, a crop is digits_det_crops' image normalised as the detection transforms do;
+    shifted, the window moves by a draw fixed per (epoch, index); crowd regions are left out."""
+    from torchvision.transforms.v2 import functional as TF
+
+    crops = digits_det_crops_dataset()
+    plain = BoxCropDataset(builtin.data.train, 32, 0.15)
+    assert len(plain) == len(crops["train"]) and [plain.items[i][2] for i in range(50)] == crops["train"]["label"][:50]
+    image, label = plain[3]
+    expected = TF.to_dtype(TF.pil_to_tensor(crops["train"][3]["image"].convert("RGB")), torch.float32, scale=True)
+    assert label == crops["train"][3]["label"] and image.shape == (3, 32, 32)
+    assert torch.allclose(image, TF.normalize(expected, IMAGENET_MEAN, IMAGENET_STD))
+    shifted = BoxCropDataset(builtin.data.train, 32, 0.15, shift=0.1, seed=0)
+    assert torch.equal(shifted[(2, 3)][0], shifted[(2, 3)][0]) and not torch.equal(shifted[(2, 3)][0], shifted[(3, 3)][0])
+    assert not torch.equal(shifted[(2, 3)][0], image) and shifted[(2, 3)][1] == label
+    crowd = builtin.data.train.select(range(2)).map(
+        lambda row: {"objects": {**row["objects"], "iscrowd": [1] + row["objects"]["iscrowd"][1:]}})
+    assert len(BoxCropDataset(crowd)) == sum(len(o["bbox"]) for o in crowd["objects"]) - 2
 
 
 def test_builtin_is_deterministic_and_splits_draw_from_disjoint_digits(builtin):

@@ -207,13 +207,16 @@ def test_postprocess_round_trips_boxes_to_original_pixels():
 # --------------------------------------------------------------------------------------------
 # Through the entry point
 # --------------------------------------------------------------------------------------------
-# The default config cut to its first 120 steps (1 epoch; the lr schedule is the default's): about
-# 80 s on one CPU core. DETR's classes come late (Hungarian matching first has to settle which query
-# takes which object), so held-out mAP after 120 steps is still ~0 and cannot carry a threshold; what
-# the run must show is that the set loss drives the boxes: the matched L1 and GIoU losses fall well
-# below their first-interval values (measured in the default run: L1 0.95 -> 0.25, 1 - GIoU 1.10 -> 0.79
-# from steps 1-20 to 81-100), on top of the held-out evaluation running end to end.
-SHORT = ["--max_steps", "120", "--num_workers", "0", "--log_every", "20", "--plot_images", "2"]
+# The default config cut to its first 100 steps (the lr schedule is the default's), after one epoch of
+# backbone pre-training on 16 px box crops instead of six on 32 px ones: about 75 s on one CPU core.
+# DETR's classes come late (Hungarian matching first has to settle which query takes which object),
+# so held-out mAP after 100 steps is still ~0 and cannot carry a threshold; what the run must show is
+# that the set loss drives the boxes: the matched L1 and GIoU losses fall well below their
+# first-interval values (measured: L1 0.90 -> 0.27, 1 - GIoU 1.12 -> 0.82, total 27.5 -> 16.7 from steps
+# 1-20 to 81-100; the pre-training's held-out top-1 91.9 %), on top of the held-out evaluation running
+# end to end.
+SHORT = ["--max_steps", "100", "--num_workers", "0", "--log_every", "20", "--plot_images", "2",
+         "--pretrain_crops_epochs", "1", "--pretrain_crops_size", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +230,7 @@ def short_run(tmp_path_factory):
 def test_run_writes_its_outputs(short_run):
     run, proc = short_run
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["max_steps"] == 120 and saved["model"] == detr.Config.model
+    assert saved["max_steps"] == 100 and saved["model"] == detr.Config.model
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/loss" in r]
     assert train
@@ -254,7 +257,29 @@ def test_shortened_default_run_learns_the_builtin_scenes(short_run):
     assert last["train/loss_giou_unscaled"] < 0.9 * first["train/loss_giou_unscaled"], (first, last)
     assert last["train/loss"] < 0.7 * first["train/loss"], (first, last)
     final = [r for r in records if "eval/map_50" in r][-1]
-    assert 0.0 <= final["eval/map_50"] <= 1.0 and final["step"] == 120, final
+    assert 0.0 <= final["eval/map_50"] <= 1.0 and final["step"] == 100, final
+
+
+def test_backbone_pretraining_learns_the_box_classes_and_is_skipped_on_resume(short_run, tmp_path):
+    """The pre-training stage ran before DETR and its held-out crop accuracy is far above chance (10 %
+    for ten digits; one epoch on 16 px crops); resuming the finished run does not pre-train again
+    (the checkpoint holds the weights) and ends with the same weights."""
+    import shutil
+
+    run, proc = short_run
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    pretrain = [r for r in records if "pretrain/top1" in r]
+    assert len(pretrain) == 1 and pretrain[0]["step"] == 0 and records[0] == pretrain[0], records[:2]
+    assert pretrain[0]["pretrain/top1"] > 40, pretrain
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    resumed = check(run_recipe("detr", ["--output_dir", str(copy), "--report_to", "none", *SHORT, "--resume", "auto"],
+                               timeout=600))
+    assert "backbone pre-training on box crops skipped: resuming" in resumed.stdout, resumed.stdout[-2000:]
+    again = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in again if "pretrain/top1" in r] == pretrain
+    before, after = (safetensors.torch.load_file(str(d / "final.safetensors")) for d in (run, copy))
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_init_backbone_loads_a_classifiers_weights_and_refuses_a_mismatch(tmp_path):
@@ -303,3 +328,16 @@ def test_unknown_key_is_one_clear_line(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "num_querys" in last and "num_queries" in last, proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.full
+def test_default_config_reaches_map50_050(tmp_path):
+    """The issue's target on the complete default run (6 epochs of backbone pre-training on the box
+    crops, then 12 of DETR; about 18 minutes on one core, so not in the default suite: ``python -m
+    pytest -m full``): held-out mAP@0.5 of at least 0.5. Measured 0.528 (mAP 0.226), seed 0."""
+    run = tmp_path / "run"
+    check(run_recipe("detr", ["--output_dir", str(run), "--report_to", "none"], timeout=3600))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if "pretrain/top1" in r][-1]["pretrain/top1"] > 95
+    final = [r for r in records if "eval/map_50" in r][-1]
+    assert final["eval/map_50"] >= 0.5, final
