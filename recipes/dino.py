@@ -16,6 +16,7 @@ Status of the built-in demo (README, "Recipes"): the method, resume and multi-pr
 are tested, but the demo's schedule is not tuned yet. Measured on 2 CPU cores: raw-pixel kNN
 48.8 %, step-0 network 10.8 %, teacher still at chance after one epoch; the default 12 epochs
 take about 20 minutes. The goal is under 10 minutes with the teacher 10 points above both.
+What has been tried, and what it showed, is in the README ("DINO", status of the demo).
 The teacher backbone is exported as `teacher_backbone.safetensors` for recipes/classifier.py
 (`--init_weights`, with `--linear_probe` for a linear probe).
 """
