@@ -217,26 +217,32 @@ class Run:
         found = [p for p in self.checkpoint_dir.glob("step_*") if p.is_dir() and _complete(p)]
         return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
+    def resume_checkpoint(self) -> Path | None:
+        """The checkpoint ``cfg.resume`` names (``auto``: the newest complete one), or None when the
+        run starts afresh; lets a recipe skip work the checkpoint already holds before :meth:`resume`."""
+        if not self.cfg.resume:
+            return None
+        if self.cfg.resume == "auto":
+            found = self.checkpoints()
+            return found[-1] if found else None
+        path = Path(self.cfg.resume)
+        if not (path.is_dir() and _complete(path)):
+            raise UserError(f"--resume '{path}' is not a complete checkpoint folder (no train_state.json)")
+        return path
+
     def resume(self) -> TrainState:
-        """Load the checkpoint ``cfg.resume`` names (``auto``: the newest complete one, if any).
+        """Load the checkpoint :meth:`resume_checkpoint` names.
 
         Model, optimizer, scaler, RNG states and every object registered with
         ``accelerator.register_for_checkpointing`` come back; the returned state says where to
         continue. ``metrics.jsonl`` lines past the checkpoint are dropped, as they will be logged
         again. Returns a fresh state when there is nothing to resume.
         """
-        if not self.cfg.resume:
-            return TrainState()
-        if self.cfg.resume == "auto":
-            found = self.checkpoints()
-            if not found:
+        path = self.resume_checkpoint()
+        if path is None:
+            if self.cfg.resume == "auto":
                 self.print("resume auto: no checkpoint yet, starting from scratch")
-                return TrainState()
-            path = found[-1]
-        else:
-            path = Path(self.cfg.resume)
-            if not (path.is_dir() and _complete(path)):
-                raise UserError(f"--resume '{path}' is not a complete checkpoint folder (no train_state.json)")
+            return TrainState()
         self.accelerator.load_state(str(path))
         state = TrainState(**json.loads((path / "train_state.json").read_text()))
         self.last_checkpoint = str(path)

@@ -692,10 +692,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- model and loss (the backbone pre-trained on the box crops first, unless its weights come from elsewhere) ----
     backbone = create_backbone(cfg)
-    resuming = cfg.resume not in ("", "auto") or (cfg.resume == "auto" and bool(run.checkpoints()))
     if cfg.pretrain_crops_epochs > 0:
         reason = ("pretrained" if cfg.pretrained else "init_backbone" if cfg.init_backbone
-                  else "resuming (the checkpoint holds the weights)" if resuming else "")
+                  else "resuming (the checkpoint holds the weights)" if run.resume_checkpoint() else "")
         if reason:
             run.print(f"backbone pre-training on box crops skipped: {reason}")
         else:
