@@ -49,7 +49,7 @@ def test_schema_split_sizes_and_image_format(generated):
 
     data = generated.data
     assert set(data) == {"train", "test"}
-    assert (len(data["train"]), len(data["test"])) == (1437 * 4, 360 * 3)
+    assert (len(data["train"]), len(data["test"])) == (1437 * synthetic.VARIANTS["train"], 360 * 3)
     for split in data.values():
         assert list(split.features) == ["image", "label"]
         assert isinstance(split.features["image"], datasets.Image)
@@ -60,7 +60,7 @@ def test_schema_split_sizes_and_image_format(generated):
     # The dataset holds exactly the rendered pixels (PNG is lossless).
     decoded = np.stack([np.asarray(image) for image in data["test"]["image"]])
     assert np.array_equal(decoded, generated.rendered["test"][1])
-    assert [p.name for p in generated.root.iterdir()] == ["digits_ssl-v1-seed0"]  # renamed, no temp left
+    assert [p.name for p in generated.root.iterdir()] == [f"digits_ssl-{synthetic.VERSION}-seed0"]  # renamed, no temp left
 
 
 def test_generation_takes_seconds(generated):
@@ -69,8 +69,7 @@ def test_generation_takes_seconds(generated):
 
 
 def test_no_leakage_between_splits(generated):
-    # render_split draws nothing but the glyphs it is given, distractor fragments included; each
-    # split's were exactly that split's digits.
+    # render_split draws nothing but the glyphs it is given; each split's were exactly that split's digits.
     source = digits_dataset()
     for split in ("train", "test"):
         glyphs, _, labels = generated.rendered[split]
@@ -118,5 +117,5 @@ def test_raw_pixels_do_not_give_the_class_away(generated):
 def test_load_classification_finds_the_builtin(generated, monkeypatch):
     monkeypatch.setenv("CV_RECIPES_CACHE", str(generated.root))  # the fixture's cache: no regeneration
     data = load_classification("digits_ssl")
-    assert (len(data.train), len(data.eval)) == (5748, 1080)
+    assert (len(data.train), len(data.eval)) == (1437 * synthetic.VARIANTS["train"], 1080)
     assert (data.image_column, data.label_column, data.classes) == ("image", "label", [str(i) for i in range(10)])
