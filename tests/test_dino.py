@@ -17,9 +17,13 @@ from conftest import check, load_recipe, run_recipe
 dino = load_recipe("dino")
 
 # Small and fast: plain digits, few crops, a memory bank subset; drop path off so that runs with
-# different process counts draw no per-sample randomness in the model.
+# different process counts draw no per-sample randomness in the model; a tiny ViT, which has no
+# batch norm: on CPU (no SyncBatchNorm) 2 processes x 16 images would see other batch statistics
+# than 1 x 32, and its parameters are all the state the EMA moves.
 FAST = ["--data", "digits", "--report_to", "none", "--num_workers", "0", "--batch_size", "16", "--local_crops", "2",
-        "--knn_train_limit", "200", "--attention_images", "0", "--drop_path_rate", "0", "--log_every", "1"]
+        "--knn_train_limit", "200", "--attention_images", "0", "--drop_path_rate", "0", "--log_every", "1",
+        "--model", "vit_tiny_patch16_224", "--model_kwargs", "{patch_size: 4, embed_dim: 96, depth: 4, num_heads: 3}",
+        "--head_use_bn", "false"]
 
 
 def _log_softmax(x):
@@ -146,6 +150,22 @@ def test_resume_mid_run_gives_the_same_teacher(tmp_path):
     b = safetensors.torch.load_file(str(part / "teacher_backbone.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(_teacher(_checkpoint(full, 8))["head.mlp.0.weight"], _teacher(_checkpoint(part, 8))["head.mlp.0.weight"])
+
+
+@pytest.mark.slow
+def test_one_epoch_of_the_demo_learns(tmp_path):
+    """The built-in demo shortened to one epoch (44 steps on digits_ssl, the default model; warmup
+    over the first half and teacher momentum 0.9, since the schedules are 4 times shorter): the
+    teacher's kNN on the held-out split ends at least 10 points above the step-0 network. Measured
+    on one core: 31.0 % against 19.4 % (the default warmup and momentum: 29.4 %, no margin). The
+    issue's second bar, 10 points above raw pixels (40.2 %), is not met yet: README, "DINO"."""
+    run = tmp_path / "demo"
+    check(run_recipe("dino", ["--report_to", "none", "--epochs", "1", "--warmup_epochs", "0.5", "--momentum_teacher", "0.9",
+                              "--num_workers", "1", "--attention_images", "0", "--output_dir", str(run)], timeout=900))
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    final = [m for m in metrics if "knn/teacher_top1" in m][-1]
+    assert final["knn/teacher_top1"] >= final["knn/step0_top1"] + 10, final
+    assert final["knn/raw_pixels_top1"] < 60, final  # the set is hard for pixels (plain digits: 97.5 %)
 
 
 @pytest.mark.slow
