@@ -107,6 +107,19 @@ def test_knn_weighted_vote_by_hand():
     assert dino.knn_top1(bank, labels, query, torch.tensor([0]), k=20, temperature=0.01, num_classes=50) == 100.0
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"pos_embed": "none", "class_token": False, "global_pool": "avg"}])
+def test_attention_maps_with_and_without_a_class_token(tmp_path, kwargs):
+    cfg = dino.parse_config(dino.Config, ["--model", "vit_tiny_patch16_224", "--model_kwargs",
+                                          str({"patch_size": 4, "embed_dim": 96, "depth": 2, "num_heads": 3, **kwargs})])
+    backbone = dino.create_backbone(cfg).eval()
+    picture = dino.save_attention_maps(backbone, torch.randn(3, 3, 32, 32), tmp_path / "attention.png")
+    # 3 rows of [image | map], each 32 x 64 px, scaled up by 256 // 64 = 4
+    assert picture.size == (64 * 4, 3 * 32 * 4) and (tmp_path / "attention.png").is_file()
+    assert backbone.blocks[-1].attn.fused_attn == dino.timm.layers.use_fused_attn()  # restored after the hook
+    resnet = dino.create_backbone(dino.parse_config(dino.Config, []))  # the demo's ResNet: nothing to draw
+    assert dino.save_attention_maps(resnet, torch.randn(1, 3, 32, 32), tmp_path / "none.png") is None
+
+
 def _checkpoint(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"step_{step:08d}"
 
