@@ -46,7 +46,7 @@ from torchvision.transforms.v2 import functional as F
 
 from common import UserError
 from common.data import EVAL_SPLITS, decode_image, load_saved_or_hub, sample_seed, seeded
-from common.synthetic import _LUMA, _blend, _coverage, _rgba
+from common.synthetic import _blend, _coverage
 
 if TYPE_CHECKING:
     import datasets
@@ -64,6 +64,7 @@ DET_SS = 2  # supersampling of the clutter strokes and blobs (drawn at 2x, box-f
 DET_VERSION = "v1"  # part of the cache folder name: change it whenever the rendering changes
 DET_COUNTS = {"train": 2000, "val": 400}  # scenes per split
 DET_SOURCE = {"train": "train", "val": "test"}  # the split of common.data.digits_dataset drawn from
+_LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # ITU-R 601 luminance of an RGB colour
 _DET_SPLIT_ID = {"train": 0, "val": 1}  # seeds the two splits' Generators apart
 _DET_GRID = 6  # background colour noise: a 6x6 grid upsampled bilinearly (low frequency)
 _GY, _GX = (np.mgrid[0:_DET_GRID, 0:_DET_GRID].astype(np.float32) - (_DET_GRID - 1) / 2) / _DET_GRID
@@ -71,6 +72,11 @@ INK = 0.25  # a glyph pixel belongs to the digit's box when its coverage is at l
 MIN_HEIGHT, CELL_HEIGHT = 10, (12.0, 44.0)  # box height floor; the 8x8 cell's height range, px
 MAX_IOU, MAX_COVERED = 0.3, 0.4  # two digits' boxes: IoU, and intersection over the smaller box
 MAX_STROKE_OVERLAP = 3  # pixels where two digits' strokes may touch
+
+
+def _rgba(rgb: np.ndarray, alpha: float) -> tuple[int, int, int, int]:
+    """A PIL fill from a colour (3,) in 0..255 and an opacity in [0, 1]."""
+    return int(rgb[0]), int(rgb[1]), int(rgb[2]), round(255 * alpha)
 
 
 def _overlaps(box: tuple[int, int, int, int], boxes: list[tuple[int, int, int, int]]) -> bool:
