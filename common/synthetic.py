@@ -1,14 +1,21 @@
 """``digits_ssl``: a harder built-in set for self-supervised learning, made from the 8x8 digits.
 
-Each digit of :func:`common.data.digits_dataset` is redrawn on a 32x32 RGB canvas, 9-15 px tall,
-0.75-1.25 as wide, tilted by up to 0.35 rad and anywhere on the canvas, light grey on a flat dark
-grey background with sensor noise. Nothing but geometry varies: anything else that differs between
-images (colours, gradients, clutter; version 1 of this set had them) is shared by all crops of an
-image, and a self-supervised method matches crops by it instead of by the digit. Raw pixels need a
-training digit drawn at nearly the same place to find the class (DINO's weighted kNN on pixels:
-40.2 % top-1, 97.5 % on the plain digits), while a translation-invariant network reads the digit
-wherever it is (the DINO demo's dilated resnet10t trained on the labels for 3 epochs on a CPU: 89 %,
-measured on a draft of this version with a faint background texture).
+Each image of version 3 shows one digit of :func:`common.data.digits_dataset` drawn 4-6 times on a
+32x32 RGB canvas: every copy has its own height (7-11 px), width (0.8-1.2 of it), tilt (up to
+0.3 rad) and place, and no two copies' boxes overlap. Colours and the sensor-noise level are the
+same in every image. Why this design (what DINO on earlier versions showed, README "DINO"):
+
+- whatever differs between images and is shared by all crops of one image becomes the cue a
+  self-supervised method matches crops by, instead of the digit: per-image colours, gradients and
+  clutter (version 1), and the noise level and the digit's place on the canvas (version 2, one digit
+  anywhere: a trained teacher's features located the digit with R^2 0.96, a zero-padded convnet
+  reads the canvas border). Here the copies' places, sizes and tilts are drawn independently, so
+  none of them is a property of the image; only the glyph is;
+- every crop shows the class: a local crop (5-40 % of the canvas) holds a copy or part of one,
+  where a single small digit left most local crops empty;
+- raw pixels must match an arrangement of copies, which no training image repeats: DINO's weighted
+  kNN on pixels reaches about 25 % top-1 (97.5 % on the plain digits), while the DINO demo's teacher
+  passes 40 % after one epoch on a CPU.
 
 Train images come only from the source's 1,437 train digits and test images only from its 360 test
 digits. Generation is deterministic in ``seed`` (a numpy Generator per split and image), takes
@@ -31,11 +38,12 @@ if TYPE_CHECKING:
     import datasets
 
 SIZE = 32  # canvas side, pixels
-VERSION = "v2"  # part of the cache folder name: change it whenever the rendering changes
+VERSION = "v3"  # part of the cache folder name: change it whenever the rendering changes
 VARIANTS = {"train": 2, "test": 3}  # images per source digit: 2,874 train and 1,080 test images
 _SPLIT_ID = {"train": 0, "test": 1}  # seeds the two splits' Generators apart
-BACKGROUND, FOREGROUND, NOISE = 40.0, 220.0, 6.0  # grey levels, 0..255; NOISE: the largest noise std
-HEIGHT, TILT = (9.0, 15.0), 0.35  # digit height range in px, largest tilt in radians
+BACKGROUND, FOREGROUND, NOISE = 40.0, 220.0, 3.0  # grey levels, 0..255; NOISE: the noise std
+COPIES, HEIGHT, ASPECT, TILT = (4, 6), (7.0, 11.0), (0.8, 1.2), 0.3  # per image; per copy (px, width/height, rad)
+PLACE_TRIES = 30  # places tried per copy before it is left out (the first copy always fits)
 
 # Glyph value 0..255 after bilinear upscaling -> coverage in [0, 1]: a ramp that sharpens the
 # blurry edges of an 8x8 glyph blown up 2-3x.
@@ -68,10 +76,8 @@ class _Draws:
     """One image's random numbers: U(0, 1) draws from its own Generator, handed out in order as
     plain floats (a numpy call per draw would cost more than the drawing it parameterises)."""
 
-    def __init__(self, rng: np.random.Generator, count: int = 256) -> None:
-        # An image takes 6; the 256 drawn (v1 took up to 207) fix where each image's noise starts in
-        # its stream, so they stay: fewer would change every v2 image.
-        self.values, self.next = rng.random(count).tolist(), 0
+    def __init__(self, rng: np.random.Generator, count: int = 1 + COPIES[1] * (3 + 2 * PLACE_TRIES)) -> None:
+        self.values, self.next = rng.random(count).tolist(), 0  # count: the most one image can take
 
     def uniform(self, low: float = 0.0, high: float = 1.0) -> float:
         self.next += 1
@@ -79,26 +85,28 @@ class _Draws:
 
 
 def _render(d: _Draws, noise: np.ndarray, glyph: np.ndarray) -> np.ndarray:
-    """One (SIZE, SIZE, 3) uint8 image of ``glyph`` ((10, 10), see :func:`_coverage`); ``noise`` is
-    (SIZE, SIZE, 3) U(0, 1). Colours are in 0..255, positions and lengths in canvas px.
-
-    Every image has the same colours: a flat dark grey background and a light grey digit. Colour,
-    clutter and texture that differ between images are shared by all crops of an image, and a
-    self-supervised method matches crops by them instead of by the digit (what v1, with random
-    colours, gradients and clutter strokes, showed: the teacher stayed at chance). What varies is
-    geometry: where the digit is (anywhere on the canvas), its height, width and tilt.
+    """One (SIZE, SIZE, 3) uint8 image of ``glyph`` ((10, 10), see :func:`_coverage`) drawn 4-6
+    times; ``noise`` is (SIZE, SIZE, 3) U(0, 1). Colours are in 0..255, positions and lengths in
+    canvas px.
     """
     image = np.full((SIZE, SIZE, 3), BACKGROUND, np.float32)
-    # The digit: 9-15 px tall, 0.75-1.25 as wide, tilted by up to 0.35 rad, anywhere on the canvas
-    # with a 1 px margin.
-    height, aspect = d.uniform(*HEIGHT), d.uniform(0.75, 1.25)
-    room = SIZE / 2 - 0.5 * height * max(aspect, 1.0) - 1  # how far the centre may move, px
-    cover = _coverage(glyph, SIZE / 2 + d.uniform(-room, room), SIZE / 2 + d.uniform(-room, room), height, aspect,
-                      d.uniform(-TILT, TILT))
-    _blend(image, cover, np.full(3, FOREGROUND, np.float32))
-    # Sensor noise: uniform, zero-mean, standard deviation 0-6 (the same in the three channels'
-    # distribution, independent per pixel and channel).
-    image += (noise - 0.5) * np.float32(d.uniform(0, NOISE) * 12**0.5)
+    copies = COPIES[0] + int(d.uniform(0, COPIES[1] - COPIES[0] + 1))
+    boxes: list[tuple[float, float, float, float]] = []  # placed copies: centre x, y and half width, height
+    for _ in range(copies):
+        height, aspect, angle = d.uniform(*HEIGHT), d.uniform(*ASPECT), d.uniform(-TILT, TILT)
+        half_w, half_h = 0.4 * height * aspect, 0.5 * height  # the glyph's ink is about 0.8 of its cell wide
+        margin_x = 0.5 * height * max(aspect, 1.0) + 1  # keeps a tilted copy on the canvas
+        for _ in range(PLACE_TRIES):
+            cx, cy = d.uniform(margin_x, SIZE - margin_x), d.uniform(half_h + 1, SIZE - half_h - 1)
+            if all(abs(cx - x) > half_w + w or abs(cy - y) > half_h + h for x, y, w, h in boxes):
+                break
+        else:
+            if boxes:  # no room left: fewer copies
+                continue
+        boxes.append((cx, cy, half_w, half_h))
+        _blend(image, _coverage(glyph, cx, cy, height, aspect, angle), np.full(3, FOREGROUND, np.float32))
+    # Sensor noise: uniform, zero-mean, standard deviation NOISE, independent per pixel and channel.
+    image += (noise - 0.5) * np.float32(NOISE * 12**0.5)
     return np.rint(image.clip(0, 255)).astype(np.uint8)
 
 
@@ -106,8 +114,8 @@ def render_split(glyphs: np.ndarray, labels: np.ndarray, variants: int, seed: in
                  split: str) -> tuple[np.ndarray, np.ndarray]:
     """Images (N * variants, SIZE, SIZE, 3) uint8 and labels (N * variants,) from ``glyphs``
     ((N, 8, 8) uint8, 0..255, at least two classes) with ``labels`` (N,): image ``i`` shows glyph
-    ``i // variants``. Only ``glyphs`` are drawn, distractor fragments included: pass one split's
-    digits, and nothing of another split can appear.
+    ``i // variants``. Only ``glyphs`` are drawn: pass one split's digits, and nothing of another
+    split can appear.
     """
     source = np.repeat(np.arange(len(glyphs)), variants)
     padded = np.pad(glyphs, ((0, 0), (1, 1), (1, 1)))  # (N, 10, 10): samples off a glyph read 0
@@ -147,7 +155,7 @@ def digits_ssl_dataset(seed: int = 0) -> datasets.DatasetDict:
     and ``test`` (1,080), columns ``image`` (RGB, 32x32) and ``label`` (``ClassLabel`` '0'..'9').
     ``seed`` changes the drawings, never which source digits go to which split.
 
-    Cached in ``$CV_RECIPES_CACHE`` (default ``~/.cache/cv-recipes``) as ``digits_ssl-v2-seed<seed>``,
+    Cached in ``$CV_RECIPES_CACHE`` (default ``~/.cache/cv-recipes``) as ``digits_ssl-v3-seed<seed>``,
     written to a temporary folder and renamed: a concurrent process sees no cache or a complete
     one, and of two racing processes the first rename wins.
     """

@@ -5,18 +5,16 @@ the 2 global crops. The student is trained to match the teacher's centred, sharp
 over a K-dimensional projection (cross-entropy, all pairs of different views). Nothing uses
 labels except the weighted kNN evaluation of the teacher's backbone features.
 
-Launch (defaults = the built-in demo on `digits_ssl`, small digits anywhere on a 32 px canvas):
+Launch (defaults = the built-in demo on `digits_ssl`: one digit repeated 4-6 times on a 32 px canvas):
 
     accelerate launch recipes/dino.py
     accelerate launch --config_file configs/accelerate/multi_gpu_bf16.yaml recipes/dino.py \\
         --config configs/dino/imagenet_vit_small.yaml
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 recipes/dino.py --batch_size 32
 
-Status of the built-in demo (README, "DINO"): 4 epochs take 8 minutes on 2 CPU cores and the
-teacher's kNN goes from 19.4 % (step 0) to 33.8 %, below the 40.2 % of raw pixels; beating those by
-10 points is still open. The demo's backbone is translation-invariant by construction (a dilated
-resnet10t whose 4x4 last map is average-pooled): with a 1x1 map or a position-embedded ViT, DINO
-matches crops by where the digit is, which says nothing about which digit it is.
+The built-in demo (README, "DINO"): a half-width resnet10t, 8 epochs (360 steps of 64 images) in
+6 minutes on 2 CPU cores; the teacher's kNN top-1 on the 1,080 held-out images goes from 23.2 %
+(the step-0 network) to 57.0 %, where raw pixels reach 25.3 %.
 The teacher backbone is exported as `teacher_backbone.safetensors` for recipes/classifier.py
 (`--init_weights`, with `--linear_probe` for a linear probe).
 """
@@ -82,10 +80,8 @@ class Config:
     blur_radius: list[float] = field(default_factory=lambda: [0.1, 0.6])  # PIL Gaussian radius, px ([0.1, 2] at 224)
     num_workers: int = 2
     # model
-    # A half-width resnet10t with output stride 8 (dilated last stages): at 32 px its last feature map
-    # is 4x4, average-pooled, so the feature barely depends on where the digit is (README, "DINO").
-    model: str = "resnet10t"
-    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256], "output_stride": 8})
+    model: str = "resnet10t"  # the demo: half width (model_kwargs), 1.2 M parameters
+    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256]})
     drop_path_rate: float = 0.1
     out_dim: int = 1024  # K, prototypes of the projection head (65536 for ImageNet)
     head_hidden_dim: int = 512  # 2048 for ImageNet
@@ -99,19 +95,19 @@ class Config:
     student_temp: float = 0.1
     center_momentum: float = 0.9
     # optimization
-    epochs: int = 4
+    epochs: int = 8
     max_steps: int = 0
     batch_size: int = 64  # per process
     grad_accum_steps: int = 1
     opt: str = "adamw"  # adamw (ViT), or sgd with momentum 0.9 (the reference's ResNet-50 setting)
-    lr: float = 4e-3  # per 256 images: peak = lr x global batch / 256 (5e-4 for ViT-S/16 on ImageNet)
+    lr: float = 1.6e-2  # per 256 images: peak = lr x global batch / 256 (5e-4 for ViT-S/16 on ImageNet)
     min_lr: float = 1e-5
     warmup_epochs: float = 1.0
     weight_decay: float = 0.04  # cosine to weight_decay_end, decayed group only
     weight_decay_end: float = 0.4
     clip_grad: float = 3.0  # per-parameter gradient norm clip (0: off)
     freeze_last_layer: int = 0  # epochs during which the last layer gets no gradient (1 on ImageNet)
-    momentum_teacher: float = 0.95  # cosine to 1 (0.996 on ImageNet: 0.95 lets a 180-step run's teacher move)
+    momentum_teacher: float = 0.95  # cosine to 1 (0.996 on ImageNet: 0.95 lets the demo's 360-step teacher move)
     mixed_precision: str = ""  # no, fp16, bf16; empty: as `accelerate launch` says
     compile: bool = False
     # evaluation

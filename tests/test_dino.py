@@ -167,18 +167,20 @@ def test_resume_mid_run_gives_the_same_teacher(tmp_path):
 
 @pytest.mark.slow
 def test_one_epoch_of_the_demo_learns(tmp_path):
-    """The built-in demo shortened to one epoch (44 steps on digits_ssl, the default model; warmup
-    over the first half and teacher momentum 0.9, since the schedules are 4 times shorter): the
-    teacher's kNN on the held-out split ends at least 10 points above the step-0 network. Measured
-    on one core: 31.0 % against 19.4 % (the default warmup and momentum: 29.4 %, no margin). The
-    issue's second bar, 10 points above raw pixels (40.2 %), is not met yet: README, "DINO"."""
+    """The built-in demo shortened to one epoch (44 steps of 64 images on digits_ssl, the default
+    model; warmup over the first half and teacher momentum 0.9, since the schedules are 8 times
+    shorter): the teacher's kNN on the held-out split ends at least 10 points above both the step-0
+    network and raw pixels, the issue's two bars. Measured on one core: 42.3 % against 23.2 % (step 0)
+    and 25.3 % (raw pixels); the step-0 network and raw pixels both near 25 %."""
     run = tmp_path / "demo"
     check(run_recipe("dino", ["--report_to", "none", "--epochs", "1", "--warmup_epochs", "0.5", "--momentum_teacher", "0.9",
                               "--num_workers", "1", "--attention_images", "0", "--output_dir", str(run)], timeout=900))
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     final = [m for m in metrics if "knn/teacher_top1" in m][-1]
-    assert final["knn/teacher_top1"] >= final["knn/step0_top1"] + 10, final
     assert final["knn/raw_pixels_top1"] < 60, final  # the set is hard for pixels (plain digits: 97.5 %)
+    assert final["knn/teacher_top1"] >= final["knn/step0_top1"] + 10, final
+    assert final["knn/teacher_top1"] >= final["knn/raw_pixels_top1"] + 10, final
+    assert (run / "teacher_backbone.safetensors").is_file()
 
 
 @pytest.mark.slow
