@@ -152,7 +152,8 @@ def reference_run(args: argparse.Namespace, recipe: ModuleType, cfg: Any, device
     set_seed(cfg.seed)  # as the recipe's Run does before building the model: same initial weights
     backbone = recipe.create_backbone(cfg)
     student = recipe.MultiCropWrapper(backbone, recipe.DINOHead(backbone.num_features, cfg.out_dim, cfg.head_hidden_dim,
-                                                                cfg.head_bottleneck_dim, cfg.norm_last_layer))
+                                                                cfg.head_bottleneck_dim, cfg.norm_last_layer,
+                                                                cfg.head_use_bn))
     teacher = copy.deepcopy(student)  # the reference builds it apart and loads the student's weights,
     for m in teacher.modules():  # without drop path (its default drop_path_rate is 0); as the recipe does
         if hasattr(m, "drop_prob"):
