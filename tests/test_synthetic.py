@@ -114,6 +114,16 @@ def test_raw_pixels_do_not_give_the_class_away(generated):
     assert 0.2 < accuracy < 0.6, f"raw-pixel kNN top-1 {accuracy:.3f}"  # plain digits: 0.98
 
 
+def test_each_image_repeats_its_digit_in_separate_copies(generated):
+    # v3's design: 4-6 copies of one glyph whose boxes do not overlap, so the light strokes form several
+    # separate blobs (a glyph may break into two; copies that found no room are left out).
+    from scipy import ndimage
+
+    _, images, _ = generated.rendered["test"]
+    blobs = np.array([ndimage.label(image[..., 0] > 130, structure=np.ones((3, 3)))[1] for image in images])
+    assert (blobs >= 2).all() and (blobs >= 3).mean() > 0.95, np.bincount(blobs)
+
+
 def test_load_classification_finds_the_builtin(generated, monkeypatch):
     monkeypatch.setenv("CV_RECIPES_CACHE", str(generated.root))  # the fixture's cache: no regeneration
     data = load_classification("digits_ssl")
