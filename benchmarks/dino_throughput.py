@@ -6,7 +6,7 @@ What is measured
     (reference, recipe, recipe, reference, reference, ...):
 
     reference  a loop written the way facebookresearch/dino ``main_dino.py`` ``train_one_epoch``
-               is: the recipe module's own ``create_backbone``, ``DINOHead``, ``MultiCropWrapper``,
+               is: the recipe module's own ``create_student`` (backbone, ``DINOHead``, ``MultiCropWrapper``),
                ``DINOLoss`` and ``weight_decay_groups`` (so model and loss are identical), the teacher a
                copy of the student without drop path and with ``requires_grad = False``; plain
                ``torch.optim.AdamW`` (``foreach=False``: one parameter at a time, as the AdamW of
@@ -150,10 +150,7 @@ def reference_run(args: argparse.Namespace, recipe: ModuleType, cfg: Any, device
     from accelerate.utils import set_seed
 
     set_seed(cfg.seed)  # as the recipe's Run does before building the model: same initial weights
-    backbone = recipe.create_backbone(cfg)
-    student = recipe.MultiCropWrapper(backbone, recipe.DINOHead(backbone.num_features, cfg.out_dim, cfg.head_hidden_dim,
-                                                                cfg.head_bottleneck_dim, cfg.norm_last_layer,
-                                                                cfg.head_use_bn))
+    student = recipe.create_student(cfg)  # the recipe's own builder: the same model by construction
     teacher = copy.deepcopy(student)  # the reference builds it apart and loads the student's weights,
     for m in teacher.modules():  # without drop path (its default drop_path_rate is 0); as the recipe does
         if hasattr(m, "drop_prob"):

@@ -239,6 +239,13 @@ def create_backbone(cfg: Config) -> nn.Module:
         raise
 
 
+def create_student(cfg: Config) -> MultiCropWrapper:
+    """The student: ``cfg.model`` as backbone under the projection head (the teacher is a copy)."""
+    backbone = create_backbone(cfg)
+    return MultiCropWrapper(backbone, DINOHead(backbone.num_features, cfg.out_dim, cfg.head_hidden_dim,
+                                               cfg.head_bottleneck_dim, cfg.norm_last_layer, cfg.head_use_bn))
+
+
 # ============================================================================================
 # Loss: the reference's DINOLoss, constructor and call shape kept
 # ============================================================================================
@@ -396,9 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                                         eval_transform(cfg.global_size)), 2 * cfg.batch_size, cfg.num_workers)
 
     # ---- model: student and teacher (an exact copy, never trained by gradients) -------------
-    backbone = create_backbone(cfg)
-    student = MultiCropWrapper(backbone, DINOHead(backbone.num_features, cfg.out_dim, cfg.head_hidden_dim,
-                                                  cfg.head_bottleneck_dim, cfg.norm_last_layer, cfg.head_use_bn))
+    student = create_student(cfg)
     if accelerator.num_processes > 1 and accelerator.device.type == "cuda":
         student = nn.SyncBatchNorm.convert_sync_batchnorm(student)  # BN statistics over the global batch
     teacher = copy.deepcopy(student).requires_grad_(False)
