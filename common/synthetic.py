@@ -44,6 +44,7 @@ _SPLIT_ID = {"train": 0, "test": 1}  # seeds the two splits' Generators apart
 BACKGROUND, FOREGROUND, NOISE = 40.0, 220.0, 3.0  # grey levels, 0..255; NOISE: the noise std
 COPIES, HEIGHT, ASPECT, TILT = (4, 6), (7.0, 11.0), (0.8, 1.2), 0.3  # per image; per copy (px, width/height, rad)
 PLACE_TRIES = 30  # places tried per copy before it is left out (the first copy always fits)
+_INK = np.full(3, FOREGROUND, np.float32)  # the digits' colour, RGB
 
 # Glyph value 0..255 after bilinear upscaling -> coverage in [0, 1]: a ramp that sharpens the
 # blurry edges of an 8x8 glyph blown up 2-3x.
@@ -104,7 +105,7 @@ def _render(d: _Draws, noise: np.ndarray, glyph: np.ndarray) -> np.ndarray:
             if boxes:  # no room left: fewer copies
                 continue
         boxes.append((cx, cy, half_w, half_h))
-        _blend(image, _coverage(glyph, cx, cy, height, aspect, angle), np.full(3, FOREGROUND, np.float32))
+        _blend(image, _coverage(glyph, cx, cy, height, aspect, angle), _INK)
     # Sensor noise: uniform, zero-mean, standard deviation NOISE, independent per pixel and channel.
     image += (noise - 0.5) * np.float32(NOISE * 12**0.5)
     return np.rint(image.clip(0, 255)).astype(np.uint8)
