@@ -65,13 +65,13 @@ import overhead  # noqa: E402  same folder: machine line, timing helpers, altern
 def bare_run(args: argparse.Namespace, recipe: ModuleType, cfg: Any, device: torch.device) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
-    from common.data import AspectRatioBatchSampler, loader_kwargs
+    from common.data import loader_kwargs
     from common.detection import DetectionDataset, load_detection
 
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     train_set = DetectionDataset(data.train, recipe.data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed)
-    sampler = AspectRatioBatchSampler([w / h for w, h in zip(data.train["width"], data.train["height"])],
-                                      cfg.batch_size, cfg.seed)
+    sampler = recipe.AspectRatioBatchSampler([w / h for w, h in zip(data.train["width"], data.train["height"])],
+                                             cfg.batch_size, cfg.seed)
     loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=recipe.list_collate,
                                          **loader_kwargs(cfg.num_workers))
     set_seed(cfg.seed)  # as the recipe's Run does before building the model: same initial weights

@@ -63,12 +63,12 @@ def bare_run(args: argparse.Namespace, recipe: ModuleType, cfg: Any, device: tor
     from accelerate.utils import set_seed
 
     from common.data import train_loader_for
-    from common.detection import DetectionDataset, detection_transforms, load_detection
+    from common.detection import DetectionDataset, load_detection
     from common.ema import ModelEma
 
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
-    train_tf = detection_transforms(True, cfg.img_size, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip,
-                                    color_jitter=cfg.color_jitter)
+    train_tf = recipe.detection_transforms(True, cfg.img_size, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip,
+                                           color_jitter=cfg.color_jitter)
     train_set = recipe.YoloTrainSet(DetectionDataset(data.train, train_tf, cfg.seed), cfg.img_size, cfg.mosaic,
                                     cfg.mixup, cfg.epochs - cfg.no_aug_epochs, cfg.seed)
     loader, sampler = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1,

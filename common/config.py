@@ -5,6 +5,14 @@ Every recipe declares a ``Config`` dataclass whose defaults are its built-in dem
 the same name. An unknown key (in the file or on the command line) is an error naming the
 closest valid key, and a value of the wrong type is an error naming the field. Both raise
 :class:`ConfigError`, which the recipes' ``main`` turns into one ``error: ...`` line.
+
+A field with a fixed set of values is annotated ``Literal["a", "b"]``; a set known only at run
+time (timm's optimizers) is ``field(metadata={"choices": fn})`` with ``fn()`` returning the names,
+called only when the field is given. Either way a value outside the set is a ConfigError naming
+the closest valid value, raised while parsing, before a recipe writes anything.
+
+``--help`` (:mod:`common.config_help`) documents every field from the comments in the ``Config``
+source.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any, Sequence, TypeVar
 import yaml
 
 from common import UserError
+from common.config_help import show as _show
 
 C = TypeVar("C")
 
@@ -28,12 +37,20 @@ _FALSE = {"false", "no", "off", "0"}
 
 
 class ConfigError(UserError):
-    """An unknown key, a wrong type or an unreadable config file."""
+    """An unknown key, a wrong type, a value outside a field's choices or an unreadable config file."""
 
 
 def _closest(key: str, valid: Sequence[str]) -> str:
-    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    lower = {v.lower(): v for v in valid}
+    match = [lower[key.lower()]] if key.lower() in lower else difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _choices_error(name: str, value: Any, allowed: Sequence[Any], source: str = "") -> ConfigError:
+    listed = ", ".join(_show(a) for a in allowed) if len(allowed) <= 12 else (
+        f"the {len(allowed)} names {source or 'its choices'} lists")
+    hint = _closest(str(value), [str(a) for a in allowed])
+    return ConfigError(f"config field '{name}' must be one of {listed}; got {value!r}{hint}")
 
 
 def _coerce(name: str, value: Any, hint: Any, from_cli: bool) -> Any:
@@ -48,6 +65,15 @@ def _coerce(name: str, value: Any, hint: Any, from_cli: bool) -> Any:
         if value is None or (from_cli and str(value).lower() in ("none", "null")):
             return None
         return _coerce(name, value, args[0], from_cli)
+    if origin is typing.Literal:  # a fixed set, e.g. Literal["cosine", "step"]: typed like its values
+        allowed = typing.get_args(hint)
+        for option in allowed:
+            try:
+                if _coerce(name, value, type(option), from_cli) == option:
+                    return option
+            except ConfigError:
+                continue
+        raise _choices_error(name, value, allowed)
     if origin is dict or hint is dict:  # e.g. model_kwargs: {depth: 4, embed_dim: 96}
         if from_cli and isinstance(value, str):
             try:
@@ -99,23 +125,39 @@ def _coerce(name: str, value: Any, hint: Any, from_cli: bool) -> Any:
     raise TypeError(f"unsupported config field type {hint!r} for '{name}'")  # a recipe bug
 
 
+def _check_choices(f: dataclasses.Field, value: Any) -> None:
+    """``field(metadata={"choices": fn})``: the value must be one of ``fn()`` (an empty list checks nothing)."""
+    choices = f.metadata.get("choices")
+    if choices is None or value is None:
+        return
+    allowed = list(choices() if callable(choices) else choices)
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if allowed and item not in allowed:
+            raise _choices_error(f.name, item, allowed, f"{getattr(choices, '__name__', 'its choices')}()")
+
+
 def _apply(cfg: Any, values: dict[str, Any], hints: dict[str, Any], source: str, from_cli: bool) -> None:
-    valid = [f.name for f in dataclasses.fields(cfg)]
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
     for key, value in values.items():
         if key not in hints:
-            raise ConfigError(f"unknown config key '{key}' in {source}{_closest(key, valid)}")
-        setattr(cfg, key, _coerce(key, value, hints[key], from_cli))
+            raise ConfigError(f"unknown config key '{key}' in {source}{_closest(key, list(fields))}")
+        value = _coerce(key, value, hints[key], from_cli)
+        if key in fields:
+            _check_choices(fields[key], value)
+        setattr(cfg, key, value)
 
 
-def usage(cls: type) -> str:
-    """One line per field: ``--name TYPE (default: value)``."""
-    hints = typing.get_type_hints(cls)
-    lines = [f"usage: {Path(sys.argv[0]).name} [--config FILE.yaml] [--FIELD VALUE ...]", "", "fields:"]
-    for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        type_name = getattr(hints[f.name], "__name__", str(hints[f.name]))
-        lines.append(f"  --{f.name} {type_name} (default: {default!r})")
-    return "\n".join(lines)
+def timm_optimizers() -> list[str]:
+    """timm's optimizer names (timm.optim.list_optimizers(), timm >= 1.0.12), also with timm's lookahead_ prefix.
+
+    Imported when first called, i.e. only when a config sets the field it checks; with an older
+    timm the list is empty and nothing is checked."""
+    try:
+        from timm.optim import list_optimizers
+    except ImportError:
+        return []
+    names = list(list_optimizers())
+    return names + [f"lookahead_{n}" for n in names]
 
 
 def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
@@ -126,6 +168,8 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
+        from common.config_help import usage  # reads the recipe's source: only for --help
+
         print(usage(cls))
         raise SystemExit(0)
     hints = typing.get_type_hints(cls)

@@ -1,7 +1,8 @@
-"""Image datasets (hub name, local folder, built-in set) and reproducible data loaders.
+"""Image-classification datasets (hub name, local folder, built-in set) and reproducible data loaders.
 
 Everything becomes a ``datasets.Dataset`` with an image column and a label column, whatever the
-source, so one code path serves a hub dataset, an imagefolder on disk and the built-in sets.
+source, so one code path serves a hub dataset, an imagefolder on disk and the built-in sets
+(:mod:`common.builtin`). The samplers and loaders below serve the detection recipes too.
 
 Reproducibility: the training order is a function of ``(seed, epoch)`` only, and every sample's
 augmentation randomness is seeded from ``(seed, epoch, index)``. A batch is therefore the same
@@ -16,64 +17,29 @@ import dataclasses
 import io
 import random
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from PIL import Image
 
 from common import UserError
+from common.builtin import CLASSIFICATION
 
-BUILTIN = ("digits", "digits_ssl", "digits_det_crops")
 EVAL_SPLITS = ("validation", "val", "valid", "test")
 
 
 # --------------------------------------------------------------------------------------------
 # Sources
 # --------------------------------------------------------------------------------------------
-def digits_dataset():
-    """scikit-learn's bundled 1,797 handwritten digits (8x8 grey) as a hub-style ``DatasetDict``.
-
-    Columns ``image`` (``datasets.Image``) and ``label`` (``ClassLabel`` '0'..'9'), as the hub's
-    MNIST; a fixed, stratified, seeded split: 1,437 ``train`` and 360 ``test`` images.
-    """
-    import datasets
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    pixels = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)  # 0..16 -> 0..255
-    order = np.arange(len(pixels))
-    train_idx, test_idx = train_test_split(order, test_size=0.2, random_state=0, stratify=digits.target)
-    features = datasets.Features(
-        {"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(10)])}
-    )
-
-    def split(idx: np.ndarray):
-        return datasets.Dataset.from_dict(
-            {"image": [Image.fromarray(pixels[i], mode="L") for i in idx], "label": digits.target[idx].tolist()},
-            features=features,
-        )
-
-    return datasets.DatasetDict({"train": split(train_idx), "test": split(test_idx)})
-
-
 def _load_source(data: str):
     """A ``DatasetDict`` (or ``Dataset``) from a built-in name, a local folder or a hub name."""
-    if data == "digits":
-        return digits_dataset()
-    if data == "digits_ssl":
-        from common.synthetic import digits_ssl_dataset  # lazy: only this set needs the renderer
-
-        return digits_ssl_dataset()
-    if data == "digits_det_crops":
-        from common.detection import digits_det_crops_dataset  # the boxes of digits_det as 32-px crops
-
-        return digits_det_crops_dataset()
+    if data in CLASSIFICATION:
+        return CLASSIFICATION[data]()
     if Path(data).is_file():
         raise UserError(f"data '{data}' is a file; expected a folder (imagefolder layout or a saved dataset)")
-    return load_saved_or_hub(data, "dataset", f"one of {', '.join(BUILTIN)}, an existing folder, or a hub dataset "
-                             "name (with network, or already in the cache)")
+    return load_saved_or_hub(data, "dataset", f"one of {', '.join(CLASSIFICATION)}, an existing folder, or a "
+                             "hub dataset name (with network, or already in the cache)")
 
 
 def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
@@ -300,10 +266,11 @@ def loader_kwargs(num_workers: int) -> dict[str, Any]:
 
 def train_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, seed: int, num_workers: int,
                      num_processes: int, collate_fn: Callable | None = None):
-    """A shuffling, drop-last training DataLoader and its :class:`EpochBatchSampler` (call ``set_epoch``)."""
+    """A shuffling, drop-last training DataLoader over an :class:`EpochBatchSampler` (its
+    ``batch_sampler``). Once prepared by Accelerate, call the loader's ``set_epoch`` before each epoch
+    (:class:`common.loop.Loop` does): Accelerate re-applies its own epoch counter when iteration starts."""
     sampler = EpochBatchSampler(len(dataset), batch_size, True, seed, True, num_processes)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs(num_workers))
-    return loader, sampler
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs(num_workers))
 
 
 def eval_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int,
@@ -311,44 +278,3 @@ def eval_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, num_work
     """A sequential evaluation DataLoader; Accelerate pads the last round, ``gather_for_metrics`` un-pads."""
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False,
                                        collate_fn=collate_fn, **loader_kwargs(num_workers))
-
-
-class AspectRatioBatchSampler(EpochBatchSampler):
-    """:class:`EpochBatchSampler` whose batches hold only landscape (width >= height) or only portrait
-    images, so a batch padded to its largest image wastes little (Faster R-CNN's grouped batching).
-
-    Each epoch: one seeded permutation of all indices (a function of ``(seed, epoch)`` only), split
-    by orientation keeping that order, cut into batches per group, and the batches of both groups
-    shuffled together with the same generator. With ``drop_last`` every group's incomplete batch is
-    dropped and the epoch ends at the last complete round of ``num_processes`` batches, so Accelerate
-    hands every process the same number of full batches (process ``r`` of ``W``: batches ``r, r + W,
-    ...``) and ``skip_first_batches`` resumes exactly. Without ``drop_last`` (one process) every
-    index comes exactly once per epoch, the groups' last batches being smaller.
-    """
-
-    def __init__(self, aspect_ratios: Sequence[float], batch_size: int, seed: int = 0, drop_last: bool = True,
-                 num_processes: int = 1) -> None:
-        super().__init__(len(aspect_ratios), batch_size, True, seed, drop_last, num_processes)
-        self.landscape = [float(r) >= 1.0 for r in aspect_ratios]  # width / height of each image
-        if drop_last and len(self) == 0:
-            raise UserError(f"no orientation group of the training split fills {num_processes} batches of "
-                            f"{batch_size}; lower --batch_size")
-
-    def __len__(self) -> int:
-        groups = (sum(self.landscape), self.size - sum(self.landscape))
-        if self.drop_last:
-            return sum(n // self.batch_size for n in groups) // self.num_processes * self.num_processes
-        return sum(-(-n // self.batch_size) for n in groups)
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        generator = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1))
-        order = torch.randperm(self.size, generator=generator).tolist()
-        batches: list[list[int]] = []
-        for landscape in (True, False):
-            members = [i for i in order if self.landscape[i] == landscape]
-            batches += [members[k:k + self.batch_size] for k in range(0, len(members), self.batch_size)]
-        if self.drop_last:
-            batches = [b for b in batches if len(b) == self.batch_size]
-        batches = [batches[k] for k in torch.randperm(len(batches), generator=generator).tolist()]
-        for batch in batches[:len(self)]:
-            yield [(self.epoch, i) for i in batch]

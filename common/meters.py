@@ -31,10 +31,10 @@ class Meters:
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, float] = {}
         self._images = 0
+        self._counts_host: dict[str, float] = {}
         self._data_seconds = 0.0
         self._started = time.perf_counter()
         self._steps = 0
-        self._seconds_per_step: float | None = None
 
     def update(self, n: int = 1, **values: torch.Tensor | float) -> None:
         """Add ``value * n`` to each named sum and ``n`` to its count (``n`` = samples the value averages)."""
@@ -50,9 +50,12 @@ class Meters:
         """Seconds this step's loop waited for the next batch."""
         self._data_seconds += seconds
 
-    def images(self, n: int) -> None:
-        """Images this process consumed in the step (host int: a shape, not a tensor value)."""
+    def images(self, n: int, **counts: float) -> None:
+        """Images this process consumed in the step (host int: a shape, not a tensor value), and host
+        counts over those images (boxes read from shapes, say), reported per image as ``<name>_per_image``."""
         self._images += n
+        for name, value in counts.items():
+            self._counts_host[name] = self._counts_host.get(name, 0.0) + value
 
     def step(self) -> None:
         self._steps += 1
@@ -65,23 +68,27 @@ class Meters:
         interval's speed, for ``steps_left`` more steps).
         """
         distributed = accelerator is not None and accelerator.num_processes > 1
-        names = sorted(self._sums)
+        names, hosts = sorted(self._sums), sorted(self._counts_host)
         if distributed:  # a value only some processes logged still needs one agreed layout
             from accelerate.utils import gather_object
 
             names = sorted(set(gather_object(names)))
+            hosts = sorted(set(gather_object(hosts)))
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         zero = torch.zeros((), device=self.device)
         packed = torch.stack(
             [self._sums.get(k, zero) for k in names]
             + [torch.tensor(self._counts.get(k, 0.0), device=self.device) for k in names]
             + [torch.tensor(float(self._images), device=self.device)]
+            + [torch.tensor(self._counts_host.get(k, 0.0), device=self.device) for k in hosts]
         )
         if distributed:
             packed = accelerator.reduce(packed, reduction="sum")
         flat = packed.tolist()  # the one host-device synchronisation of the interval
-        sums, counts, images = flat[: len(names)], flat[len(names) : 2 * len(names)], flat[-1]
+        sums, counts = flat[: len(names)], flat[len(names) : 2 * len(names)]
+        images, host = flat[2 * len(names)], flat[2 * len(names) + 1 :]
         out = {k: s / max(c, 1e-12) for k, s, c in zip(names, sums, counts)}
+        out.update({f"{k}_per_image": v / max(images, 1.0) for k, v in zip(hosts, host)})
         out["images_per_s"] = images / elapsed
         out["data_wait"] = min(self._data_seconds / elapsed, 1.0)
         if self._steps:
@@ -95,6 +102,7 @@ class Meters:
             s.zero_()
         self._counts = dict.fromkeys(self._counts, 0.0)
         self._images = 0
+        self._counts_host = dict.fromkeys(self._counts_host, 0.0)
         self._data_seconds = 0.0
         self._steps = 0
         self._started = time.perf_counter()

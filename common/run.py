@@ -1,8 +1,11 @@
 """Run plumbing: Accelerator, run folder, trackers, checkpoints and resume, signals, non-finite guard.
 
-A recipe makes one :class:`Run` from its config and uses it for everything that is not the
-method: ``run.accelerator``, ``run.log(values, step)``, ``run.save_checkpoint(state)``,
-``run.resume()``, ``run.should_stop()``, ``run.guard.observe(step, losses)``.
+A recipe makes one :class:`Run` from its config first thing in ``main()``: it builds the
+``Accelerator`` (mixed precision, gradient accumulation, trackers, the inductor backend with
+``compile``) and seeds every generator with ``cfg.seed``, after choosing the run folder (which the
+Accelerator's project configuration needs). The recipe then uses ``run.accelerator``,
+``run.log(values, step)``, ``run.guard.observe(step, losses)``; :class:`common.loop.Loop` uses
+``run.resume()``, ``run.save_checkpoint(state)`` and ``run.should_stop()``.
 
 Run folder (``runs/<recipe>/<name>/``): ``config.yaml``, ``metrics.jsonl`` (every logged value,
 always), ``checkpoints/step_XXXXXXXX/`` (Accelerate state + ``train_state.json``, last K kept),
@@ -29,21 +32,7 @@ from accelerate.utils import (DataLoaderConfiguration, ProjectConfiguration, bro
 from common import UserError
 from common.config import save_config, to_dict
 from common.guard import NonFiniteGuard, NonFiniteLoss
-from common.meters import format_seconds
-
-@dataclasses.dataclass
-class TrainState:
-    """Where the loop is; saved next to each checkpoint as ``train_state.json``.
-
-    ``step`` counts optimizer steps; ``batches_in_epoch`` counts the (micro-)batches of
-    ``epoch`` already consumed, so a resumed run skips exactly those. ``extra`` holds
-    recipe-specific JSON values (best metric so far, ...).
-    """
-
-    step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+from common.loop import TrainState
 
 
 def _wandb_has_credentials() -> bool:
@@ -63,10 +52,8 @@ def _choose_output_dir(cfg: Any, recipe: str) -> Path:
     if cfg.output_dir:
         out = Path(cfg.output_dir)
         if _has_run(out) and not cfg.resume:
-            raise UserError(
-                f"run folder '{out}' already holds a run; pass --resume auto to continue it "
-                "or choose another --output_dir"
-            )
+            raise UserError(f"run folder '{out}' already holds a run; pass --resume auto to continue it "
+                            "or choose another --output_dir")
         return out
     name = Path(getattr(cfg, "config", "") or "default").stem
     out = base = Path("runs") / recipe / name
@@ -87,11 +74,8 @@ class Run:
     def __init__(self, cfg: Any, recipe: str) -> None:
         self.cfg = cfg
         self.recipe = recipe
-        if cfg.report_to not in ("wandb", "tensorboard", "none"):
-            raise UserError(f"report_to must be wandb, tensorboard or none, got '{cfg.report_to}'")
+        # report_to and mixed_precision were checked against their choices when the config was parsed
         mixed = getattr(cfg, "mixed_precision", "") or None  # empty: whatever `accelerate launch` set
-        if mixed not in (None, "no", "fp16", "bf16"):
-            raise UserError(f"mixed_precision must be no, fp16 or bf16, got '{mixed}'")
         if cfg.grad_accum_steps < 1:
             raise UserError(f"grad_accum_steps must be at least 1, got {cfg.grad_accum_steps}")
 
@@ -172,13 +156,7 @@ class Run:
         if self.cfg.report_to != "none":
             acc.log(values, step=step)
         if echo:
-            parts = []
-            for k, v in values.items():
-                if k.endswith("eta_s"):
-                    parts.append(f"eta {format_seconds(v)}")
-                elif isinstance(v, float):
-                    parts.append(f"{k} {v:.4g}")
-            self.print(f"step {step}: " + "  ".join(parts))
+            self.print(f"step {step}: " + "  ".join(f"{k} {v:.4g}" for k, v in values.items() if isinstance(v, float)))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, state: TrainState) -> None:
@@ -212,8 +190,6 @@ class Run:
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
-        if not self.checkpoint_dir.is_dir():
-            return []
         found = [p for p in self.checkpoint_dir.glob("step_*") if p.is_dir() and _complete(p)]
         return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
@@ -282,34 +258,11 @@ class Run:
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group, async_op=True), flag)
         return stop
 
-    def after_step(self, state: TrainState, last_batch: bool) -> bool:
-        """Call after each optimizer step with the position after its batch. Returns True when the
-        run must stop (:meth:`should_stop`); then, and every ``cfg.checkpoint_every`` steps, saves a
-        checkpoint there. Not on an epoch's ``last_batch``: :meth:`after_epoch` saves that position
-        as the start of the next epoch, after the evaluation."""
-        stopping = self.should_stop()
-        if stopping or (state.step % self.cfg.checkpoint_every == 0 and not last_batch):
-            self.save_checkpoint(state)
-        return stopping
-
-    def after_epoch(self, state: TrainState, epoch_done: bool, last_epoch: bool) -> None:
-        """Call after each epoch's evaluation with the position after its last batch. A finished
-        epoch is checkpointed as the start of the next (every ``cfg.checkpoint_every`` steps, and
-        always after the last); a last epoch cut short by ``max_steps`` as where it stopped."""
-        if epoch_done and (state.step % self.cfg.checkpoint_every == 0 or last_epoch):
-            self.save_checkpoint(TrainState(state.step, state.epoch + 1, 0, state.extra))
-        elif last_epoch:
-            self.save_checkpoint(state)
-
     def stopped(self, step: int) -> None:
         """End a run stopped by a signal at ``step``: say how to continue, then :meth:`finish`."""
-        self.print(f"stopped by {self.stop_reason} at step {step}; checkpoint {self.last_checkpoint}; "
-                   "continue with --resume auto")
+        reason = signal.Signals(self._stop_signal).name if self._stop_signal is not None else "a stop request"
+        self.print(f"stopped by {reason} at step {step}; checkpoint {self.last_checkpoint}; continue with --resume auto")
         self.finish()
-
-    @property
-    def stop_reason(self) -> str:
-        return signal.Signals(self._stop_signal).name if self._stop_signal is not None else ""
 
     def finish(self) -> None:
         if self._pending is not None:  # collect the last stop-flag reduction before shutting down
@@ -340,8 +293,3 @@ def cli_main(main: Callable[[], Any]) -> None:
     except NonFiniteLoss as e:
         _fail(str(e), 1)
 
-
-def steps_total(epochs: int, steps_per_epoch: Callable[[int], int], max_steps: int = 0) -> int:
-    """Optimizer steps in the whole run: the sum over epochs, capped by ``max_steps`` (0 = no cap)."""
-    total = sum(steps_per_epoch(e) for e in range(epochs))
-    return min(total, max_steps) if max_steps > 0 else total

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 # Recipes import the shared `common/` package from the repository root: the nearest parent
 # folder that contains it. This keeps `accelerate launch recipes/x.py` working from any
@@ -33,23 +33,20 @@ for _root in Path(__file__).resolve().parents:
             sys.path.insert(0, str(_root))
         break
 
-import json
-
 import safetensors.torch
-import timm
 import torch
 import torch.nn.functional as F
 from timm.data import Mixup, create_transform, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
-from tqdm.auto import tqdm
 
 from common import UserError
-from common.config import parse_config
+from common.config import parse_config, timm_optimizers
 from common.data import ClassificationDataset, eval_loader_for, load_classification, train_loader_for
 from common.ema import ModelEma
-from common.meters import Meters, prefixed
-from common.run import Run, TrainState, cli_main, steps_total
+from common.loop import Loop, steps_total
+from common.models import create_timm_model, save_weights
+from common.run import Run, cli_main
 from common.schedules import schedule, set_group_values
 
 
@@ -61,86 +58,83 @@ class Config:
     config: str = ""  # the YAML file this run was read from (set by --config)
     # data
     data: str = "digits"  # built-in name, local folder (imagefolder / saved dataset) or hub name
-    image_column: str = ""  # empty: detected
-    label_column: str = ""
-    train_split: str = "train"
-    eval_split: str = ""  # empty: validation/val/valid/test, else a seeded 10 % of train
+    image_column: str = ""  # the column holding the images; empty: detected (the first Image column)
+    label_column: str = ""  # the column holding the class labels; empty: detected (a ClassLabel, or label)
+    train_split: str = "train"  # the split to train on
+    eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
     img_size: int = 32  # training and evaluation resolution (pixels)
-    crop_pct: float = 1.0  # eval: resize to img_size / crop_pct, then centre crop
-    scale: list[float] = field(default_factory=lambda: [0.6, 1.0])  # RandomResizedCrop area range
-    ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])
-    hflip: float = 0.0  # digits must not be mirrored; 0.5 for natural images
-    color_jitter: float = 0.0
-    auto_augment: str = ""  # e.g. rand-m9-mstd0.5-inc1
-    reprob: float = 0.0  # random erasing probability
-    interpolation: str = "bicubic"
-    mixup: float = 0.0  # Mixup alpha (0: off)
-    cutmix: float = 0.0  # CutMix alpha (0: off)
-    mixup_prob: float = 1.0
-    mixup_switch_prob: float = 0.5
-    smoothing: float = 0.1  # label smoothing
-    num_workers: int = 2
+    crop_pct: float = 1.0  # eval: resize to img_size / crop_pct, then centre crop (ImageNet: 0.875 for convnets)
+    scale: list[float] = field(default_factory=lambda: [0.6, 1.0])  # RandomResizedCrop area range (timm: 0.08, 1)
+    ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])  # RandomResizedCrop aspect range, w / h
+    hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
+    color_jitter: float = 0.0  # brightness, contrast and saturation jitter strength (0: off; timm turns it off
+        # under auto_augment)
+    auto_augment: str = ""  # timm AutoAugment / RandAugment policy, e.g. rand-m9-mstd0.5-inc1 (empty: off)
+    reprob: float = 0.0  # random erasing probability (0: off; DeiT: 0.25)
+    interpolation: Literal["bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"] = "bicubic"  # resampling
+        # filter of the training crop and the evaluation resize
+    mixup: float = 0.0  # Mixup alpha (0: off; DeiT: 0.8); Mixup and CutMix need an even batch_size
+    cutmix: float = 0.0  # CutMix alpha (0: off; DeiT: 1.0)
+    mixup_prob: float = 1.0  # probability that a batch is mixed at all (when mixup or cutmix is on)
+    mixup_switch_prob: float = 0.5  # probability of CutMix rather than Mixup for a batch when both are on
+    smoothing: float = 0.1  # label smoothing: the target's weight spread over the other classes (0: off)
+    num_workers: int = 2  # DataLoader worker processes per training process (0: load in the main process)
     # model
-    model: str = "resnet18"
+    model: str = "resnet18"  # any timm model name (timm.list_models())
     model_kwargs: dict = field(default_factory=dict)  # extra timm.create_model arguments, e.g. {depth: 4}
     pretrained: bool = False  # timm's hub weights (needs network)
     init_weights: str = ""  # safetensors to start from, e.g. a DINO backbone; the head is re-initialised
     linear_probe: bool = False  # train only the classifier head; the backbone stays frozen, in eval mode
-    drop_rate: float = 0.0
-    drop_path_rate: float = 0.0
+    drop_rate: float = 0.0  # dropout before the classifier head
+    drop_path_rate: float = 0.0  # stochastic depth rate (DeiT-S: 0.1; 0 for small convnets)
     bn_momentum: float = 0.0  # 0: the model's default (PyTorch convention: weight of the new batch)
     bn_momentum_end: float = 0.0  # >0: anneal bn_momentum to this by epochs (cosine)
-    channels_last: bool = False
-    compile: bool = False
+    channels_last: bool = False  # channels_last memory format: faster convnets on GPUs with tensor cores
+    compile: bool = False  # torch.compile through Accelerate (inductor); the first steps are slow while it compiles
     # optimization
-    epochs: int = 12
+    epochs: int = 12  # training epochs
     max_steps: int = 0  # >0: stop after this many optimizer steps
-    batch_size: int = 64  # per process
-    eval_batch_size: int = 0  # 0: 2 x batch_size
-    grad_accum_steps: int = 1
+    batch_size: int = 64  # images per process and micro-step: global batch = this x processes x grad_accum_steps
+    eval_batch_size: int = 0  # evaluation images per process; 0: 2 x batch_size
+    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
     grad_accum_switch_epoch: int = 0  # >0: from this epoch on, accumulate grad_accum_steps_after_switch
-    grad_accum_steps_after_switch: int = 0
-    opt: str = "adamw"  # any timm optimizer name: sgd, adamw, lamb, lars, ...
+    grad_accum_steps_after_switch: int = 0  # grad_accum_steps from grad_accum_switch_epoch on (0: no switch)
+    opt: str = field(default="adamw", metadata={"choices": timm_optimizers})  # any timm optimizer name:
+        # sgd, adamw, lamb, lars, ... (biases and norms get no weight decay)
     lr: float = 2e-3  # peak learning rate (not scaled by batch size)
-    min_lr: float = 1e-5
-    warmup_lr: float = 1e-5
-    warmup_epochs: float = 2.0
-    sched: str = "cosine"  # cosine, linear, step, poly, constant
+    min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules
+    warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to lr over warmup_epochs
+    warmup_epochs: float = 2.0  # linear warmup length in epochs (fractions allowed)
+    sched: Literal["cosine", "linear", "step", "poly", "constant"] = "cosine"  # learning rate after warmup:
+        # to min_lr (cosine, linear; poly = linear here), x decay_rate at decay_milestones (step), or constant
     decay_milestones: list[int] = field(default_factory=list)  # epochs, for sched=step
-    decay_rate: float = 0.1
-    weight_decay: float = 0.05
-    momentum: float = 0.9  # SGD momentum
+    decay_rate: float = 0.1  # factor on the learning rate at each of decay_milestones (sched=step)
+    weight_decay: float = 0.05  # decoupled for AdamW, L2 for SGD; biases and norms get none
+    momentum: float = 0.9  # SGD momentum (and the other timm optimizers that take one)
     layer_decay: float = 0.0  # >0: timm layer-wise lr decay (ViT fine-tuning)
     clip_grad: float = 0.0  # >0: clip the global gradient norm to this
-    ema_decay: float = 0.0  # >0: keep a model EMA and evaluate it too
-    ema_warmup: bool = True
-    mixed_precision: str = ""  # no, fp16, bf16; empty: as `accelerate launch` says
+    ema_decay: float = 0.0  # >0: keep a model EMA and evaluate it too (e.g. 0.9998)
+    ema_warmup: bool = True  # the EMA decay ramps as min(ema_decay, (1 + step) / (10 + step)), so the init fades fast
+    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
     # run
-    output_dir: str = ""  # empty: runs/classifier/<config name>
-    seed: int = 0
-    log_every: int = 20  # optimizer steps
-    eval_every: int = 1  # epochs
-    checkpoint_every: int = 200  # optimizer steps; also at the end of training
-    keep_checkpoints: int = 3
-    resume: str = ""  # auto, a checkpoint folder, or empty
-    report_to: str = "wandb"  # wandb (offline without credentials), tensorboard, none
+    output_dir: str = ""  # the run folder; empty: runs/classifier/<config name>
+    seed: int = 0  # seeds data order, augmentation and initialisation
+    log_every: int = 20  # log training metrics every this many optimizer steps
+    eval_every: int = 1  # evaluate every this many epochs; also at the end
+    checkpoint_every: int = 200  # save a checkpoint every this many optimizer steps; also at the end
+    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
+    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
+    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
+        # metrics.jsonl is written in every case
 
 
 # ============================================================================================
 # Model
 # ============================================================================================
 def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
-    kwargs = dict(pretrained=cfg.pretrained, num_classes=num_classes, drop_rate=cfg.drop_rate,
-                  drop_path_rate=cfg.drop_path_rate, **cfg.model_kwargs)
-    try:
-        try:  # transformers build position embeddings for img_size; convnets take no such argument
-            model = timm.create_model(cfg.model, img_size=cfg.img_size, **kwargs)
-        except TypeError:
-            model = timm.create_model(cfg.model, **kwargs)
-    except RuntimeError as e:
-        if "nknown model" in str(e) or "nvalid model" in str(e):
-            raise UserError(f"unknown timm model '{cfg.model}'; see timm.list_models()") from None
-        raise
+    # transformers build their position embeddings for img_size; convnets take no such argument
+    model = create_timm_model(cfg.model, {"img_size": cfg.img_size}, pretrained=cfg.pretrained, num_classes=num_classes,
+                              drop_rate=cfg.drop_rate, drop_path_rate=cfg.drop_path_rate, **cfg.model_kwargs)
     if cfg.init_weights:
         load_init_weights(model, cfg.init_weights)
     if cfg.bn_momentum > 0:
@@ -184,16 +178,6 @@ def set_bn_momentum(model: torch.nn.Module, momentum: float) -> None:
     for m in model.modules():
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             m.momentum = momentum
-
-
-def save_weights(state_dict: dict[str, torch.Tensor], path: Path, cfg: Config, classes: list[str]) -> None:
-    """Safetensors with the class names and model name in the metadata; written then renamed."""
-    tmp = path.with_suffix(".tmp")
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-    meta = {"model": cfg.model, "model_kwargs": json.dumps(cfg.model_kwargs), "num_classes": str(len(classes)),
-            "img_size": str(cfg.img_size), "classes": json.dumps(classes)}
-    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
 
 
 # ============================================================================================
@@ -249,8 +233,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     eval_tf = create_transform(**data_cfg, is_training=False)
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed)
     eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed)
-    train_loader, sampler = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
-                                             accelerator.num_processes)
+    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
+                                  accelerator.num_processes)
     eval_loader = eval_loader_for(eval_set, cfg.eval_batch_size or 2 * cfg.batch_size, cfg.num_workers)
 
     # ---- loss --------------------------------------------------------------------------------
@@ -294,19 +278,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     lr_values = schedule(cfg.sched, cfg.lr, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_in_epoch(0)),
                          cfg.warmup_lr, milestones, cfg.decay_rate)
 
-    # ---- resume ------------------------------------------------------------------------------
-    state = run.resume()
-    step, best = state.step, state.extra.get("best_top1", -1.0)
-    meters = Meters(accelerator.device)
-    results: dict[str, float] = {}
-    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process,
-                    desc="classifier", dynamic_ncols=True)
-
-    # ---- training loop -------------------------------------------------------------------------
-    for epoch in range(state.epoch, cfg.epochs):
-        if step >= total_steps:
-            break
-        sampler.set_epoch(epoch)
+    # ---- training loop (resumes where a checkpoint left off) -----------------------------------
+    loop = Loop(run, train_loader, total_steps)
+    meters, results = loop.meters, {}
+    for epoch in loop.epochs():
         accelerator.gradient_accumulation_steps = accum_steps(epoch)
         if cfg.bn_momentum_end > 0:
             set_bn_momentum(unwrapped, cfg.bn_momentum_end + (cfg.bn_momentum - cfg.bn_momentum_end)
@@ -315,59 +290,36 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if cfg.linear_probe:  # frozen features: batch-norm statistics must not drift either
             model.eval()
             unwrapped.get_classifier().train()
-        skip = state.batches_in_epoch if epoch == state.epoch else 0
-        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        epoch_done, stopping, batch_idx = True, False, skip - 1
-        tick = time.perf_counter()
-        for batch_idx, (images, targets) in enumerate(batches, start=skip):
-            meters.data_time(time.perf_counter() - tick)
+        for images, targets in loop.batches():
             if cfg.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             soft_targets = targets
             if mixup_fn is not None:
                 images, soft_targets = mixup_fn(images, targets)
-            set_group_values(optimizer, "lr", float(lr_values[min(step, total_steps - 1)]))
+            lr = float(lr_values[loop.step])
+            set_group_values(optimizer, "lr", lr)
 
             with accelerator.accumulate(model):
                 logits = model(images)
                 loss = criterion(logits, soft_targets)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip_grad > 0:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-                    meters.update(grad_norm=grad_norm)
+                    meters.update(grad_norm=accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(step + 1, {"loss": loss})  # the step this loss belongs to, 1-based as logged
+            run.guard.observe(loop.step + 1, {"loss": loss})  # the step this loss belongs to, 1-based as logged
             meters.update(n=len(images), loss=loss)
             meters.images(len(images))
-            tick = time.perf_counter()
-            if not accelerator.sync_gradients:
+            if not loop.optimizer_stepped():
                 continue
-
-            # -- one optimizer step done --
-            step += 1
-            meters.step()
-            progress.update(1)
             if ema is not None:
-                ema.update(unwrapped, step)
-            if step % cfg.log_every == 0:
-                values = meters.summary(accelerator, steps_left=total_steps - step)
-                run.guard.check(accelerator, run.last_checkpoint)
-                run.log({**prefixed(values, "train"), "train/lr": float(lr_values[step - 1]), "epoch": epoch}, step)
-            last_batch = batch_idx + 1 == len(train_loader)
-            stopping = run.after_step(TrainState(step, epoch, batch_idx + 1, {"best_top1": best}), last_batch)
-            if stopping or step >= total_steps:
-                epoch_done = last_batch
-                break
-        if stopping:
-            progress.close()
-            run.stopped(step)
-            return results
+                ema.update(unwrapped, loop.step)
+            if loop.step % cfg.log_every == 0:
+                loop.log_train(lr=lr)
 
-        # ---- evaluation and best weights ------------------------------------------------------
-        last_epoch = epoch + 1 == cfg.epochs or step >= total_steps
-        if (epoch + 1) % cfg.eval_every == 0 or last_epoch:
+        # ---- evaluation and best weights (raw or EMA, by top-1) ----------------------------------
+        if loop.eval_due():
             results = {f"eval/{k}": v for k, v in evaluate(model, eval_loader, accelerator, num_classes,
                                                            cfg.channels_last).items()}
             candidates = [(results["eval/top1"], "raw")]
@@ -376,22 +328,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                                                         num_classes, cfg.channels_last).items()})
                 candidates.append((results["eval_ema/top1"], "ema"))
             top1, which = max(candidates)
-            results["eval/best_top1"] = best = max(best, top1)
-            run.log({**results, "epoch": epoch}, step)
-            if top1 >= best:
+            improved = loop.improved("top1", top1)
+            results["best/top1"] = loop.best("top1")
+            run.log({**results, "epoch": epoch}, loop.step)
+            if improved:
                 weights = accelerator.get_state_dict(model) if which == "raw" else ema.module.state_dict()
                 if accelerator.is_main_process:
-                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes)
-        run.after_epoch(TrainState(step, epoch, batch_idx + 1, {"best_top1": best}), epoch_done, last_epoch)
+                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, "classifier")
+    if loop.stopped:
+        return results
 
     # ---- saving ---------------------------------------------------------------------------------
-    progress.close()
     final = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_weights(final, run.dir / "final.safetensors", cfg, data.classes)
+        save_weights(final, run.dir / "final.safetensors", cfg, data.classes, "classifier")
         if ema is not None:
-            save_weights(ema.module.state_dict(), run.dir / "final_ema.safetensors", cfg, data.classes)
-        run.print(f"done: best top-1 {best:.2f} %, weights in {run.dir}")
+            save_weights(ema.module.state_dict(), run.dir / "final_ema.safetensors", cfg, data.classes, "classifier")
+        run.print(f"done: best top-1 {loop.best('top1'):.2f} %, weights in {run.dir}")
     run.finish()
     return results
 

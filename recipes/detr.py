@@ -14,7 +14,7 @@ GIoU, normalised by the number of boxes over all processes) and class, the rest 
 (cross-entropy weight ``eos_coef``). Every decoder layer gets the same losses (auxiliary losses),
 each matched on its own. AdamW with a tenth of the learning rate for the backbone, one step drop,
 gradient clipping at 0.1, DETR's multi-scale resize and random crop. Evaluation is COCO mAP
-(common/detection.py); the best weights by mAP@0.5 are kept. No NMS: the set loss removes duplicates.
+(common/coco_eval.py); the best weights by mAP@0.5 are kept. No NMS: the set loss removes duplicates.
 
 DETR starts from a pretrained backbone (ImageNet weights at scale, ``pretrained``). Without network
 the backbone is first pre-trained on the training set's own ground-truth boxes (``pretrain_crops_*``):
@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
     if (_root / "common" / "__init__.py").is_file():
@@ -47,8 +47,8 @@ for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout"
             sys.path.insert(0, str(_root))
         break
 
-import json
 
+import numpy as np
 import safetensors.torch
 import timm
 import torch
@@ -62,12 +62,16 @@ from torchvision.transforms.v2 import functional as TF
 from tqdm.auto import tqdm
 
 from common import UserError
-from common.config import parse_config, to_dict
-from common.data import eval_loader_for, train_loader_for
-from common.detection import (IMAGENET_MEAN, IMAGENET_STD, BoxCropDataset, CocoEvaluator, DetectionData,
-                              DetectionDataset, collate, load_detection, save_detections)
+from common.boxes import crop_box
+from common.coco_eval import CocoEvaluator
+from common.config import parse_config
+from common.data import decode_image, eval_loader_for, sample_seed, train_loader_for
+from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionData, DetectionDataset, collate, load_detection
 from common.meters import Meters, prefixed
-from common.run import Run, TrainState, cli_main, steps_total
+from common.plots import save_detections
+from common.loop import Loop, steps_total
+from common.models import create_timm_model, save_weights, sync_batchnorm
+from common.run import Run, cli_main
 from common.schedules import schedule, set_group_values, weight_decay_groups
 
 # The three weighted loss terms, in the order of loss_weights (and, for the costs, of matcher_costs).
@@ -82,67 +86,81 @@ class Config:
     config: str = ""  # the YAML file this run was read from (set by --config)
     # data
     data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
-    train_split: str = "train"
-    eval_split: str = ""  # empty: validation/val/valid/test
-    scales: list[int] = field(default_factory=lambda: [96])  # shorter side, px: one drawn per training image; eval at the last (DETR: 480..800 step 32)
+    train_split: str = "train"  # the split to train on
+    eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
+    scales: list[int] = field(default_factory=lambda: [96])  # shorter side, px: one drawn per training image;
+        # eval at the last (DETR: 480..800 step 32)
     max_size: int = 96  # longer side at most, px (DETR: 1333)
-    crop: float = 0.0  # probability of DETR's crop branch: resize to crop_resize, random crop of crop_size, resize to scales (DETR: 0.5)
-    crop_resize: list[int] = field(default_factory=lambda: [72, 84, 96])  # shorter side before the crop (DETR: 400, 500, 600)
-    crop_size: list[int] = field(default_factory=lambda: [64, 96])  # crop width and height drawn in [min, max] px (DETR: 384, 600)
-    hflip: float = 0.0  # digits must not be mirrored; 0.5 for natural images
-    num_workers: int = 1
+    crop: float = 0.0  # probability of DETR's crop branch: resize to crop_resize, random crop of crop_size,
+        # resize to scales (DETR: 0.5)
+    crop_resize: list[int] = field(default_factory=lambda: [72, 84, 96])  # shorter side before the crop, px
+        # (DETR: 400, 500, 600)
+    crop_size: list[int] = field(default_factory=lambda: [64, 96])  # crop width and height drawn in [min, max] px
+        # (DETR: 384, 600)
+    hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
+    num_workers: int = 1  # DataLoader worker processes per training process (0: load in the main process)
     # model: backbone -> 1x1 projection -> encoder -> decoder -> heads
     model: str = "resnet10t"  # any timm model with features_only (DETR: resnet50)
-    # resnet10t at half width, its last stage dilated (DETR-DC5's trick): stride 8, a 12 x 12 map at 96 px
-    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256], "stem_width": 16, "output_stride": 8})
+    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256], "stem_width": 16,
+                                                         "output_stride": 8})  # extra timm.create_model arguments;
+        # the demo: resnet10t at half width, its last stage dilated (DETR-DC5's trick): stride 8, a 12 x 12 map at 96 px
     out_index: int = 3  # the backbone level the transformer reads (timm's feature index; -1 = the last)
     pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
     frozen_bn: bool = False  # backbone batch norm as fixed affine layers (DETR does so with pretrained weights)
-    init_backbone: str = ""  # safetensors of the same timm model (e.g. classifier.py's best.safetensors) for the backbone; keys it does not use (head, later stages) are ignored
-    # backbone pre-training on the training set's own boxes, before DETR: what stands in for ImageNet
-    # weights without network (skipped with pretrained or init_backbone weights, and when resuming)
-    pretrain_crops_epochs: int = 6  # 0: off. Every ground-truth box cut out, classified by backbone + linear head
+    init_backbone: str = ""  # safetensors of the same timm model (e.g. classifier.py's best.safetensors) for the
+        # backbone; keys it does not use (head, later stages) are ignored
+    # backbone pre-training on the training set's own boxes, before DETR: what stands in for ImageNet weights
+    # without network (skipped with pretrained or init_backbone weights, and when resuming)
+    pretrain_crops_epochs: int = 6  # epochs of classifying every ground-truth box, cut out, with backbone + linear
+        # head (0: off)
     pretrain_crops_size: int = 32  # crop side, px (digits_det's digits are 12-47 px tall)
     pretrain_crops_margin: float = 0.15  # context around each box, a fraction of its longer side
     pretrain_crops_shift: float = 0.1  # the crop window moves by up to this fraction of its side (x and y)
-    pretrain_crops_lr: float = 2e-3  # AdamW peak, 1 warmup epoch, cosine to 0
-    pretrain_crops_batch_size: int = 64  # per process
-    d_model: int = 128  # DETR: 256
-    nheads: int = 8
-    enc_layers: int = 3  # DETR: 6
-    dec_layers: int = 3  # DETR: 6
-    dim_feedforward: int = 512  # DETR: 2048
-    dropout: float = 0.0  # DETR: 0.1
-    num_queries: int = 16  # DETR: 100 (digits_det has at most 6 digits per scene)
-    aux_loss: bool = True  # losses after every decoder layer
+    pretrain_crops_lr: float = 2e-3  # peak AdamW learning rate of the pre-training: 1 warmup epoch, then cosine to 0
+    pretrain_crops_batch_size: int = 64  # crops per process
+    # transformer and heads
+    d_model: int = 128  # transformer width (DETR: 256)
+    nheads: int = 8  # attention heads; d_model must be a multiple of it (DETR: 8)
+    enc_layers: int = 3  # encoder layers (DETR: 6)
+    dec_layers: int = 3  # decoder layers, each with its own auxiliary loss (DETR: 6)
+    dim_feedforward: int = 512  # hidden width of each layer's feed-forward MLP (DETR: 2048)
+    dropout: float = 0.0  # dropout in the transformer (DETR: 0.1)
+    num_queries: int = 16  # object queries, the most objects per image (DETR: 100; digits_det has at most 6)
+    aux_loss: bool = True  # the losses after every decoder layer, not only the last (DETR: true)
     # loss
-    matcher_costs: list[float] = field(default_factory=lambda: [1.0, 5.0, 2.0])  # class, L1, GIoU
-    loss_weights: list[float] = field(default_factory=lambda: [1.0, 5.0, 2.0])  # CE, L1, GIoU
-    eos_coef: float = 0.1  # cross-entropy weight of the no-object class
+    matcher_costs: list[float] = field(default_factory=lambda: [1.0, 5.0, 2.0])  # Hungarian matching cost weights:
+        # class, L1, GIoU (DETR: 1, 5, 2)
+    loss_weights: list[float] = field(default_factory=lambda: [1.0, 5.0, 2.0])  # loss weights: CE, L1, GIoU
+        # (DETR: 1, 5, 2)
+    eos_coef: float = 0.1  # cross-entropy weight of the no-object class (DETR: 0.1)
     # optimization
-    epochs: int = 12
-    max_steps: int = 0
-    batch_size: int = 16  # per process
-    grad_accum_steps: int = 1
-    lr: float = 5e-4  # transformer and heads (DETR: 1e-4; a small model from scratch takes more)
-    lr_backbone: float = 1e-4  # DETR: 1e-5 for its ImageNet backbone; here a fifth of lr for the crop-pretrained one (5e-4 from scratch)
-    weight_decay: float = 1e-4  # on every parameter, as DETR's AdamW
-    warmup_epochs: float = 1.0  # linear from 0 (DETR: none)
-    lr_drop_epochs: int = 0  # the lr (both groups) drops x0.1 after this epoch; 0: at 2/3 of epochs (DETR: 200 of 300)
-    clip_grad: float = 0.1  # global gradient norm (0: off)
-    mixed_precision: str = ""  # no, fp16, bf16; empty: as `accelerate launch` says
-    compile: bool = False  # Accelerate's inductor on the model (the matcher stays eager)
+    epochs: int = 12  # training epochs (after pretrain_crops_epochs)
+    max_steps: int = 0  # >0: stop after this many optimizer steps
+    batch_size: int = 16  # images per process and micro-step: global batch = this x processes x grad_accum_steps
+    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
+    lr: float = 5e-4  # peak learning rate of the transformer and heads (DETR: 1e-4; a small model from scratch
+        # takes more)
+    lr_backbone: float = 1e-4  # peak learning rate of the backbone (DETR: 1e-5 for its ImageNet one); here a fifth
+        # of lr for the crop-pretrained one (5e-4 from scratch)
+    weight_decay: float = 1e-4  # AdamW weight decay, on every parameter as in DETR (DETR: 1e-4)
+    warmup_epochs: float = 1.0  # linear learning-rate warmup from 0, epochs (DETR: none)
+    lr_drop_epochs: int = 0  # the lr (both groups) drops x0.1 after this epoch; 0: at 2/3 of epochs
+        # (DETR: 200 of 300)
+    clip_grad: float = 0.1  # clip the global gradient norm to this (0: off; DETR: 0.1)
+    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
+    compile: bool = False  # torch.compile the model through Accelerate (inductor); the matcher stays eager
     # evaluation
-    plot_images: int = 4
+    plot_images: int = 4  # evaluation images drawn with ground truth and predictions under plots/ (0: none)
     # run
-    output_dir: str = ""  # empty: runs/detr/<config name>
-    seed: int = 0
-    log_every: int = 20
-    eval_every: int = 5  # epochs; also at the end
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 3
-    resume: str = ""
-    report_to: str = "wandb"
+    output_dir: str = ""  # the run folder; empty: runs/detr/<config name>
+    seed: int = 0  # seeds data order, augmentation and initialisation
+    log_every: int = 20  # log training metrics every this many optimizer steps
+    eval_every: int = 5  # evaluate every this many epochs; also at the end
+    checkpoint_every: int = 500  # save a checkpoint every this many optimizer steps; also at the end
+    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
+    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
+    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
+        # metrics.jsonl is written in every case
 
 
 # ============================================================================================
@@ -339,12 +357,8 @@ def create_backbone(cfg: Config) -> nn.Module:
     """The timm ``features_only`` backbone giving the one level DETR reads, with the weights that
     ``pretrained`` or ``init_backbone`` name (random otherwise)."""
     try:
-        backbone = timm.create_model(cfg.model, features_only=True, out_indices=(cfg.out_index,),
+        backbone = create_timm_model(cfg.model, features_only=True, out_indices=(cfg.out_index,),
                                      pretrained=cfg.pretrained, **cfg.model_kwargs)
-    except RuntimeError as e:
-        if "nknown model" in str(e):
-            raise UserError(f"unknown timm model '{cfg.model}'; see timm.list_models()") from None
-        raise
     except (IndexError, TypeError) as e:
         raise UserError(f"model '{cfg.model}' does not take out_index {cfg.out_index} "
                         f"and model_kwargs {cfg.model_kwargs}: {e}") from None
@@ -377,6 +391,38 @@ def load_backbone(backbone: nn.Module, path: str) -> None:
 # Backbone pre-training on the training boxes: without network there are no ImageNet weights, and
 # from random weights the demo's DETR finds the boxes but never learns the classes (README, "DETR")
 # ============================================================================================
+class BoxCropDataset(torch.utils.data.Dataset):
+    """Every box of a normalised detection dataset as a classification sample ``(image [3, size, size]
+    float normalised with the ImageNet mean and std as data_transforms does, class index)``, cut by
+    ``crop_box`` (crowd regions and boxes under 1 px left out).
+
+    ``shift`` > 0 (training): the window moves by up to that fraction of its side on each axis, drawn
+    per ``(epoch, index)`` (keys as DetectionDataset's), so that the classifier does not learn that a
+    digit always sits in the middle. Scenes are decoded per crop, nothing is cached: any size of
+    dataset stays on disk, and DataLoader workers do the decoding.
+    """
+
+    def __init__(self, ds: Any, size: int = 32, margin: float = 0.15, shift: float = 0.0, seed: int = 0) -> None:
+        self.ds, self.size, self.margin, self.shift, self.seed = ds, size, margin, shift, seed
+        objects = ds.select_columns(["objects"])[:]["objects"]
+        self.items = [(row, box, category) for row, o in enumerate(objects)
+                      for box, category, crowd in zip(o["bbox"], o["category"], o["iscrowd"])
+                      if not crowd and box[2] >= 1 and box[3] >= 1]  # (row, COCO box, class)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        row, box, category = self.items[int(index)]
+        image = decode_image(self.ds[row]["image"], f"row {row} of the detection dataset")
+        shift = (0.0, 0.0)
+        if self.shift > 0:
+            shift = tuple(np.random.default_rng(sample_seed(self.seed, epoch, index)).uniform(-self.shift, self.shift, 2))
+        crop = TF.to_dtype(TF.pil_to_tensor(crop_box(image, box, self.size, self.margin, shift)), torch.float32, scale=True)
+        return TF.normalize(crop, IMAGENET_MEAN, IMAGENET_STD), int(category)
+
+
 class CropClassifier(nn.Module):
     """``images [B, 3, s, s] -> logits [B, C]``: the detector's own backbone, global average pooling of
     the level DETR reads, a linear layer. Trained on box crops, it shapes exactly the layers (and the
@@ -393,7 +439,7 @@ class CropClassifier(nn.Module):
 
 def pretrain_backbone(cfg: Config, backbone: nn.Module, data: DetectionData, run: Run) -> dict[str, float]:
     """Train ``backbone`` in place as a classifier of the ground-truth boxes of ``data.train`` (cut out
-    by common.detection.BoxCropDataset with a ``pretrain_crops_margin`` of context, resized to
+    by BoxCropDataset with a ``pretrain_crops_margin`` of context, resized to
     ``pretrain_crops_size``, the window shifted by up to ``pretrain_crops_shift``): AdamW (no weight
     decay on biases and norms), one warmup epoch then cosine, label smoothing 0.1. The crops are split
     across processes like any training set. Top-1 on the evaluation split's boxes is logged after every
@@ -402,8 +448,8 @@ def pretrain_backbone(cfg: Config, backbone: nn.Module, data: DetectionData, run
     train_set = BoxCropDataset(data.train, cfg.pretrain_crops_size, cfg.pretrain_crops_margin,
                                cfg.pretrain_crops_shift, cfg.seed)
     eval_set = BoxCropDataset(data.eval, cfg.pretrain_crops_size, cfg.pretrain_crops_margin)
-    train_loader, sampler = train_loader_for(train_set, cfg.pretrain_crops_batch_size, cfg.seed, cfg.num_workers,
-                                             accelerator.num_processes)
+    train_loader = train_loader_for(train_set, cfg.pretrain_crops_batch_size, cfg.seed, cfg.num_workers,
+                                  accelerator.num_processes)
     eval_loader = eval_loader_for(eval_set, 2 * cfg.pretrain_crops_batch_size, cfg.num_workers)
     model = CropClassifier(backbone, len(data.classes))
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.05), lr=cfg.pretrain_crops_lr)
@@ -414,7 +460,7 @@ def pretrain_backbone(cfg: Config, backbone: nn.Module, data: DetectionData, run
     progress = tqdm(total=total, disable=not accelerator.is_main_process, desc="pretrain backbone", dynamic_ncols=True)
     step, values = 0, {}
     for epoch in range(cfg.pretrain_crops_epochs):
-        sampler.set_epoch(epoch)
+        train_loader.set_epoch(epoch)  # the prepared loader: Accelerate's counter and the sampler
         model.train()
         for images, labels in train_loader:
             set_group_values(optimizer, "lr", float(lr_values[step]))
@@ -592,21 +638,6 @@ def create_criterion(cfg: Config, num_classes: int) -> SetCriterion:
     return SetCriterion(num_classes, matcher, weight_dict, cfg.eos_coef, ["labels", "boxes", "cardinality"])
 
 
-def total_loss(losses: dict[str, torch.Tensor], weight_dict: dict[str, float]
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(sum of weight x term, what to log): every weighted term scaled under its name and unscaled
-    as ``<name>_unscaled`` (as DETR's reference logs them), plus the unweighted error metrics."""
-    loss = sum(losses[k] * w for k, w in weight_dict.items() if k in losses)
-    logged = {}
-    for k, v in losses.items():
-        if k in weight_dict:
-            logged[k] = v.detach() * weight_dict[k]
-            logged[f"{k}_unscaled"] = v.detach()
-        else:
-            logged[k] = v.detach()
-    return loss, logged
-
-
 # ============================================================================================
 # Evaluation and saving
 # ============================================================================================
@@ -629,24 +660,17 @@ def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerato
     """COCO mAP over the evaluation split; boxes go to the evaluator in original-image pixels."""
     was_training = model.training
     model.eval()
-    evaluator.reset()
-    for images, mask, targets in eval_loader:
-        with accelerator.autocast():
-            outputs = model(images, mask)
-        orig = torch.tensor([t["orig_size"] for t in targets])
-        for d, t in zip(postprocess(outputs, orig), targets):
-            evaluator.update([{"image_id": t["image_id"], **d}])
+
+    def batches():  # consumed by the evaluator as the loader yields
+        for images, mask, targets in eval_loader:
+            with accelerator.autocast():
+                outputs = model(images, mask)
+            orig = torch.tensor([t["orig_size"] for t in targets])
+            yield [{"image_id": t["image_id"], **d} for d, t in zip(postprocess(outputs, orig), targets)]
+
+    results = evaluator.evaluate(batches(), accelerator)
     model.train(was_training)
-    return evaluator.compute(accelerator)
-
-
-def save_weights(state_dict: dict[str, torch.Tensor], path: Path, cfg: Config, classes: list[str]) -> None:
-    """Safetensors with the resolved config and class names in the metadata; written then renamed."""
-    tmp = path.with_suffix(".tmp")
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-    meta = {"config": json.dumps(to_dict(cfg)), "classes": json.dumps(classes)}
-    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    return results
 
 
 # ============================================================================================
@@ -685,8 +709,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     num_classes = len(data.classes)
     train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed)
     eval_set = DetectionDataset(data.eval, data_transforms(cfg, False), cfg.seed)
-    train_loader, sampler = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
-                                             accelerator.num_processes, collate_fn=detr_collate)
+    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
+                                  accelerator.num_processes, collate_fn=detr_collate)
     eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=detr_collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
 
@@ -701,8 +725,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             pretrain_backbone(cfg, backbone, data, run)
     model = create_model(cfg, num_classes, backbone)
     criterion = create_criterion(cfg, num_classes).to(accelerator.device)
-    if accelerator.num_processes > 1 and accelerator.device.type == "cuda" and not cfg.frozen_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BN statistics over the global batch
+    model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch
 
     # ---- optimizer and schedules (AdamW; the backbone at lr_backbone, weight decay on everything) ----
     backbone = [p for p in model.backbone.parameters() if p.requires_grad]
@@ -714,7 +737,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
 
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
-    total_steps = steps_total(cfg.epochs, lambda e: steps_per_epoch, cfg.max_steps)
+    total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
     drop_epoch = cfg.lr_drop_epochs or math.ceil(2 * cfg.epochs / 3)
     # DETR: constant, x0.1 after lr_drop epochs (here with an optional linear warmup from 0)
     lr_values = schedule("step", cfg.lr, 0.0, total_steps, round(cfg.warmup_epochs * steps_per_epoch), 0.0,
@@ -738,92 +761,54 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         [{k: v.cpu() for k, v in d.items()} for d in detections], data.classes,
                         run.plots_dir / f"detections_step{step:08d}.png", tracker, step)
 
-    # ---- resume --------------------------------------------------------------------------------
-    state = run.resume()
-    step, best = state.step, state.extra.get("best_map_50", -1.0)
-    meters = Meters(accelerator.device)
-    host = dict.fromkeys(("boxes", "dropped", "images"), 0.0)  # host-side sums
-    results: dict[str, float] = {}
-    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="detr",
-                    dynamic_ncols=True)
-
-    # ---- training loop -------------------------------------------------------------------------
-    for epoch in range(state.epoch, cfg.epochs):
-        if step >= total_steps:
-            break
-        sampler.set_epoch(epoch)
+    # ---- training loop (resumes where a checkpoint left off) -----------------------------------
+    loop = Loop(run, train_loader, total_steps)
+    meters, results = loop.meters, {}
+    for epoch in loop.epochs():
         model.train()
-        skip = state.batches_in_epoch if epoch == state.epoch else 0
-        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        epoch_done, stopping, batch_idx = True, False, skip - 1
-        tick = time.perf_counter()
-        for batch_idx, (images, mask, targets) in enumerate(batches, start=skip):
-            meters.data_time(time.perf_counter() - tick)
-            set_group_values(optimizer, "lr", float(lr_values[min(step, total_steps - 1)]))
+        for images, mask, targets in loop.batches():
+            lr = float(lr_values[loop.step])
+            set_group_values(optimizer, "lr", lr)
 
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     outputs = model(images, mask)
                 losses = criterion(outputs, targets)  # fp32: the matcher and losses cast the outputs
-                loss, terms = total_loss(losses, criterion.weight_dict)
+                loss = sum(losses[k] * w for k, w in criterion.weight_dict.items())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip_grad > 0:
                     meters.update(grad_norm=accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(step + 1, {"loss": loss, **{k: v for k, v in terms.items() if k in criterion.weight_dict}})
-            meters.update(n=len(images), loss=loss, **terms)
-            meters.images(len(images))
-            host["boxes"] += sum(len(t["boxes"]) for t in targets)  # shapes: no device sync (this process's only)
-            host["dropped"] += sum(t["dropped"] for t in targets)
-            host["images"] += len(images)
-            tick = time.perf_counter()
-            if not accelerator.sync_gradients:
+            run.guard.observe(loop.step + 1, {"loss": loss, **{k: losses[k] for k in criterion.weight_dict}})
+            meters.update(n=len(images), loss=loss, **losses)
+            meters.images(len(images), boxes=sum(len(t["boxes"]) for t in targets),  # shapes: no device sync
+                          dropped_boxes=sum(t["dropped"] for t in targets))
+            if not loop.optimizer_stepped():
                 continue
+            if loop.step % cfg.log_every == 0:
+                loop.log_train(lr=lr)
 
-            # -- one optimizer step done --
-            step += 1
-            meters.step()
-            progress.update(1)
-            if step % cfg.log_every == 0:
-                values = meters.summary(accelerator, steps_left=total_steps - step)
-                run.guard.check(accelerator, run.last_checkpoint)
-                n = max(host["images"], 1)
-                values.update(boxes_per_image=host["boxes"] / n, dropped_boxes_per_image=host["dropped"] / n)
-                host = dict.fromkeys(host, 0.0)
-                run.log({**prefixed(values, "train"), "train/lr": float(lr_values[step - 1]), "epoch": epoch}, step,
-                        echo=False)
-                progress.set_postfix(loss=f"{values['loss']:.3f}", map_best=f"{best:.3f}")
-            last_batch = batch_idx + 1 == len(train_loader)
-            stopping = run.after_step(TrainState(step, epoch, batch_idx + 1, {"best_map_50": best}), last_batch)
-            if stopping or step >= total_steps:
-                epoch_done = last_batch
-                break
-        if stopping:
-            progress.close()
-            run.stopped(step)
-            return results
-
-        # ---- evaluation and best weights by mAP@0.5 ------------------------------------------------
-        last_epoch = epoch + 1 == cfg.epochs or step >= total_steps
-        if (epoch + 1) % cfg.eval_every == 0 or last_epoch:
+        # ---- evaluation and best weights ---------------------------------------------------------
+        if loop.eval_due():
             results = {f"eval/{k}": v for k, v in evaluate(model, eval_loader, evaluator, accelerator).items()}
-            improved = results["eval/map_50"] > best
-            results["eval/best_map_50"] = best = max(best, results["eval/map_50"])
-            run.log({**results, "epoch": epoch}, step)
-            plot(step)
+            improved = loop.improved("map_50", results["eval/map_50"])
+            results["best/map_50"] = loop.best("map_50")
+            run.log({**results, "epoch": epoch}, loop.step)
+            plot(loop.step)
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
-                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes)
-        run.after_epoch(TrainState(step, epoch, batch_idx + 1, {"best_map_50": best}), epoch_done, last_epoch)
+                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, "detr")
+    if loop.stopped:
+        return results
 
     # ---- saving -----------------------------------------------------------------------------------
-    progress.close()
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes)
-        run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {best:.3f}), weights in {run.dir}")
+        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, "detr")
+        run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {loop.best('map_50'):.3f}), "
+                  f"weights in {run.dir}")
     run.finish()
     return results
 

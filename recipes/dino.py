@@ -25,9 +25,9 @@ import copy
 import math
 import random
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
     if (_root / "common" / "__init__.py").is_file():
@@ -35,25 +35,22 @@ for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout"
             sys.path.insert(0, str(_root))
         break
 
-import json
 
 import numpy as np
-import safetensors.torch
-import timm
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image, ImageFilter, ImageOps
 from torch import nn
 from torchvision import transforms as T
-from tqdm.auto import tqdm
 
 from common import UserError
 from common.config import parse_config
 from common.data import ClassificationDataset, eval_loader_for, load_classification, train_loader_for
 from common.ema import ema_update_
-from common.meters import Meters, prefixed
-from common.run import Run, TrainState, cli_main, steps_total
+from common.loop import Loop, steps_total
+from common.models import create_timm_model, save_weights, sync_batchnorm
+from common.run import Run, cli_main
 from common.schedules import schedule, set_group_values, weight_decay_groups
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -67,63 +64,70 @@ class Config:
     config: str = ""  # the YAML file this run was read from (set by --config)
     # data
     data: str = "digits_ssl"  # built-in name, local folder or hub name; labels only used by kNN
-    image_column: str = ""
-    label_column: str = ""
-    train_split: str = "train"
-    eval_split: str = ""
+    image_column: str = ""  # the column holding the images; empty: detected (the first Image column)
+    label_column: str = ""  # the column holding the labels, used by the kNN evaluation only; empty: detected
+    train_split: str = "train"  # the split to train on, also the kNN memory bank
+    eval_split: str = ""  # the split the kNN evaluation classifies; empty: validation/val/valid/test, else a seeded
+        # 10 % of train
     global_size: int = 32  # global crop size in pixels (224 for ImageNet)
-    local_size: int = 16  # local crop size (96 for ImageNet)
-    local_crops: int = 6  # number of local crops (10 for ImageNet)
-    global_scale: list[float] = field(default_factory=lambda: [0.4, 1.0])
-    local_scale: list[float] = field(default_factory=lambda: [0.05, 0.4])
-    hflip: float = 0.0  # 0.5 for natural images; digits must not be mirrored
+    local_size: int = 16  # local crop size in pixels (96 for ImageNet)
+    local_crops: int = 6  # number of local crops per image (10 for ImageNet; 0: the 2 global crops only)
+    global_scale: list[float] = field(default_factory=lambda: [0.4, 1.0])  # global crops' RandomResizedCrop area
+        # range (reference: 0.4, 1.0)
+    local_scale: list[float] = field(default_factory=lambda: [0.05, 0.4])  # local crops' RandomResizedCrop area
+        # range (reference: 0.05, 0.4)
+    hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     blur_radius: list[float] = field(default_factory=lambda: [0.1, 0.6])  # PIL Gaussian radius, px ([0.1, 2] at 224)
-    num_workers: int = 2
+    num_workers: int = 2  # DataLoader worker processes per training process (0: load in the main process)
     # model
-    model: str = "resnet10t"  # the demo: half width (model_kwargs), 1.2 M parameters
-    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256]})
-    drop_path_rate: float = 0.1
+    model: str = "resnet10t"  # any timm model (convnet or ViT); the demo: half width (model_kwargs), 1.2 M parameters
+    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256]})  # extra timm.create_model
+        # arguments; the demo halves resnet10t's stage widths
+    drop_path_rate: float = 0.1  # stochastic depth of the student backbone (reference: 0.1)
     out_dim: int = 1024  # K, prototypes of the projection head (65536 for ImageNet)
-    head_hidden_dim: int = 512  # 2048 for ImageNet
-    head_bottleneck_dim: int = 256
-    norm_last_layer: bool = True  # fix the last layer's weight norm (more stable for ViT)
+    head_hidden_dim: int = 512  # hidden width of the projection head's MLP (2048 for ImageNet)
+    head_bottleneck_dim: int = 256  # the head's bottleneck, L2-normalised before the last layer (reference: 256)
+    norm_last_layer: bool = True  # fix the last layer's weight norm (stable); False is often better with ViT-S
     head_use_bn: bool = True  # BatchNorm after the head's hidden layers (the reference's use_bn_in_head; False for ViT)
     # loss
-    warmup_teacher_temp: float = 0.04
-    teacher_temp: float = 0.04
-    warmup_teacher_temp_epochs: int = 0
-    student_temp: float = 0.1
-    center_momentum: float = 0.9
+    warmup_teacher_temp: float = 0.04  # teacher temperature at the start, linear to teacher_temp
+        # over warmup_teacher_temp_epochs (reference: 0.04)
+    teacher_temp: float = 0.04  # teacher softmax temperature after warmup (reference: 0.04; above 0.07 is unstable)
+    warmup_teacher_temp_epochs: int = 0  # teacher temperature warmup, epochs (reference: 0; 30 with teacher_temp 0.07)
+    student_temp: float = 0.1  # student softmax temperature (reference: 0.1)
+    center_momentum: float = 0.9  # EMA momentum of the centre subtracted from the teacher's outputs (reference: 0.9)
     # optimization
-    epochs: int = 8
-    max_steps: int = 0
-    batch_size: int = 64  # per process
-    grad_accum_steps: int = 1
-    opt: str = "adamw"  # adamw (ViT), or sgd with momentum 0.9 (the reference's ResNet-50 setting)
+    epochs: int = 8  # training epochs
+    max_steps: int = 0  # >0: stop after this many optimizer steps
+    batch_size: int = 64  # images per process (each gives 2 + local_crops crops)
+    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
+    opt: Literal["adamw", "sgd"] = "adamw"  # adamw (ViT), or sgd with momentum 0.9 (the reference's ResNet-50 setting)
     lr: float = 1.6e-2  # per 256 images: peak = lr x global batch / 256 (5e-4 for ViT-S/16 on ImageNet)
-    min_lr: float = 1e-5
-    warmup_epochs: float = 1.0
-    weight_decay: float = 0.04  # cosine to weight_decay_end, decayed group only
-    weight_decay_end: float = 0.4
-    clip_grad: float = 3.0  # per-parameter gradient norm clip (0: off)
+    min_lr: float = 1e-5  # learning rate at the end of the cosine (reference: 1e-6)
+    warmup_epochs: float = 1.0  # linear learning-rate warmup from 0, epochs (reference: 10)
+    weight_decay: float = 0.04  # cosine from this to weight_decay_end; none on biases and norms (reference: 0.04)
+    weight_decay_end: float = 0.4  # weight decay at the end of the cosine (reference: 0.4)
+    clip_grad: float = 3.0  # clip each parameter's gradient norm to this (0: off; reference: 3.0)
     freeze_last_layer: int = 0  # epochs during which the last layer gets no gradient (1 on ImageNet)
-    momentum_teacher: float = 0.95  # cosine to 1 (0.996 on ImageNet: 0.95 lets the demo's 360-step teacher move)
-    mixed_precision: str = ""  # no, fp16, bf16; empty: as `accelerate launch` says
-    compile: bool = False
+    momentum_teacher: float = 0.95  # teacher EMA momentum, cosine to 1 (0.996 on ImageNet: 0.95 lets the demo's
+        # 360-step teacher move)
+    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
+    compile: bool = False  # torch.compile the student through Accelerate (inductor)
     # evaluation
-    knn_k: int = 20
-    knn_temperature: float = 0.07
+    knn_k: int = 20  # neighbours that vote in the weighted kNN evaluation (reference: 20)
+    knn_temperature: float = 0.07  # the kNN votes weigh exp(cosine similarity / this) (reference: 0.07)
     knn_train_limit: int = 0  # >0: at most this many memory-bank images (seeded subset)
-    attention_images: int = 4  # ViT only: CLS attention maps saved under plots/
+    attention_images: int = 4  # ViT only: CLS attention maps of this many evaluation images saved under plots/
     # run
-    output_dir: str = ""  # empty: runs/dino/<config name>
-    seed: int = 0
-    log_every: int = 20
-    eval_every: int = 1  # epochs; also at step 0 and at the end
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 3
-    resume: str = ""
-    report_to: str = "wandb"
+    output_dir: str = ""  # the run folder; empty: runs/dino/<config name>
+    seed: int = 0  # seeds data order, augmentation and initialisation
+    log_every: int = 20  # log training metrics every this many optimizer steps
+    eval_every: int = 1  # evaluate every this many epochs; also at step 0 and at the end
+    checkpoint_every: int = 500  # save a checkpoint every this many optimizer steps; also at the end
+    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
+    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
+    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
+        # metrics.jsonl is written in every case
 
 
 # ============================================================================================
@@ -227,16 +231,9 @@ class MultiCropWrapper(nn.Module):
 
 
 def create_backbone(cfg: Config) -> nn.Module:
-    kwargs = dict(num_classes=0, drop_path_rate=cfg.drop_path_rate, **cfg.model_kwargs)
-    try:
-        try:  # ViTs: build for the global size, interpolate position embeddings for local crops
-            return timm.create_model(cfg.model, img_size=cfg.global_size, dynamic_img_size=True, **kwargs)
-        except TypeError:
-            return timm.create_model(cfg.model, **kwargs)
-    except RuntimeError as e:
-        if "nknown model" in str(e):
-            raise UserError(f"unknown timm model '{cfg.model}'; see timm.list_models()") from None
-        raise
+    # ViTs: built for the global size, position embeddings interpolated for the local crops
+    return create_timm_model(cfg.model, {"img_size": cfg.global_size, "dynamic_img_size": True}, num_classes=0,
+                             drop_path_rate=cfg.drop_path_rate, **cfg.model_kwargs)
 
 
 def create_student(cfg: Config) -> MultiCropWrapper:
@@ -392,8 +389,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data = load_classification(cfg.data, cfg.image_column, cfg.label_column, cfg.train_split,
                                    cfg.eval_split, seed=cfg.seed)
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, MultiCrop(cfg), cfg.seed)
-    train_loader, sampler = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
-                                             accelerator.num_processes)
+    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
+                                  accelerator.num_processes)
     bank = data.train
     if 0 < cfg.knn_train_limit < len(bank):
         bank = bank.shuffle(seed=cfg.seed).select(range(cfg.knn_train_limit))
@@ -404,8 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- model: student and teacher (an exact copy, never trained by gradients) -------------
     student = create_student(cfg)
-    if accelerator.num_processes > 1 and accelerator.device.type == "cuda":
-        student = nn.SyncBatchNorm.convert_sync_batchnorm(student)  # BN statistics over the global batch
+    student = sync_batchnorm(student, accelerator)  # several GPUs: BN statistics over the global batch
     teacher = copy.deepcopy(student).requires_grad_(False)
     for m in teacher.modules():  # the reference builds its teacher without drop path or dropout
         if hasattr(m, "drop_prob"):
@@ -420,8 +416,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- optimizer and schedules --------------------------------------------------------------
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
-    if cfg.opt not in ("adamw", "sgd"):
-        raise UserError(f"opt must be adamw or sgd, got '{cfg.opt}'")
     groups = weight_decay_groups(student, cfg.weight_decay)  # lr and decay: per step; none for biases and norms
     optimizer = (torch.optim.AdamW(groups, lr=cfg.lr, **fused) if cfg.opt == "adamw"
                  else torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, **fused))
@@ -437,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     last_layer_params = list(unwrapped.head.last_layer.parameters())
 
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
-    total_steps = steps_total(cfg.epochs, lambda e: steps_per_epoch, cfg.max_steps)
+    total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
     global_batch = cfg.batch_size * accelerator.num_processes * cfg.grad_accum_steps
     lr_values = schedule("cosine", cfg.lr * global_batch / 256, cfg.min_lr, total_steps,
                          round(cfg.warmup_epochs * steps_per_epoch))
@@ -465,35 +459,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return result
 
     # ---- resume, or the step-0 baselines ---------------------------------------------------------
-    state = run.resume()
-    step = state.step
-    baseline = state.extra.get("baseline", {})
-    if not baseline:
+    loop = Loop(run, train_loader, total_steps)
+    meters = loop.meters
+    if "baseline" not in loop.extra:  # kept in every checkpoint, so a resumed run does not redo them
         bank_px, bank_y = extract(None, bank_loader, accelerator)
         test_px, test_y = extract(None, eval_loader, accelerator)
         baseline = {"knn/raw_pixels_top1": knn_top1(bank_px, bank_y, test_px, test_y, cfg.knn_k,
                                                     cfg.knn_temperature, len(data.classes))}
         baseline["knn/step0_top1"] = evaluate(0)["knn/teacher_top1"]
         run.log(baseline, 0)
-    results: dict[str, float] = dict(baseline)
-    meters = Meters(accelerator.device)
-    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="dino",
-                    dynamic_ncols=True)
+        loop.extra["baseline"] = baseline
+    results: dict[str, float] = dict(loop.extra["baseline"])
 
     # ---- training loop ---------------------------------------------------------------------------
     teacher.train()
-    for epoch in range(state.epoch, cfg.epochs):
-        if step >= total_steps:
-            break
-        sampler.set_epoch(epoch)
+    for epoch in loop.epochs():
         student.train()
-        skip = state.batches_in_epoch if epoch == state.epoch else 0
-        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        epoch_done, stopping, batch_idx = True, False, skip - 1
-        tick = time.perf_counter()
-        for batch_idx, (crops, _) in enumerate(batches, start=skip):
-            meters.data_time(time.perf_counter() - tick)
-            it = min(step, total_steps - 1)
+        for crops, _ in loop.batches():
+            it = loop.step  # this step's index into the schedules
             set_group_values(optimizer, "lr", float(lr_values[it]))
             set_group_values(optimizer, "weight_decay", float(wd_values[it]))  # the no-decay group stays 0
 
@@ -513,52 +496,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(step + 1, {"loss": loss})
+            run.guard.observe(loop.step + 1, {"loss": loss})
             meters.update(n=len(crops[0]), loss=loss)
             meters.images(len(crops[0]))
-            tick = time.perf_counter()
-            if not accelerator.sync_gradients:
+            if not loop.optimizer_stepped():
                 continue
-
-            # -- one optimizer step done: the teacher follows the student by EMA --
-            ema_update_(teacher_params, student_params, float(momentum_values[it]))
-            step += 1
-            meters.step()
-            progress.update(1)
-            if step % cfg.log_every == 0:
-                values = meters.summary(accelerator, steps_left=total_steps - step)
-                run.guard.check(accelerator, run.last_checkpoint)
-                run.log({**prefixed(values, "train"), "train/lr": float(lr_values[it]),
-                         "train/weight_decay": float(wd_values[it]), "train/momentum": float(momentum_values[it]),
-                         "train/teacher_temp": float(dino_loss.teacher_temp_schedule[min(epoch, cfg.epochs - 1)]),
-                         "epoch": epoch}, step)
-            last_batch = batch_idx + 1 == len(train_loader)
-            stopping = run.after_step(TrainState(step, epoch, batch_idx + 1, {"baseline": baseline}), last_batch)
-            if stopping or step >= total_steps:
-                epoch_done = last_batch
-                break
-        if stopping:
-            progress.close()
-            run.stopped(step)
-            return results
+            ema_update_(teacher_params, student_params, float(momentum_values[it]))  # the teacher follows
+            if loop.step % cfg.log_every == 0:
+                loop.log_train(lr=lr_values[it], weight_decay=wd_values[it], momentum=momentum_values[it],
+                               teacher_temp=dino_loss.teacher_temp_schedule[min(epoch, cfg.epochs - 1)])
 
         # ---- evaluation ------------------------------------------------------------------------
-        last_epoch = epoch + 1 == cfg.epochs or step >= total_steps
-        if (epoch + 1) % cfg.eval_every == 0 or last_epoch:
-            results = {**baseline, **evaluate(step)}
-            run.log({**results, "epoch": epoch}, step)
-        run.after_epoch(TrainState(step, epoch, batch_idx + 1, {"baseline": baseline}), epoch_done, last_epoch)
+        if loop.eval_due():
+            results = {**loop.extra["baseline"], **evaluate(loop.step)}
+            run.log({**results, "epoch": epoch}, loop.step)
+    if loop.stopped:
+        return results
 
     # ---- saving: the teacher backbone, for recipes/classifier.py --init_weights ----------------
-    progress.close()
     if accelerator.is_main_process:
-        tensors = {k: v.detach().cpu().contiguous() for k, v in teacher.backbone.state_dict().items()}
-        meta = {"model": cfg.model, "model_kwargs": json.dumps(cfg.model_kwargs), "img_size": str(cfg.global_size)}
-        tmp = run.dir / "teacher_backbone.tmp"
-        safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
-        tmp.replace(run.dir / "teacher_backbone.safetensors")
+        path = run.dir / "teacher_backbone.safetensors"
+        save_weights(teacher.backbone.state_dict(), path, cfg, recipe="dino")
         summary = ", ".join(f"{k.split('/')[-1]} {v:.1f} %" for k, v in results.items() if k.startswith("knn/"))
-        run.print(f"done: kNN top-1 {summary}; teacher backbone in {run.dir / 'teacher_backbone.safetensors'}")
+        run.print(f"done: kNN top-1 {summary}; teacher backbone in {path}")
     run.finish()
     return results
 

@@ -14,7 +14,7 @@ Training as torchvision's and seamseg's references train it: SGD with momentum a
 (none on biases and norms), linear warmup, then step drops at epoch milestones or poly decay, per
 step; batches grouped by aspect ratio; optional frozen early backbone stages and frozen batch
 norm; fp16/bf16 and gradient clipping through Accelerate. Evaluation is COCO mAP
-(common/detection.py); the best weights by mAP@0.5 are kept.
+(common/coco_eval.py); the best weights by mAP@0.5 are kept.
 
 Launch (defaults = the built-in ``digits_det`` scenes, a thin resnet10t from scratch at 96 px):
 
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator, Literal, Sequence
 
 for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
     if (_root / "common" / "__init__.py").is_file():
@@ -42,9 +42,7 @@ for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout"
         break
 
 import inspect
-import json
 
-import safetensors.torch
 import timm
 import torch
 import torchvision
@@ -56,23 +54,28 @@ from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from torchvision.transforms import v2
-from tqdm.auto import tqdm
 
 from common import UserError
-from common.config import parse_config, to_dict
-from common.data import AspectRatioBatchSampler, eval_loader_for, loader_kwargs
-from common.detection import (IMAGENET_MEAN, IMAGENET_STD, CocoEvaluator, DetectionDataset, load_detection,
-                              rescale_boxes, save_detections)
-from common.meters import Meters, prefixed
-from common.run import Run, TrainState, cli_main, steps_total
+from common.boxes import rescale_boxes
+from common.coco_eval import CocoEvaluator
+from common.config import parse_config
+from common.data import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
+from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
+from common.plots import save_detections
+from common.loop import Loop, steps_total
+from common.models import create_timm_model, save_weights, sync_batchnorm
+from common.run import Run, cli_main
 from common.schedules import schedule, set_group_values, weight_decay_groups
 
 # torchvision's Faster R-CNN presets (model = one of these names), each built by its own function.
 PRESETS = ("fasterrcnn_resnet50_fpn", "fasterrcnn_resnet50_fpn_v2", "fasterrcnn_mobilenet_v3_large_fpn",
            "fasterrcnn_mobilenet_v3_large_320_fpn")
-# The four losses as torchvision names them -> as this recipe logs them; loss_weights follow this order.
-LOSS_NAMES = {"loss_objectness": "rpn_objectness", "loss_rpn_box_reg": "rpn_box",
-              "loss_classifier": "roi_classifier", "loss_box_reg": "roi_box"}
+# The four losses as torchvision names them -> as this recipe names and logs them; loss_weights
+# follow this order. Each is already a mean: RPN objectness BCE over the sampled anchors, RPN box
+# smooth-L1 (beta 1/9) summed over positive anchors / sampled anchors, RoI cross-entropy over the
+# sampled proposals, RoI box smooth-L1 (beta 1/9) summed over positives / sampled proposals.
+LOSS_NAMES = {"loss_objectness": "loss_rpn_objectness", "loss_rpn_box_reg": "loss_rpn_box",
+              "loss_classifier": "loss_roi_classifier", "loss_box_reg": "loss_roi_box"}
 
 
 # ============================================================================================
@@ -83,64 +86,73 @@ class Config:
     config: str = ""  # the YAML file this run was read from (set by --config)
     # data
     data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
-    train_split: str = "train"
-    eval_split: str = ""  # empty: validation/val/valid/test
-    hflip: float = 0.0  # digits must not be mirrored; 0.5 for natural images
+    train_split: str = "train"  # the split to train on
+    eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
+    hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     color_jitter: bool = False  # torchvision's photometric distortion (SSD), p = 0.5
-    num_workers: int = 1
+    num_workers: int = 1  # DataLoader worker processes per training process (0: load in the main process)
     # model: backbone -> FPN -> RPN -> RoIAlign -> box head
     model: str = "resnet10t"  # a timm model (features_only), or a torchvision preset (PRESETS)
-    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256], "stem_width": 16})  # resnet10t at half width
+    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256], "stem_width": 16})  # extra
+        # timm.create_model arguments; the demo: resnet10t at half width
     pretrained: bool = False  # timm: ImageNet backbone; presets: COCO weights (both need network)
     pretrained_backbone: bool = False  # presets only: ImageNet backbone weights
     out_indices: list[int] = field(default_factory=lambda: [1, 2, 3])  # timm feature levels (1 = stride 4)
-    fpn_channels: int = 48  # torchvision: 256
+    fpn_channels: int = 48  # FPN width at every level (torchvision: 256)
     extra_pool: bool = False  # one more FPN level by max-pooling the coarsest (torchvision's "pool")
-    anchor_sizes: list[list[float]] = field(default_factory=lambda: [[12, 18], [24, 36], [48, 72]])  # px, per FPN level, as many at each; empty: 8 x stride
+    anchor_sizes: list[list[float]] = field(default_factory=lambda: [[12, 18], [24, 36], [48, 72]])  # px, per FPN
+        # level, as many at each; empty: 8 x stride
     aspect_ratios: list[float] = field(default_factory=lambda: [1.0, 2.0])  # height / width, at every level
-    min_size: list[int] = field(default_factory=lambda: [96])  # shorter side, px; several: one drawn per training image, eval at the last
+    min_size: list[int] = field(default_factory=lambda: [96])  # shorter side, px; several: one drawn per training
+        # image, eval at the last
     max_size: int = 96  # longer side at most, px
-    rpn_pre_nms_top_n: list[int] = field(default_factory=lambda: [200, 200])  # per level, [train, eval] (torchvision: 2000, 1000)
-    rpn_post_nms_top_n: list[int] = field(default_factory=lambda: [100, 100])  # per image, [train, eval] (torchvision: 2000, 1000)
+    rpn_pre_nms_top_n: list[int] = field(default_factory=lambda: [200, 200])  # proposals per level before NMS,
+        # [train, eval] (torchvision: 2000, 1000)
+    rpn_post_nms_top_n: list[int] = field(default_factory=lambda: [100, 100])  # proposals per image after NMS,
+        # [train, eval] (torchvision: 2000, 1000)
     rpn_batch_size_per_image: int = 128  # anchors sampled for the RPN losses (torchvision: 256)
-    roi_size: int = 7  # RoIAlign output, cells
+    roi_size: int = 7  # RoIAlign output side, cells (torchvision: 7)
     roi_sampling_ratio: int = 1  # bilinear samples per cell side (torchvision: 2; the CPU backward is slow)
     box_head_dim: int = 256  # the two-layer MLP head's width (torchvision: 1024)
     box_batch_size_per_image: int = 32  # proposals sampled for the RoI losses (torchvision: 512)
-    box_score_thresh: float = 0.05
-    box_nms_thresh: float = 0.5
-    box_detections_per_img: int = 100
+    box_score_thresh: float = 0.05  # detections scoring below this are dropped (torchvision: 0.05)
+    box_nms_thresh: float = 0.5  # per-class NMS IoU of the final detections (torchvision: 0.5)
+    box_detections_per_img: int = 100  # detections kept per image (torchvision: 100)
     freeze_at: int = 0  # frozen backbone stages, stem counted as 1 (Detectron2 convention; COCO: 2)
     frozen_bn: bool = False  # backbone batch norm as fixed affine layers (with pretrained weights)
-    loss_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0])  # rpn obj, rpn box, roi cls, roi box
+    loss_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0])  # rpn objectness, rpn box,
+        # roi classifier, roi box
     # optimization
-    epochs: int = 2
-    max_steps: int = 0
-    batch_size: int = 8  # per process
-    grad_accum_steps: int = 1
-    lr: float = 0.02  # torchvision's reference: 0.02 for 16 images (here 8: more steps in 2 epochs did better)
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    warmup_epochs: float = 0.5
+    epochs: int = 2  # training epochs
+    max_steps: int = 0  # >0: stop after this many optimizer steps
+    batch_size: int = 8  # images per process and micro-step: global batch = this x processes x grad_accum_steps
+    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
+    lr: float = 0.02  # peak SGD learning rate (torchvision: 0.02 for 16 images; here 8: more steps in 2 epochs
+        # did better)
+    momentum: float = 0.9  # SGD momentum (torchvision: 0.9)
+    weight_decay: float = 1e-4  # biases and norms get none (torchvision: 1e-4)
+    warmup_epochs: float = 0.5  # linear warmup from lr x warmup_factor, epochs (fractions allowed)
     warmup_factor: float = 0.001  # the warmup starts at lr x this
-    sched: str = "poly"  # poly (seamseg; to 0 at the end) or step (drops at decay_milestones)
+    sched: Literal["poly", "step"] = "poly"  # poly (seamseg; to 0 at the end) or step (drops at decay_milestones)
     decay_milestones: list[int] = field(default_factory=list)  # epochs, for sched=step
-    decay_rate: float = 0.1
-    poly_power: float = 0.9
-    clip_grad: float = 10.0  # global gradient norm (0: off)
-    mixed_precision: str = ""  # no, fp16, bf16; empty: as `accelerate launch` says
-    compile: bool = False  # Accelerate's inductor on the whole model (graph breaks at NMS and sampling)
+    decay_rate: float = 0.1  # factor on the learning rate at each of decay_milestones (sched=step)
+    poly_power: float = 0.9  # lr = lr x (1 - progress) ** this after warmup, for sched=poly (seamseg: 0.9)
+    clip_grad: float = 10.0  # clip the global gradient norm to this (0: off)
+    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
+    compile: bool = False  # torch.compile the whole model through Accelerate (inductor); graph breaks at NMS and
+        # sampling
     # evaluation
-    plot_images: int = 4
+    plot_images: int = 4  # evaluation images drawn with ground truth and predictions under plots/ (0: none)
     # run
-    output_dir: str = ""  # empty: runs/faster_rcnn/<config name>
-    seed: int = 0
-    log_every: int = 20
-    eval_every: int = 2  # epochs; also at the end
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 3
-    resume: str = ""
-    report_to: str = "wandb"
+    output_dir: str = ""  # the run folder; empty: runs/faster_rcnn/<config name>
+    seed: int = 0  # seeds data order, augmentation and initialisation
+    log_every: int = 20  # log training metrics every this many optimizer steps
+    eval_every: int = 2  # evaluate every this many epochs; also at the end
+    checkpoint_every: int = 500  # save a checkpoint every this many optimizer steps; also at the end
+    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
+    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
+    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
+        # metrics.jsonl is written in every case
 
 
 # ============================================================================================
@@ -171,6 +183,47 @@ def list_collate(batch):
     return images, targets
 
 
+class AspectRatioBatchSampler(EpochBatchSampler):
+    """EpochBatchSampler whose batches hold only landscape (width >= height) or only portrait images,
+    so that a batch padded to its largest image wastes little (torchvision's group_by_aspect_ratio).
+
+    Each epoch: one seeded permutation of all indices (a function of ``(seed, epoch)`` only), split
+    by orientation keeping that order, cut into batches per group, and the batches of both groups
+    shuffled together with the same generator. With ``drop_last`` every group's incomplete batch is
+    dropped and the epoch ends at the last complete round of ``num_processes`` batches, so Accelerate
+    hands every process the same number of full batches (process ``r`` of ``W``: batches ``r, r + W,
+    ...``) and ``skip_first_batches`` resumes exactly. Without ``drop_last`` (one process) every
+    index comes exactly once per epoch, the groups' last batches being smaller.
+    """
+
+    def __init__(self, aspect_ratios: Sequence[float], batch_size: int, seed: int = 0, drop_last: bool = True,
+                 num_processes: int = 1) -> None:
+        super().__init__(len(aspect_ratios), batch_size, True, seed, drop_last, num_processes)
+        self.landscape = [float(r) >= 1.0 for r in aspect_ratios]  # width / height of each image
+        if drop_last and len(self) == 0:
+            raise UserError(f"no orientation group of the training split fills {num_processes} batches of "
+                            f"{batch_size}; lower --batch_size")
+
+    def __len__(self) -> int:
+        groups = (sum(self.landscape), self.size - sum(self.landscape))
+        if self.drop_last:
+            return sum(n // self.batch_size for n in groups) // self.num_processes * self.num_processes
+        return sum(-(-n // self.batch_size) for n in groups)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        generator = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1))
+        order = torch.randperm(self.size, generator=generator).tolist()
+        batches: list[list[int]] = []
+        for landscape in (True, False):
+            members = [i for i in order if self.landscape[i] == landscape]
+            batches += [members[k:k + self.batch_size] for k in range(0, len(members), self.batch_size)]
+        if self.drop_last:
+            batches = [b for b in batches if len(b) == self.batch_size]
+        batches = [batches[k] for k in torch.randperm(len(batches), generator=generator).tolist()]
+        for batch in batches[:len(self)]:
+            yield [(self.epoch, i) for i in batch]
+
+
 # ============================================================================================
 # Model: (transform) -> backbone + FPN -> RPN -> RoI heads
 # ============================================================================================
@@ -193,7 +246,7 @@ class TimmFPN(nn.Module):
 class TwoStageDetector(nn.Module):
     """Faster R-CNN as one forward, so that DDP sees every parameter's gradient:
 
-    training ``(images, targets) -> {loss_objectness, loss_rpn_box_reg, loss_classifier, loss_box_reg}``;
+    training ``(images, targets) -> {loss_rpn_objectness, loss_rpn_box, loss_roi_classifier, loss_roi_box}``;
     eval ``images -> [{boxes [K, 4] XYXY in the input image's pixels, labels [K] (1..C), scores [K]}]``.
     ``images``: a list of [3, H_i, W_i] in 0..1.
     """
@@ -212,7 +265,7 @@ class TwoStageDetector(nn.Module):
         proposals, rpn_losses = self.rpn(batch, features, targets)  # per image [post_nms_top_n, 4] px
         detections, roi_losses = self.roi_heads(features, proposals, batch.image_sizes, targets)
         if self.training:
-            return {**rpn_losses, **roi_losses}
+            return {LOSS_NAMES[k]: v for k, v in {**rpn_losses, **roi_losses}.items()}
         return self.transform.postprocess(detections, batch.image_sizes, original_sizes)  # back to input px
 
 
@@ -270,13 +323,9 @@ def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
         model = TwoStageDetector(m.transform, m.backbone, m.rpn, m.roi_heads)
     else:
         try:
-            body = timm.create_model(cfg.model, features_only=True, out_indices=tuple(cfg.out_indices),
+            body = create_timm_model(cfg.model, also=f" or a torchvision preset ({', '.join(PRESETS)})",
+                                     features_only=True, out_indices=tuple(cfg.out_indices),
                                      pretrained=cfg.pretrained, **cfg.model_kwargs)
-        except RuntimeError as e:
-            if "nknown model" in str(e):
-                raise UserError(f"unknown timm model '{cfg.model}'; see timm.list_models() "
-                                f"or a torchvision preset ({', '.join(PRESETS)})") from None
-            raise
         except (IndexError, TypeError) as e:
             raise UserError(f"model '{cfg.model}' does not take out_indices {cfg.out_indices} "
                             f"and model_kwargs {cfg.model_kwargs}: {e}") from None
@@ -311,20 +360,6 @@ def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
 
 
 # ============================================================================================
-# Loss: the four terms torchvision computes, weighted
-# ============================================================================================
-def weighted_loss(losses: dict[str, torch.Tensor], weights: list[float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """torchvision's loss dict -> (sum of weight x term, the unweighted terms under this recipe's names).
-
-    Each term is already a mean: RPN objectness BCE over the sampled anchors, RPN box smooth-L1
-    (beta 1/9) summed over positive anchors / sampled anchors, RoI cross-entropy over the sampled
-    proposals, RoI box smooth-L1 (beta 1/9) summed over positives / sampled proposals.
-    """
-    terms = {LOSS_NAMES[k]: losses[k] for k in LOSS_NAMES}
-    return sum(w * v for w, v in zip(weights, terms.values())), terms
-
-
-# ============================================================================================
 # Evaluation and saving
 # ============================================================================================
 @torch.no_grad()
@@ -332,24 +367,17 @@ def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerato
     """COCO mAP over the evaluation split; boxes go to the evaluator in original-image pixels."""
     was_training = model.training
     model.eval()
-    evaluator.reset()
-    for images, targets in eval_loader:
-        with accelerator.autocast():
-            detections = model(images)
-        for d, t in zip(detections, targets):
-            evaluator.update([{"image_id": t["image_id"], "boxes": rescale_boxes(d["boxes"], t["size"], t["orig_size"]),
-                               "scores": d["scores"], "labels": d["labels"] - 1}])
+
+    def batches():  # consumed by the evaluator as the loader yields
+        for images, targets in eval_loader:
+            with accelerator.autocast():
+                detections = model(images)
+            yield [{"image_id": t["image_id"], "boxes": rescale_boxes(d["boxes"], t["size"], t["orig_size"]),
+                    "scores": d["scores"], "labels": d["labels"] - 1} for d, t in zip(detections, targets)]
+
+    results = evaluator.evaluate(batches(), accelerator)
     model.train(was_training)
-    return evaluator.compute(accelerator)
-
-
-def save_weights(state_dict: dict[str, torch.Tensor], path: Path, cfg: Config, classes: list[str]) -> None:
-    """Safetensors with the resolved config and class names in the metadata; written then renamed."""
-    tmp = path.with_suffix(".tmp")
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-    meta = {"config": json.dumps(to_dict(cfg)), "classes": json.dumps(classes)}
-    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    return results
 
 
 # ============================================================================================
@@ -366,8 +394,6 @@ def check_config(cfg: Config) -> None:
                         f"got {cfg.min_size}")
     if len(cfg.rpn_pre_nms_top_n) != 2 or len(cfg.rpn_post_nms_top_n) != 2:
         raise UserError("rpn_pre_nms_top_n and rpn_post_nms_top_n take [train, eval]")
-    if cfg.sched not in ("step", "poly"):
-        raise UserError(f"sched must be step or poly, got '{cfg.sched}'")
     if not 0 <= cfg.freeze_at <= 5:
         raise UserError(f"freeze_at must be 0..5, got {cfg.freeze_at}")
 
@@ -393,9 +419,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- model -------------------------------------------------------------------------------
     model = create_model(cfg, num_classes)
-    trainable_bn = any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
-    if accelerator.num_processes > 1 and accelerator.device.type == "cuda" and trainable_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BN statistics over the global batch
+    model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch
+    weight_dict = dict(zip(LOSS_NAMES.values(), cfg.loss_weights))  # the total loss: sum of weight x term
 
     # ---- optimizer and schedules (SGD; no weight decay on biases and norms) ----------------------
     groups = weight_decay_groups(model, cfg.weight_decay)  # frozen stages stay out
@@ -404,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
 
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
-    total_steps = steps_total(cfg.epochs, lambda e: steps_per_epoch, cfg.max_steps)
+    total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
     # poly decays to 0 at the last step (seamseg); step drops by decay_rate at each milestone epoch
     lr_values = schedule(cfg.sched, cfg.lr, 0.0, total_steps, round(cfg.warmup_epochs * steps_per_epoch),
                          cfg.lr * cfg.warmup_factor, [m * steps_per_epoch for m in cfg.decay_milestones],
@@ -425,97 +450,53 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                          for d in detections], data.classes, run.plots_dir / f"detections_step{step:08d}.png",
                         tracker, step)
 
-    # ---- resume --------------------------------------------------------------------------------
-    state = run.resume()
-    step, best = state.step, state.extra.get("best_map_50", -1.0)
-    meters = Meters(accelerator.device)
-    host = dict.fromkeys(("data_s", "compute_s", "boxes", "dropped", "images", "steps"), 0.0)  # host-side sums
-    results: dict[str, float] = {}
-    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="faster_rcnn",
-                    dynamic_ncols=True)
-
-    # ---- training loop -------------------------------------------------------------------------
-    for epoch in range(state.epoch, cfg.epochs):
-        if step >= total_steps:
-            break
-        sampler.set_epoch(epoch)
+    # ---- training loop (resumes where a checkpoint left off) -----------------------------------
+    loop = Loop(run, train_loader, total_steps)
+    meters, results = loop.meters, {}
+    for epoch in loop.epochs():
         model.train()
-        skip = state.batches_in_epoch if epoch == state.epoch else 0
-        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        epoch_done, stopping, batch_idx = True, False, skip - 1
-        tick = time.perf_counter()
-        for batch_idx, (images, targets) in enumerate(batches, start=skip):
-            started = time.perf_counter()
-            waited = started - tick  # host seconds spent waiting for this batch
-            meters.data_time(waited)
-            set_group_values(optimizer, "lr", float(lr_values[min(step, total_steps - 1)]))
+        for images, targets in loop.batches():
+            lr = float(lr_values[loop.step])
+            set_group_values(optimizer, "lr", lr)
 
             with accelerator.accumulate(model):
                 with accelerator.autocast():
-                    losses = model(images, targets)
-                loss, terms = weighted_loss(losses, cfg.loss_weights)
+                    losses = model(images, targets)  # the four terms, each a mean
+                loss = sum(losses[k] * w for k, w in weight_dict.items())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip_grad > 0:
                     meters.update(grad_norm=accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(step + 1, {"loss": loss, **terms})
-            meters.update(n=len(images), loss=loss, **{f"loss_{k}": v for k, v in terms.items()})
-            meters.images(len(images))
-            tick = time.perf_counter()
-            # Host timings: on a GPU "compute" is the host's time for the step, which waits for the
-            # device wherever torchvision's RPN and sampler read tensor values (they do, per step).
-            host["data_s"] += waited
-            host["compute_s"] += tick - started
-            host["boxes"] += sum(len(t["boxes"]) for t in targets)  # shapes: no device sync (this process's only)
-            host["dropped"] += sum(t["dropped"] for t in targets)
-            host["images"] += len(images)
-            if not accelerator.sync_gradients:
+            run.guard.observe(loop.step + 1, {"loss": loss, **losses})
+            meters.update(n=len(images), loss=loss, **losses)
+            meters.images(len(images), boxes=sum(len(t["boxes"]) for t in targets),  # shapes: no device sync
+                          dropped_boxes=sum(t["dropped"] for t in targets))
+            if not loop.optimizer_stepped():
                 continue
+            if loop.step % cfg.log_every == 0:
+                loop.log_train(lr=lr)
 
-            # -- one optimizer step done --
-            step += 1
-            host["steps"] += 1
-            meters.step()
-            progress.update(1)
-            if step % cfg.log_every == 0:
-                values = meters.summary(accelerator, steps_left=total_steps - step)
-                run.guard.check(accelerator, run.last_checkpoint)
-                n, s = max(host["images"], 1), max(host["steps"], 1)
-                values.update(data_s_per_step=host["data_s"] / s, compute_s_per_step=host["compute_s"] / s, boxes_per_image=host["boxes"] / n,
-                              dropped_boxes_per_image=host["dropped"] / n)
-                host = dict.fromkeys(host, 0.0)
-                run.log({**prefixed(values, "train"), "train/lr": float(lr_values[step - 1]), "epoch": epoch}, step)
-            last_batch = batch_idx + 1 == len(train_loader)
-            stopping = run.after_step(TrainState(step, epoch, batch_idx + 1, {"best_map_50": best}), last_batch)
-            if stopping or step >= total_steps:
-                epoch_done = last_batch
-                break
-        if stopping:
-            progress.close()
-            run.stopped(step)
-            return results
-
-        # ---- evaluation and best weights by mAP@0.5 ------------------------------------------------
-        last_epoch = epoch + 1 == cfg.epochs or step >= total_steps
-        if (epoch + 1) % cfg.eval_every == 0 or last_epoch:
+        # ---- evaluation and best weights ---------------------------------------------------------
+        if loop.eval_due():
             results = {f"eval/{k}": v for k, v in evaluate(model, eval_loader, evaluator, accelerator).items()}
-            improved = results["eval/map_50"] > best
-            results["eval/best_map_50"] = best = max(best, results["eval/map_50"])
-            run.log({**results, "epoch": epoch}, step)
-            plot(step)
+            improved = loop.improved("map_50", results["eval/map_50"])
+            results["best/map_50"] = loop.best("map_50")
+            run.log({**results, "epoch": epoch}, loop.step)
+            plot(loop.step)
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
-                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes)
-        run.after_epoch(TrainState(step, epoch, batch_idx + 1, {"best_map_50": best}), epoch_done, last_epoch)
+                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, "faster_rcnn")
+    if loop.stopped:
+        return results
 
     # ---- saving -----------------------------------------------------------------------------------
-    progress.close()
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes)
-        run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {best:.3f}), weights in {run.dir}")
+        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, "faster_rcnn")
+        run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {loop.best('map_50'):.3f}), "
+                  f"weights in {run.dir}")
     run.finish()
     return results
 

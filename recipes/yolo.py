@@ -12,7 +12,7 @@ by ``2 - w*h`` (box area over image area) so small boxes count more.
 Training as GluonCV trains YOLOv3: warmup then cosine (or step) learning rate per step, SGD with
 momentum or AdamW, no weight decay on biases and norms, model EMA, mosaic and mixup that switch
 off for the last epochs, multi-scale batches, gradient accumulation, fp16/bf16, clipping.
-Evaluation is COCO mAP (common/detection.py); the best weights by mAP are kept; the final model is
+Evaluation is COCO mAP (common/coco_eval.py); the best weights by mAP are kept; the final model is
 exported with ``torch.export`` and to ONNX, and both are checked against the eager model.
 
 Launch (defaults = the built-in ``digits_det`` scenes, cs3darknet_s at 96 px, strides 4/8/16, one
@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Literal
 
 for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
     if (_root / "common" / "__init__.py").is_file():
@@ -41,30 +40,34 @@ for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout"
             sys.path.insert(0, str(_root))
         break
 
-import json
 import random
 
 import numpy as np
-import safetensors.torch
-import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchvision import tv_tensors
 from torchvision.ops import batched_nms
-from tqdm.auto import tqdm
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
 
 from common import UserError
+from common.boxes import areas, rescale_boxes
+from common.coco_eval import CocoEvaluator
 from common.config import parse_config
 from common.data import eval_loader_for, sample_seed, train_loader_for
-from common.detection import (CocoEvaluator, DetectionDataset, collate, detection_transforms, kmeans_anchors,
-                              load_detection, rescale_boxes, save_detections)
+from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
 from common.ema import ModelEma
-from common.meters import Meters, prefixed
-from common.run import Run, TrainState, cli_main, steps_total
+from common.plots import save_detections
+from common.loop import Loop, steps_total
+from common.models import create_timm_model, save_weights, sync_batchnorm
+from common.run import Run, cli_main
 from common.schedules import schedule, set_group_values, weight_decay_groups
 
 # YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they are at every input size.
 COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
+# The total loss is the weighted sum of the loss terms; GluonCV weighs its four YOLOv3 terms equally.
+LOSS_WEIGHTS = {"loss_obj": 1.0, "loss_center": 1.0, "loss_scale": 1.0, "loss_cls": 1.0}
 
 
 # ============================================================================================
@@ -75,67 +78,154 @@ class Config:
     config: str = ""  # the YAML file this run was read from (set by --config)
     # data
     data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
-    train_split: str = "train"
-    eval_split: str = ""  # empty: validation/val/valid/test
+    train_split: str = "train"  # the split to train on
+    eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
     img_size: int = 96  # training (before multi-scale) and evaluation size, pixels; a multiple of 32
-    multiscale: list[int] = field(default_factory=list)  # e.g. [320, 352, ..., 608]: one drawn every multiscale_every steps
-    multiscale_every: int = 10
-    scale_range: list[float] = field(default_factory=lambda: [0.75, 1.25])  # random rescale before crop/pad
-    hflip: float = 0.0  # digits must not be mirrored; 0.5 for natural images
-    color_jitter: bool = True
-    mosaic: float = 0.0  # probability that a training image is a 4-image mosaic (0.5 at scale; the demo's 8 epochs are too few)
+    multiscale: list[int] = field(default_factory=list)  # training sizes, px, one drawn every multiscale_every steps,
+        # e.g. [320, 352, ..., 608]; multiples of 32 (empty: img_size only)
+    multiscale_every: int = 10  # optimizer steps between two multi-scale size draws
+    scale_range: list[float] = field(default_factory=lambda: [0.75, 1.25])  # random rescale factors [low, high]
+        # before the crop/pad (large-scale jitter)
+    hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
+    color_jitter: bool = True  # torchvision's photometric distortion (SSD's), with probability 0.5
+    mosaic: float = 0.0  # probability that a training image is a 4-image mosaic (0.5 at scale; the demo's 8 epochs
+        # are too few)
     mixup: float = 0.0  # probability that a training image is mixed with another (GluonCV: Beta(1.5, 1.5))
     no_aug_epochs: int = 2  # mosaic and mixup are off for the last N epochs
-    num_workers: int = 2
+    num_workers: int = 2  # DataLoader worker processes per training process (0: load in the main process)
     # model
-    model: str = "cs3darknet_s"  # any timm model with features_only; darknet53 / cspdarknet53 at scale
-    # out_indices (1, 2, 3): strides 4, 8, 16, so that a 12-47 px digit spans 1.5-12 cells (None: timm's last three)
-    model_kwargs: dict = field(default_factory=lambda: {"out_indices": [1, 2, 3]})
+    model: str = "cs3darknet_s"  # any timm model with features_only (darknet53 / cspdarknet53 at scale)
+    model_kwargs: dict = field(default_factory=lambda: {"out_indices": [1, 2, 3]})  # extra timm.create_model
+        # arguments; out_indices (1, 2, 3): strides 4, 8, 16, so that a 12-47 px digit spans 1.5-12 cells (None:
+        # timm's last three)
     pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
     neck_channels: int = 128  # widest neck level (YOLOv3: 512); the others are 1/2 and 1/4
-    anchors: list[list[float]] = field(default_factory=list)  # 3*A x (w, h) px, small to large; empty: k-means on train boxes
-    anchors_per_level: int = 1  # A (YOLOv3: 3); the k-means count, or len(anchors) / 3
+    anchors: list[list[float]] = field(default_factory=list)  # anchor boxes: 3 x A [w, h] pairs in px, small to
+        # large; empty: k-means on the training boxes
+    anchors_per_level: int = 1  # A, anchors per cell at each level (YOLOv3: 3); k-means finds 3 x A
     ignore_iou: float = 0.7  # predictions overlapping a ground truth above this get no objectness loss
-    label_smoothing: bool = False  # GluonCV: class targets smoothed by min(1/C, 1/40)
+    label_smoothing: bool = False  # smooth the class targets by min(1/C, 1/40), as GluonCV
     # optimization
-    epochs: int = 8  # mAP@0.5 0.80 after 5 of 8, 0.91 at the end (README)
-    max_steps: int = 0
-    batch_size: int = 16  # per process
-    grad_accum_steps: int = 1
-    opt: str = "adamw"  # adamw or sgd (momentum 0.9; GluonCV: lr 1e-3 per 64 images)
-    lr: float = 4e-3
-    min_lr: float = 1e-5
-    warmup_lr: float = 1e-5
-    warmup_epochs: float = 1.0
-    sched: str = "cosine"  # cosine or step
+    epochs: int = 8  # training epochs, the last no_aug_epochs included
+    max_steps: int = 0  # >0: stop after this many optimizer steps
+    batch_size: int = 16  # images per process and micro-step: global batch = this x processes x grad_accum_steps
+    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
+    opt: Literal["adamw", "sgd"] = "adamw"  # adamw, or sgd with momentum (GluonCV: sgd, lr 1e-3 per 64 images)
+    lr: float = 4e-3  # peak learning rate (not scaled by batch size)
+    min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules
+    warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to lr over warmup_epochs
+    warmup_epochs: float = 1.0  # linear warmup length in epochs (fractions allowed)
+    sched: Literal["cosine", "step", "linear", "poly", "constant"] = "cosine"  # learning rate after warmup:
+        # cosine to min_lr (GluonCV), x decay_rate at decay_milestones (step), linear (poly = linear here), constant
     decay_milestones: list[int] = field(default_factory=list)  # epochs, for sched=step
-    decay_rate: float = 0.1
-    weight_decay: float = 5e-4
-    momentum: float = 0.9
-    clip_grad: float = 10.0  # global gradient norm (0: off)
-    ema_decay: float = 0.999
-    mixed_precision: str = ""  # no, fp16, bf16; empty: as `accelerate launch` says
-    compile: bool = False
+    decay_rate: float = 0.1  # factor on the learning rate at each of decay_milestones (sched=step)
+    weight_decay: float = 5e-4  # biases and norms get none (GluonCV: 5e-4)
+    momentum: float = 0.9  # SGD momentum (GluonCV: 0.9)
+    clip_grad: float = 10.0  # clip the global gradient norm to this (0: off)
+    ema_decay: float = 0.999  # model EMA decay (0: off); the EMA is what is evaluated, kept and exported
+    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
+    compile: bool = False  # torch.compile through Accelerate (inductor); the first steps are slow while it compiles
     # evaluation and export
     conf_threshold: float = 0.01  # scores below are dropped before NMS
-    nms_iou: float = 0.45
-    max_detections: int = 100
-    plot_images: int = 4
+    nms_iou: float = 0.45  # NMS drops a box overlapping a higher-scoring one of its class above this IoU
+    max_detections: int = 100  # detections kept per image after NMS
+    plot_images: int = 4  # evaluation images drawn with ground truth and predictions under plots/ (0: none)
     export: bool = True  # torch.export (.pt2) and ONNX of the final model, each checked against eager
     # run
-    output_dir: str = ""  # empty: runs/yolo/<config name>
-    seed: int = 0
-    log_every: int = 20
-    eval_every: int = 2  # epochs; also at the end
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 3
-    resume: str = ""
-    report_to: str = "wandb"
+    output_dir: str = ""  # the run folder; empty: runs/yolo/<config name>
+    seed: int = 0  # seeds data order, augmentation, multi-scale sizes and initialisation
+    log_every: int = 20  # log training metrics every this many optimizer steps
+    eval_every: int = 2  # evaluate every this many epochs; also at the end
+    checkpoint_every: int = 500  # save a checkpoint every this many optimizer steps; also at the end
+    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
+    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
+    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
+        # metrics.jsonl is written in every case
 
 
 # ============================================================================================
-# Data: the method's own augmentations (mosaic, mixup) on top of common/detection's transforms
+# Data: box-aware transforms (scale jitter, crop, pad), then the method's own mosaic and mixup
 # ============================================================================================
+class RandomCropAtMost:
+    """Crop to at most ``size`` x ``size`` at a random position (a no-op on a smaller image).
+
+    Written here because ``v2.RandomCrop(pad_if_needed=True)`` would also pad, on both sides, and
+    neither it nor ``v2.RandomIoUCrop`` (which needs boxes in every image) has a visibility rule.
+
+    A box of which less than ``min_visibility`` of the area stays in the crop is made empty, so
+    SanitizeBoundingBoxes drops it: a digit cut in half may read as another class. Called by
+    ``v2.Compose`` with ``(image, target)``; randomness from torch's global generator (seeded per sample).
+    """
+
+    def __init__(self, size: int, min_visibility: float = 0.5) -> None:
+        self.size, self.min_visibility = size, min_visibility
+
+    def __call__(self, image: tv_tensors.Image, target: dict[str, Any]) -> tuple[tv_tensors.Image, dict[str, Any]]:
+        h, w = image.shape[-2:]
+        ch, cw = min(h, self.size), min(w, self.size)
+        if (ch, cw) == (h, w):
+            return image, target
+        top = int(torch.randint(h - ch + 1, ()))
+        left = int(torch.randint(w - cw + 1, ()))
+        boxes = target["boxes"]
+        before = areas(TF.clamp_bounding_boxes(boxes))
+        cropped = TF.crop(boxes, top, left, ch, cw)  # shifts and clamps to the crop
+        hidden = areas(cropped) < self.min_visibility * before
+        if hidden.any():
+            corners = cropped.as_subclass(torch.Tensor).clone()
+            corners[hidden, 2:] = corners[hidden, :2]  # empty: removed by SanitizeBoundingBoxes
+            cropped = tv_tensors.wrap(corners, like=cropped)
+        return TF.crop(image, top, left, ch, cw), {**target, "boxes": cropped}
+
+
+class PadTo:
+    """Pad right and bottom to ``size`` x ``size`` with 0 (after Normalize: the mean colour), so box
+    coordinates do not move; records the unpadded ``(h, w)`` as ``target["size"]``. (``v2.Pad`` takes
+    fixed amounts; the amounts here depend on each image's size.)"""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, image: tv_tensors.Image, target: dict[str, Any]) -> tuple[tv_tensors.Image, dict[str, Any]]:
+        h, w = image.shape[-2:]
+        padding = [0, 0, max(self.size - w, 0), max(self.size - h, 0)]  # left, top, right, bottom
+        target = {**target, "size": (int(h), int(w)), "boxes": TF.pad(target["boxes"], padding)}
+        return TF.pad(image, padding, fill=0.0), target
+
+
+def detection_transforms(train: bool, size: int, scale_range: tuple[float, float] = (0.5, 1.5),
+                         hflip: float = 0.5, color_jitter: bool = True, min_visibility: float = 0.5) -> v2.Compose:
+    """Box-aware transforms ``(PIL image, {"boxes": BoundingBoxes, "labels": Tensor}) -> (image, target)``.
+
+    Output: a float image [3, size, size] normalised with ImageNet mean/std, the picture in the top-left
+    ``target["size"] = (h, w)`` and zeros (the mean colour) right and bottom; XYXY boxes in its pixels.
+
+    train: large-scale jitter as in "Simple Copy-Paste" (resize so the image fits ``size`` x ``size``
+    times a factor in ``scale_range``, then a random crop of at most ``size`` x ``size`` where it is
+    larger; boxes less than ``min_visibility`` inside are dropped), horizontal flip with probability
+    ``hflip`` (use 0 for digits: mirrored digits are not digits), photometric distortion (brightness,
+    contrast, saturation, hue, channel order: torchvision's SSD recipe), pad.
+    eval: resize so the longest side is ``size`` (aspect kept), pad.
+    Both end with SanitizeBoundingBoxes: boxes under 1 px wide or tall go, with their labels.
+    torchvision.transforms.v2 does all the box arithmetic; only the crop and the pad are written here.
+    """
+    if not 0 < scale_range[0] <= scale_range[1]:
+        raise UserError(f"scale_range must be 0 < low <= high, got {scale_range}")
+    steps: list[Callable] = [v2.ToImage()]
+    if train:
+        steps += [v2.ScaleJitter((size, size), scale_range=tuple(scale_range), antialias=True),
+                  RandomCropAtMost(size, min_visibility)]
+        if hflip > 0:
+            steps.append(v2.RandomHorizontalFlip(hflip))
+        if color_jitter:
+            steps.append(v2.RandomPhotometricDistort(p=0.5))
+    else:
+        steps.append(v2.Resize(None, max_size=size, antialias=True))
+    steps += [v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes(min_size=1.0),
+              v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD), PadTo(size)]
+    return v2.Compose(steps)
+
+
 class YoloTrainSet(torch.utils.data.Dataset):
     """Training samples, each a plain, a 4-image mosaic or a mixed-up image, decided by the
     sample's own seeded random numbers, so resume and process count do not change a batch.
@@ -201,16 +291,17 @@ class YoloTrainSet(torch.utils.data.Dataset):
 
 def train_collate(batch):
     """Images [B, 3, s, s] and dense targets: boxes [B, M, 4] (xyxy px), labels [B, M] and weights
-    [B, M], weight 0 marking padding, M the batch's largest box count (at least 1). Built in the
-    worker processes, so the training step never loops over images on the host."""
+    [B, M], weight 0 marking padding, M the batch's largest box count (at least 1); host ints
+    ``num_boxes`` and ``dropped`` (boxes lost to crops) for the log. Built in the worker processes,
+    so the training step never loops over images on the host."""
     images = torch.stack([image for image, _ in batch])
     m = max(1, max(len(t["boxes"]) for _, t in batch))
     boxes, labels, weights = torch.zeros(len(batch), m, 4), torch.zeros(len(batch), m, dtype=torch.long), torch.zeros(len(batch), m)
     for b, (_, t) in enumerate(batch):
         n = len(t["boxes"])
         boxes[b, :n], labels[b, :n], weights[b, :n] = t["boxes"], t["labels"], t["weights"]
-    dropped = torch.tensor(float(sum(t["dropped"] for _, t in batch)))
-    return images, {"boxes": boxes, "labels": labels, "weights": weights, "dropped": dropped}
+    return images, {"boxes": boxes, "labels": labels, "weights": weights,
+                    "num_boxes": sum(len(t["boxes"]) for _, t in batch), "dropped": sum(t["dropped"] for _, t in batch)}
 
 
 # ============================================================================================
@@ -316,6 +407,36 @@ class Exported(nn.Module):
         return self.model.decode(self.model(images), images.shape[-2], images.shape[-1])
 
 
+def kmeans_anchors(boxes_wh: np.ndarray, k: int, seed: int = 0, iterations: int = 300) -> np.ndarray:
+    """``k`` anchor (w, h) pairs (k, 2), sorted by area, by k-means on box widths and heights
+    (``boxes_wh`` (N, 2), pixels) with distance 1 - IoU of boxes sharing a corner (YOLOv2): large
+    boxes do not dominate as with Euclidean distance. Centres start at k-means++ picks and move to
+    the median of their members."""
+    wh = np.asarray(boxes_wh, np.float64).reshape(-1, 2)
+    wh = wh[(wh > 0).all(1)]
+    if len(np.unique(wh, axis=0)) < k:
+        raise UserError(f"{len(wh)} boxes ({len(np.unique(wh, axis=0))} distinct sizes) are too few for {k} anchors")
+
+    def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # (N, 2), (K, 2) -> (N, K)
+        inter = np.minimum(a[:, None, 0], b[None, :, 0]) * np.minimum(a[:, None, 1], b[None, :, 1])
+        return inter / (a[:, None].prod(-1) + b[None].prod(-1) - inter)
+
+    rng = np.random.default_rng(seed)
+    centres = wh[[rng.integers(len(wh))]]
+    while len(centres) < k:  # k-means++: the next centre far (in 1 - IoU) from the chosen ones
+        distance = (1 - iou(wh, centres).max(1)) ** 2
+        centres = np.concatenate([centres, wh[[rng.choice(len(wh), p=distance / distance.sum())]]])
+    assignment = None
+    for _ in range(iterations):
+        new = iou(wh, centres).argmax(1)
+        if assignment is not None and np.array_equal(new, assignment):
+            break
+        assignment = new
+        centres = np.stack([np.median(wh[assignment == j], 0) if (assignment == j).any() else centres[j]
+                            for j in range(k)])
+    return centres[np.argsort(centres.prod(1))]
+
+
 def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
     """[3 * A, 2] anchor (w, h) in pixels at img_size, small to large: the config's, or k-means on
     the training boxes (each image resized so that its longer side is img_size, as the transforms do)."""
@@ -329,12 +450,7 @@ def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
 
 
 def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor) -> YOLOv3:
-    try:
-        backbone = timm.create_model(cfg.model, features_only=True, pretrained=cfg.pretrained, **cfg.model_kwargs)
-    except RuntimeError as e:
-        if "nknown model" in str(e):
-            raise UserError(f"unknown timm model '{cfg.model}'; see timm.list_models()") from None
-        raise
+    backbone = create_timm_model(cfg.model, features_only=True, pretrained=cfg.pretrained, **cfg.model_kwargs)
     if len(backbone.feature_info.channels()) < 3:
         raise UserError(f"model '{cfg.model}' gives fewer than 3 feature levels; YOLO needs three (strides 8, 16, 32)")
     return YOLOv3(backbone, num_classes, anchors, cfg.neck_channels)
@@ -423,7 +539,8 @@ def yolo_loss(model: YOLOv3, raw: torch.Tensor, targets: dict[str, torch.Tensor]
         cls_t = cls_t * (1 - eps) + (1 - cls_t) * eps
     cls = F.binary_cross_entropy_with_logits(raw[..., 5:], cls_t, weight=t["obj"][..., None].expand_as(cls_t),
                                              reduction="sum")
-    return {"obj": obj / batch, "center": center / batch, "scale": scale / batch, "cls": cls / batch}
+    return {"loss_obj": obj / batch, "loss_center": center / batch, "loss_scale": scale / batch,
+            "loss_cls": cls / batch}
 
 
 # ============================================================================================
@@ -446,31 +563,25 @@ def postprocess(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: flo
 
 @torch.no_grad()
 def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config) -> dict[str, float]:
-    evaluator.reset()  # it keeps the first predictions per image: without this, every evaluation would score the first
+    """COCO mAP over the evaluation split; boxes go to the evaluator in original-image pixels."""
     was_training = model.training  # the EMA copy stays in eval mode, the trained model goes back to train
     model.eval()
     unwrapped = accelerator.unwrap_model(model)
-    for images, _, targets in eval_loader:
-        with accelerator.autocast():
-            raw = model(images)
-        boxes, scores = unwrapped.decode(raw, images.shape[-2], images.shape[-1])
-        predictions = postprocess(boxes, scores, cfg.conf_threshold, cfg.nms_iou, cfg.max_detections)
-        for p, t in zip(predictions, targets):
-            p["boxes"] = rescale_boxes(p["boxes"], t["size"], t["orig_size"])
-            p["image_id"] = t["image_id"]
-        evaluator.update(predictions)
+
+    def batches():  # consumed by the evaluator as the loader yields
+        for images, _, targets in eval_loader:
+            with accelerator.autocast():
+                raw = model(images)
+            boxes, scores = unwrapped.decode(raw, images.shape[-2], images.shape[-1])
+            predictions = postprocess(boxes, scores, cfg.conf_threshold, cfg.nms_iou, cfg.max_detections)
+            for p, t in zip(predictions, targets):
+                p["boxes"] = rescale_boxes(p["boxes"], t["size"], t["orig_size"])
+                p["image_id"] = t["image_id"]
+            yield predictions
+
+    results = evaluator.evaluate(batches(), accelerator)
     model.train(was_training)
-    return evaluator.compute(accelerator)
-
-
-def save_weights(state_dict: dict[str, torch.Tensor], path: Path, cfg: Config, classes: list[str]) -> None:
-    """Safetensors with what is needed to rebuild the model in the metadata; written then renamed."""
-    tmp = path.with_suffix(".tmp")
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-    meta = {"model": cfg.model, "model_kwargs": json.dumps(cfg.model_kwargs), "classes": json.dumps(classes),
-            "img_size": str(cfg.img_size), "neck_channels": str(cfg.neck_channels)}
-    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    return results
 
 
 def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[str, float]:
@@ -523,8 +634,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_set = YoloTrainSet(DetectionDataset(data.train, train_tf, cfg.seed), cfg.img_size, cfg.mosaic, cfg.mixup,
                              cfg.epochs - cfg.no_aug_epochs, cfg.seed)
     eval_set = DetectionDataset(data.eval, detection_transforms(False, cfg.img_size), cfg.seed)
-    train_loader, sampler = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
-                                             accelerator.num_processes, collate_fn=train_collate)
+    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
+                                  accelerator.num_processes, collate_fn=train_collate)
     eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=collate)
     evaluator = CocoEvaluator(data.eval)
 
@@ -534,18 +645,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         run.print("anchors (k-means on the training boxes, px at img_size): "
                   + " ".join(f"{w:.0f}x{h:.0f}" for w, h in anchors.tolist()))
     model = create_model(cfg, num_classes, anchors)
-    if accelerator.num_processes > 1 and accelerator.device.type == "cuda":
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BN statistics over the global batch
+    model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch
 
     # ---- optimizer and schedules (no weight decay on biases and norms) --------------------------
     groups = weight_decay_groups(model, cfg.weight_decay)
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     if cfg.opt == "adamw":
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **fused)
-    elif cfg.opt == "sgd":
-        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **fused)
     else:
-        raise UserError(f"opt must be adamw or sgd, got '{cfg.opt}'")
+        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **fused)
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     if ema is not None:
@@ -554,7 +662,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     unwrapped = accelerator.unwrap_model(model)
 
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
-    total_steps = steps_total(cfg.epochs, lambda e: steps_per_epoch, cfg.max_steps)
+    total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
     lr_values = schedule(cfg.sched, cfg.lr, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_per_epoch),
                          cfg.warmup_lr, [m * steps_per_epoch for m in cfg.decay_milestones], cfg.decay_rate)
     sizes = cfg.multiscale or [cfg.img_size]
@@ -576,100 +684,69 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         [{k: v.cpu() for k, v in p.items()} for p in predictions], data.classes,
                         run.plots_dir / f"detections_step{step:08d}.png", tracker, step)
 
-    # ---- resume --------------------------------------------------------------------------------
-    state = run.resume()
-    step, best = state.step, state.extra.get("best_map", -1.0)
-    meters = Meters(accelerator.device)
-    results: dict[str, float] = {}
-    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, desc="yolo",
-                    dynamic_ncols=True)
-
-    # ---- training loop -------------------------------------------------------------------------
-    for epoch in range(state.epoch, cfg.epochs):
-        if step >= total_steps:
-            break
-        sampler.set_epoch(epoch)
+    # ---- training loop (resumes where a checkpoint left off) -----------------------------------
+    loop = Loop(run, train_loader, total_steps)
+    meters, results = loop.meters, {}
+    for epoch in loop.epochs():
         model.train()
-        skip = state.batches_in_epoch if epoch == state.epoch else 0
-        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        epoch_done, stopping, batch_idx = True, False, skip - 1
-        tick = time.perf_counter()
-        for batch_idx, (images, targets) in enumerate(batches, start=skip):
-            meters.data_time(time.perf_counter() - tick)
+        for images, targets in loop.batches():
             # multi-scale: one size per `multiscale_every` steps, a function of (seed, step) only
-            size = sizes[random.Random(hash((cfg.seed, step // cfg.multiscale_every))).randrange(len(sizes))]
+            size = sizes[random.Random(hash((cfg.seed, loop.step // cfg.multiscale_every))).randrange(len(sizes))]
             if size != images.shape[-1]:
                 images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
                 targets = {**targets, "boxes": targets["boxes"] * (size / cfg.img_size)}
-            set_group_values(optimizer, "lr", float(lr_values[min(step, total_steps - 1)]))
+            lr = float(lr_values[loop.step])
+            set_group_values(optimizer, "lr", lr)
 
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     raw = model(images)  # [B, N, 5 + C]
                 losses = yolo_loss(unwrapped, raw, targets, size, size, cfg.ignore_iou, cfg.label_smoothing)
-                loss = sum(losses.values())
+                loss = sum(losses[k] * w for k, w in LOSS_WEIGHTS.items())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip_grad > 0:
                     meters.update(grad_norm=accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(step + 1, {"loss": loss, **losses})
-            meters.update(n=len(images), loss=loss, **{f"loss_{k}": v for k, v in losses.items()})
-            meters.update(n=len(images), boxes_per_image=(targets["weights"] > 0).sum() / len(images),
-                          dropped_boxes_per_image=targets["dropped"] / len(images))
-            meters.images(len(images))
-            tick = time.perf_counter()
-            if not accelerator.sync_gradients:
+            run.guard.observe(loop.step + 1, {"loss": loss, **losses})
+            meters.update(n=len(images), loss=loss, **losses)
+            meters.images(len(images), boxes=targets["num_boxes"], dropped_boxes=targets["dropped"])
+            if not loop.optimizer_stepped():
                 continue
-
-            # -- one optimizer step done --
-            step += 1
-            meters.step()
-            progress.update(1)
             if ema is not None:
-                ema.update(unwrapped, step)
-            if step % cfg.log_every == 0:
-                values = meters.summary(accelerator, steps_left=total_steps - step)
-                run.guard.check(accelerator, run.last_checkpoint)
-                run.log({**prefixed(values, "train"), "train/lr": float(lr_values[step - 1]), "epoch": epoch}, step)
-            last_batch = batch_idx + 1 == len(train_loader)
-            stopping = run.after_step(TrainState(step, epoch, batch_idx + 1, {"best_map": best}), last_batch)
-            if stopping or step >= total_steps:
-                epoch_done = last_batch
-                break
-        if stopping:
-            progress.close()
-            run.stopped(step)
-            return results
+                ema.update(unwrapped, loop.step)
+            if loop.step % cfg.log_every == 0:
+                loop.log_train(lr=lr)
 
         # ---- evaluation and best weights (the EMA when there is one) -----------------------------
-        last_epoch = epoch + 1 == cfg.epochs or step >= total_steps
-        if (epoch + 1) % cfg.eval_every == 0 or last_epoch:
+        if loop.eval_due():
             net = ema.module if ema is not None else model
             results = {f"eval/{k}": v for k, v in evaluate(net, eval_loader, evaluator, accelerator, cfg).items()}
-            results["eval/best_map_50"] = best = max(best, results["eval/map_50"])
-            run.log({**results, "epoch": epoch}, step)
-            plot(step, net)
-            if results["eval/map_50"] >= best:
+            improved = loop.improved("map_50", results["eval/map_50"])
+            results["best/map_50"] = loop.best("map_50")
+            run.log({**results, "epoch": epoch}, loop.step)
+            plot(loop.step, net)
+            if improved:
                 weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
                 if accelerator.is_main_process:
-                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes)
-        run.after_epoch(TrainState(step, epoch, batch_idx + 1, {"best_map": best}), epoch_done, last_epoch)
+                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, "yolo")
+    if loop.stopped:
+        return results
 
     # ---- saving and export ------------------------------------------------------------------------
-    progress.close()
     final = ema.module if ema is not None else unwrapped
     if accelerator.is_main_process:
-        save_weights(final.state_dict(), run.dir / "final.safetensors", cfg, data.classes)
+        save_weights(final.state_dict(), run.dir / "final.safetensors", cfg, data.classes, "yolo")
         if cfg.export:
             images = torch.stack([eval_set[i][0] for i in range(min(2, len(eval_set)))])
             diffs = export_and_check(final, images, run.dir)
-            run.log(diffs, step)
+            run.log(diffs, loop.step)
             results.update(diffs)
             if max(diffs.values()) > 1e-3:
                 raise RuntimeError(f"an exported model disagrees with the eager one: {diffs}")
-        run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {best:.3f}), weights and exports in {run.dir}")
+        run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {loop.best('map_50'):.3f}), "
+                  f"weights and exports in {run.dir}")
     run.finish()
     return results
 

@@ -43,6 +43,45 @@ def load_recipe(name: str):
     return module
 
 
+def detection_table(images: list, boxes: list[list], categories: list[list] | None = None,
+                    crowd: list[list] | None = None):
+    """A detection split in the normalised schema (common/detection_sources.py) from images (PIL or
+    datasets.Image values) and per-image COCO boxes; image ids from 1, classes 0 unless given."""
+    import io
+
+    import datasets
+    from PIL import Image
+
+    from common.detection_sources import features
+
+    def value(image):
+        if isinstance(image, dict):
+            return image
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return {"bytes": buffer.getvalue(), "path": None}
+
+    sizes = [image.size if isinstance(image, Image.Image) else (8, 8) for image in images]
+    return datasets.Dataset.from_dict({
+        "image": [value(image) for image in images], "image_id": list(range(1, len(images) + 1)),
+        "width": [w for w, _ in sizes], "height": [h for _, h in sizes],
+        "objects": [{"bbox": b, "category": (categories or [[0] * len(b) for b in boxes])[i],
+                     "area": [x[2] * x[3] for x in b], "iscrowd": (crowd or [[0] * len(b) for b in boxes])[i]}
+                    for i, b in enumerate(boxes)],
+    }, features=features())
+
+
+def bright_rectangle(width: int = 80, height: int = 60, box: tuple[int, int, int, int] = (20, 10, 25, 20)):
+    """A dark RGB image (grey 30) with one bright rectangle (grey 230) at COCO ``box``."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.full((height, width, 3), 30, np.uint8)
+    x, y, w, h = box
+    pixels[y:y + h, x:x + w] = 230
+    return Image.fromarray(pixels)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

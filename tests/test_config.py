@@ -1,27 +1,52 @@
-"""common/config.py: defaults <- YAML <- flags, closest-key errors, type errors, saved config."""
+"""common/config.py: defaults <- YAML <- flags, closest-key errors, type errors, fixed sets of values,
+--help from the Config source's comments, saved config."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 import pytest
 import yaml
 
 from common.config import ConfigError, parse_config, save_config
+from common.config_help import field_docs, usage
+
+RECIPES = ["classifier", "dino", "yolo", "detr", "faster_rcnn"]
+
+
+def optimizers() -> list[str]:
+    """Names known only at run time."""
+    optimizers.calls += 1
+    return ["adamw", "sgd", "lamb"]
+
+
+optimizers.calls = 0
 
 
 @dataclass
 class Cfg:
-    config: str = ""
-    data: str = "digits"
-    lr: float = 1e-3
-    epochs: int = 10
+    config: str = ""  # the YAML file
+    # data
+    data: str = "digits"  # dataset name
+    lr: float = 1e-3  # peak learning rate;
+        # a continuation line
+    epochs: int = 10  # training epochs
+    # the comment lines right above a field without a trailing comment
+    # describe it
     compile: bool = False
-    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
-    milestones: list[int] = field(default_factory=list)
-    note: Optional[str] = None
-    model_kwargs: dict = field(default_factory=dict)
+    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # crop area
+    milestones: list[int] = field(default_factory=list)  # epochs
+    note: Optional[str] = None  # a note
+    model_kwargs: dict = field(default_factory=lambda: {"depth": 4,
+                                                         "embed_dim": 96})  # a field over two lines
+    # optimization: a heading with a colon
+    sched: Literal["cosine", "linear", "step", "poly", "constant"] = "cosine"  # the schedule
+    precision: Literal["", "no", "bf16"] = ""  # empty: as launched
+    opt: str = field(default="adamw", metadata={"choices": optimizers})  # any optimizer optimizers() lists
+    undocumented: int = 0
 
 
 def test_defaults_then_yaml_then_flags(tmp_path):
@@ -94,15 +119,157 @@ def test_saved_config_round_trips(tmp_path):
 
 def test_every_shipped_config_fits_its_recipe():
     """Each configs/<recipe>/*.yaml parses against that recipe's Config: no stale or misspelled key."""
-    from conftest import ROOT, load_recipe
+    from conftest import ROOT
 
     checked = 0
     for folder in sorted((ROOT / "configs").iterdir()):
         if not (ROOT / "recipes" / f"{folder.name}.py").is_file():
             continue
-        recipe = load_recipe(folder.name)
         for path in sorted(folder.glob("*.yaml")):
-            cfg = parse_config(recipe.Config, ["--config", str(path)])
+            cfg = parse_config(recipe(folder.name).Config, ["--config", str(path)])
             assert cfg.config == str(path)
             checked += 1
     assert checked >= 5
+
+
+# ---- fixed sets of values ---------------------------------------------------------------------
+def test_literal_fields_take_their_values(tmp_path):
+    cfg = parse_config(Cfg, ["--sched", "step", "--precision", ""])
+    assert cfg.sched == "step" and cfg.precision == ""
+    path = tmp_path / "run.yaml"
+    path.write_text("sched: poly\nprecision: bf16\n")
+    cfg = parse_config(Cfg, ["--config", str(path)])
+    assert (cfg.sched, cfg.precision) == ("poly", "bf16")
+
+
+def test_literal_typo_on_the_command_line_names_the_closest_value():
+    with pytest.raises(ConfigError) as e:
+        parse_config(Cfg, ["--sched", "cosin"])
+    assert str(e.value) == ("config field 'sched' must be one of cosine, linear, step, poly, constant; "
+                            "got 'cosin' (did you mean 'cosine'?)")
+    with pytest.raises(ConfigError, match=r"'precision' must be one of '', no, bf16; got 'bf61' \(did you mean 'bf16'\?\)"):
+        parse_config(Cfg, ["--precision", "bf61"])
+
+
+def test_literal_typo_in_yaml_names_the_closest_value(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("sched: Step\n")
+    with pytest.raises(ConfigError, match=r"'sched' must be one of .*; got 'Step' \(did you mean 'step'\?\)"):
+        parse_config(Cfg, ["--config", str(path)])
+    path.write_text("sched: 3\n")  # a YAML number is no schedule either
+    with pytest.raises(ConfigError, match=r"'sched' must be one of cosine, .*; got 3$"):
+        parse_config(Cfg, ["--config", str(path)])
+
+
+def test_run_time_choices_are_checked_only_when_given():
+    calls = optimizers.calls
+    assert parse_config(Cfg, []).opt == "adamw" and optimizers.calls == calls  # the default: not looked up
+    assert parse_config(Cfg, ["--opt", "lamb"]).opt == "lamb"
+    with pytest.raises(ConfigError, match=r"'opt' must be one of adamw, sgd, lamb; got 'adamx' \(did you mean 'adamw'\?\)"):
+        parse_config(Cfg, ["--opt", "adamx"])
+
+
+# ---- help from the Config source ----------------------------------------------------------------
+def test_field_docs_read_the_comments():
+    docs = field_docs(Cfg)
+    assert docs["config"].description == "the YAML file" and docs["config"].heading == ""
+    assert (docs["data"].description, docs["data"].heading) == ("dataset name", "data")
+    assert docs["lr"].description == "peak learning rate; a continuation line"
+    assert docs["compile"].description == ("the comment lines right above a field without a trailing comment "
+                                           "describe it")
+    assert docs["compile"].heading == "" and docs["scale"].heading == ""
+    assert docs["model_kwargs"].description == "a field over two lines"
+    assert docs["sched"].heading == "optimization: a heading with a colon"
+    assert docs["undocumented"].description == ""
+
+
+def test_usage_lists_every_field_by_group():
+    lines = usage(Cfg).splitlines()
+    assert lines[0] == __doc__.splitlines()[0]  # the first docstring line of the module the Config lives in
+    assert "usage: test_config.py [--config FILE.yaml] [--FIELD VALUE ...]" in lines
+    assert "  --lr float (default: 0.001)" in lines
+    assert "      peak learning rate; a continuation line" in lines
+    assert "  --scale list[float] (default: [0.08, 1.0])" in lines
+    assert "  --model_kwargs dict (default: {depth: 4, embed_dim: 96})" in lines
+    assert "  --precision str (default: '')" in lines and "      choices: '', no, bf16" in lines
+    assert "      choices: cosine, linear, step, poly, constant" in lines
+    assert "      choices: Names known only at run time" in lines
+    assert "  --note str | none (default: none)" in lines and "  --compile bool (default: false)" in lines
+    assert lines.index("data:") < lines.index("  --data str (default: digits)")
+    assert lines.index("optimization: a heading with a colon") < lines.index("  --sched str (default: cosine)")
+    assert all(len(line) <= 100 for line in lines)
+
+
+# ---- the recipes ------------------------------------------------------------------------------
+_loaded: dict = {}
+
+
+def recipe(name: str):
+    """Each recipe module imported once for this file's tests."""
+    if name not in _loaded:
+        from conftest import load_recipe
+
+        _loaded[name] = load_recipe(name)
+    return _loaded[name]
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_field_is_described(name):
+    docs = field_docs(recipe(name).Config)
+    assert len(docs) == len(dataclasses.fields(recipe(name).Config))
+    missing = [f for f, d in docs.items() if not d.description.strip()]
+    assert not missing, f"recipes/{name}.py: Config fields without a comment: {missing}"
+    assert docs["data"].heading == "data"  # the section comments are headings, not descriptions
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_help_shows_every_field(name, capsys):
+    module = recipe(name)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(module.__doc__.strip().splitlines()[0])
+    assert f"usage: {name}.py [--config FILE.yaml] [--FIELD VALUE ...]" in out
+    flat = _words(out)
+    hints = typing.get_type_hints(module.Config)
+    for f in dataclasses.fields(module.Config):
+        assert f"  --{f.name} " in out, f.name
+        assert _words(field_docs(module.Config)[f.name].description) in flat, f.name
+        if typing.get_origin(hints[f.name]) is Literal:
+            assert "choices: " + ", ".join(a or "''" for a in typing.get_args(hints[f.name])) in flat, f.name
+    assert "choices: wandb, tensorboard, none" in flat and "choices: '', no, fp16, bf16" in flat
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("classifier", ["--sched", "cosin"], "'sched' must be one of cosine, linear, step, poly, constant; got 'cosin' "
+                                         "(did you mean 'cosine'?)"),
+    ("classifier", ["--interpolation", "bicubik"], "(did you mean 'bicubic'?)"),
+    ("classifier", ["--opt", "adamW"], "got 'adamW' (did you mean 'adamw'?)"),
+    ("dino", ["--opt", "SGD"], "'opt' must be one of adamw, sgd; got 'SGD' (did you mean 'sgd'?)"),
+    ("yolo", ["--report_to", "wandbb"], "'report_to' must be one of wandb, tensorboard, none; got 'wandbb' "
+                                        "(did you mean 'wandb'?)"),
+    ("detr", ["--mixed_precision", "bf61"], "got 'bf61' (did you mean 'bf16'?)"),
+    ("faster_rcnn", ["--sched", "cosine"], "'sched' must be one of poly, step; got 'cosine'"),
+])
+def test_recipe_choices_are_checked_when_parsed(name, argv, message, tmp_path):
+    """On the command line and in YAML alike, before the recipe makes anything."""
+    module = recipe(name)
+    with pytest.raises(ConfigError) as e:
+        parse_config(module.Config, argv)
+    assert message in str(e.value)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({argv[0][2:]: argv[1]}))
+    with pytest.raises(ConfigError) as e:
+        parse_config(module.Config, ["--config", str(path)])
+    assert message in str(e.value)
+
+
+def test_classifier_takes_any_timm_optimizer():
+    config = recipe("classifier").Config
+    assert parse_config(config, ["--opt", "lamb"]).opt == "lamb"
+    assert parse_config(config, ["--opt", "lookahead_adamw"]).opt == "lookahead_adamw"

@@ -1,4 +1,4 @@
-"""common/data.py: built-in digits, local folders, reproducible sampling, unreadable images."""
+"""common/data.py: local folders, saved and hub-layout datasets, reproducible sampling, clear errors."""
 
 from __future__ import annotations
 
@@ -9,21 +9,8 @@ import torch
 from PIL import Image
 
 from common import UserError
-from common.data import (ClassificationDataset, EpochBatchSampler, decode_image, digits_dataset,
-                         load_classification)
-
-
-def test_digits_has_hub_schema_and_fixed_split():
-    import datasets
-
-    d = digits_dataset()
-    assert (len(d["train"]), len(d["test"])) == (1437, 360)
-    assert isinstance(d["train"].features["image"], datasets.Image)
-    assert d["train"].features["label"].names == [str(i) for i in range(10)]
-    again = digits_dataset()
-    assert d["test"]["label"] == again["test"]["label"]  # fixed seed: the same split every time
-    counts = np.bincount(d["test"]["label"], minlength=10)
-    assert counts.min() >= 34  # stratified: every digit is in the held-out split
+from common.builtin import digits_dataset
+from common.data import ClassificationDataset, EpochBatchSampler, decode_image, load_classification
 
 
 def _write_imagefolder(root, per_class=6, size=12):

@@ -1,4 +1,5 @@
-"""common/detection.py: sources, the digits_det set, box-aware transforms, collate, COCO evaluation."""
+"""common/detection, detection_sources, boxes, coco_eval and plots: COCO-json and hub sources,
+the dataset and collate, box helpers, COCO evaluation, drawing."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import io
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,44 +14,24 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torchvision import tv_tensors
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
 
-from common import UserError, detection
-from common.data import decode_image, digits_dataset
-from common.detection import (IMAGENET_MEAN, IMAGENET_STD, BoxCropDataset, CocoEvaluator, DetectionDataset, collate,
-                              detection_transforms, digits_det_crops_dataset,
-                              draw_detections,
-                              kmeans_anchors, load_detection, rescale_boxes, save_detections, wandb_boxes)
-from conftest import ROOT, free_port, recipe_env
+from common import UserError
+from common.boxes import areas, rescale_boxes
+from common.builtin import DETECTION
+from common.coco_eval import CocoEvaluator
+from common.data import decode_image
+from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
+from common.detection_sources import features
+from common.plots import draw_detections, save_detections, wandb_boxes
+from conftest import ROOT, bright_rectangle, detection_table, free_port, recipe_env
 
 
-# --------------------------------------------------------------------------------------------
-# The built-in set
-# --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def builtin(tmp_path_factory):
-    """One generation of digits_det into a fresh cache, timed, recording the glyphs each split drew."""
-    root = tmp_path_factory.mktemp("cache")
-    render_scenes, rendered = detection.render_scenes, {}
-
-    def recording(glyphs, labels, count, seed, split):
-        rendered[split] = glyphs.copy()
-        return render_scenes(glyphs, labels, count, seed, split)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CV_RECIPES_CACHE", str(root))
-        mp.setattr(detection, "render_scenes", recording)
-        start = time.perf_counter()
-        folder = detection.digits_det_folder()
-        seconds = time.perf_counter() - start
-        data = load_detection("digits_det")
-    return SimpleNamespace(root=root, folder=folder, seconds=seconds, rendered=rendered, data=data)
-
-
-@pytest.fixture
-def cache(builtin, monkeypatch):
-    monkeypatch.setenv("CV_RECIPES_CACHE", str(builtin.root))  # the fixture's cache: no regeneration
-    return builtin.root
+def digits_det():
+    """The built-in scenes from the default cache (tests/test_builtin.py covers how they are made)."""
+    return SimpleNamespace(folder=DETECTION["digits_det"](), data=load_detection("digits_det"))
 
 
 def _xyxy(bbox) -> np.ndarray:
@@ -59,129 +39,15 @@ def _xyxy(bbox) -> np.ndarray:
     return np.concatenate([b[:, :2], b[:, :2] + b[:, 2:]], 1)
 
 
-def test_builtin_schema_sizes_and_boxes(builtin):
-    data = builtin.data
-    assert (len(data.train), len(data.eval)) == (2000, 400)
-    assert data.classes == [str(i) for i in range(10)]
-    assert data.train.features == detection.features() == data.eval.features
-    assert [p.name for p in builtin.root.iterdir()] == ["digits_det-v1-seed0"]  # renamed, no temp left
-    assert (builtin.folder / "annotations" / "instances_val.json").exists()
-    image = decode_image(data.eval[0]["image"], "")
-    assert image.size == (96, 96) and image.mode == "RGB"
-    heights, counts = [], []
-    for split in (data.train, data.eval):
-        for row in split:
-            boxes = _xyxy(row["objects"]["bbox"])
-            counts.append(len(boxes))
-            heights += (boxes[:, 3] - boxes[:, 1]).tolist()
-            assert (row["width"], row["height"]) == (96, 96) and not any(row["objects"]["iscrowd"])
-            assert (boxes[:, :2] >= 0).all() and (boxes[:, 2:] <= 96).all()
-            # digits may touch, never overlap much
-            lt = np.maximum(boxes[:, None, :2], boxes[None, :, :2])
-            rb = np.minimum(boxes[:, None, 2:], boxes[None, :, 2:])
-            inter = (rb - lt).clip(0).prod(-1)
-            area = (boxes[:, 2:] - boxes[:, :2]).prod(-1)
-            iou = inter / (area[:, None] + area[None] - inter)
-            assert (iou[~np.eye(len(boxes), dtype=bool)] < 0.3).all()
-    assert min(counts) == 1 and max(counts) == 6 and 3 < np.mean(counts) < 4
-    assert min(heights) >= 10 and max(heights) <= 50 and np.median(heights) < 30  # many small digits
-    labels = np.concatenate([row["objects"]["category"] for row in data.eval])
-    assert np.bincount(labels, minlength=10).min() > 60  # every digit, roughly balanced
+# The least box-aware transform a recipe could use: a float image in 0..1, boxes clamped, boxes under
+# 1 px dropped with their labels (every recipe's transforms end so; recipes' own tests cover theirs).
+_plain = v2.Compose([v2.ToImage(), v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes(min_size=1.0),
+                     v2.ToDtype(torch.float32, scale=True)])
+# A random one: flip and photometric noise, seeded per sample by DetectionDataset.
+_random = v2.Compose([v2.ToImage(), v2.RandomHorizontalFlip(0.5), v2.RandomPhotometricDistort(p=1.0),
+                      v2.ToDtype(torch.float32, scale=True)])
 
 
-def test_builtin_generation_is_fast_and_cached(builtin, cache):
-    # About 12 s on 2 cores (rendering, PNG files, and importing scikit-learn); room for a loaded machine.
-    assert builtin.seconds < 40, f"generation took {builtin.seconds:.1f} s"
-    start = time.perf_counter()
-    assert detection.digits_det_folder() == builtin.folder
-    data = load_detection("digits_det")
-    assert time.perf_counter() - start < 5 and list(data.eval["objects"]) == list(builtin.data.eval["objects"])
-
-
-def test_digits_det_crops_are_the_boxes_as_a_classification_set(builtin, cache):
-    """The crops set (a detector backbone's pretraining data) holds every box of each split once, in
-    order, with its category, at 32 px, and loads as a built-in classification set."""
-    from common.data import decode_image, load_classification
-
-    crops = digits_det_crops_dataset()
-    for split, table in (("train", builtin.data.train), ("test", builtin.data.eval)):
-        categories = [c for objects in table["objects"] for c in objects["category"]]
-        assert crops[split]["label"] == categories
-    first = builtin.data.train[0]
-    x, y, w, h = first["objects"]["bbox"][0]
-    assert crops["train"][0]["image"].size == (32, 32)
-    # the first crop is the first box's pixels, grown by 15 % of its longer side and resized
-    m = 0.15 * max(w, h)
-    expected = decode_image(first["image"], "").resize((32, 32), Image.BICUBIC, box=(max(x - m, 0), max(y - m, 0),
-                                                                                  min(x + w + m, 96), min(y + h + m, 96)))
-    assert np.array_equal(np.asarray(crops["train"][0]["image"].convert("RGB")), np.asarray(expected))
-    loaded = load_classification("digits_det_crops")
-    assert loaded.classes == [str(i) for i in range(10)] and len(loaded.eval) == len(crops["test"])
-
-
-def test_box_crop_dataset_is_the_crops_set_normalised_and_shifts_reproducibly(builtin, cache):
-    """BoxCropDataset (DETR's backbone pre-training data, for any detection set): every box once with
-    its class; unshifted, a crop is digits_det_crops' image normalised as the detection transforms do;
-    shifted, the window moves by a draw fixed per (epoch, index); crowd regions are left out."""
-    from torchvision.transforms.v2 import functional as TF
-
-    crops = digits_det_crops_dataset()
-    plain = BoxCropDataset(builtin.data.train, 32, 0.15)
-    assert len(plain) == len(crops["train"]) and [plain.items[i][2] for i in range(50)] == crops["train"]["label"][:50]
-    image, label = plain[3]
-    expected = TF.to_dtype(TF.pil_to_tensor(crops["train"][3]["image"].convert("RGB")), torch.float32, scale=True)
-    assert label == crops["train"][3]["label"] and image.shape == (3, 32, 32)
-    assert torch.allclose(image, TF.normalize(expected, IMAGENET_MEAN, IMAGENET_STD))
-    shifted = BoxCropDataset(builtin.data.train, 32, 0.15, shift=0.1, seed=0)
-    assert torch.equal(shifted[(2, 3)][0], shifted[(2, 3)][0]) and not torch.equal(shifted[(2, 3)][0], shifted[(3, 3)][0])
-    assert not torch.equal(shifted[(2, 3)][0], image) and shifted[(2, 3)][1] == label
-    crowd = builtin.data.train.select(range(2)).map(
-        lambda row: {"objects": {**row["objects"], "iscrowd": [1] + row["objects"]["iscrowd"][1:]}})
-    assert len(BoxCropDataset(crowd)) == sum(len(o["bbox"]) for o in crowd["objects"]) - 2
-
-
-def test_builtin_is_deterministic_and_splits_draw_from_disjoint_digits(builtin):
-    source = digits_dataset()
-    glyphs = {split: np.stack([np.asarray(image) for image in source[split]["image"]]) for split in ("train", "test")}
-    assert np.array_equal(builtin.rendered["train"], glyphs["train"])  # train scenes: train digits only
-    assert np.array_equal(builtin.rendered["val"], glyphs["test"])  # val scenes: test digits only
-    # A fresh rendering of the first val scenes equals the cached PNGs (lossless) and annotations.
-    labels = np.asarray(source["test"]["label"])
-    images, boxes, classes = detection.render_scenes(glyphs["test"], labels, 12, 0, "val")
-    for i, row in enumerate(builtin.data.eval.select(range(12))):
-        assert np.array_equal(np.asarray(decode_image(row["image"], "")), images[i])
-        assert row["objects"]["bbox"] == boxes[i].tolist() and row["objects"]["category"] == classes[i].tolist()
-    other = detection.render_scenes(glyphs["test"], labels, 12, 1, "val")[0]
-    assert not np.array_equal(other, images)
-
-
-def test_builtin_boxes_are_tight_around_the_digits():
-    """Every edge row and column of a box crosses the digit, and just outside the box there is at
-    most the digit's faint antialiased rim (pixels under INK coverage). Differences are taken from
-    the digit-free background, relative to the digit's full contrast (``peak``)."""
-    source = digits_dataset()["test"]
-    glyphs = np.pad(np.stack([np.asarray(image) for image in source["image"]]), ((0, 0), (1, 1), (1, 1)))
-    labels = np.asarray(source["label"])
-    for i in range(60):
-        image, boxes, _, background = detection._scene(np.random.default_rng([0, 1, i]), glyphs, labels)
-        diff = np.abs(image.astype(np.float32) - background).max(-1)  # (S, S), grey levels
-        for x0, y0, x1, y1 in boxes:
-            inside = diff[y0:y1, x0:x1]
-            peak = np.percentile(inside, 95)
-            assert peak > 80  # the digit stands out
-            for edge in (inside[0], inside[-1], inside[:, 0], inside[:, -1]):
-                assert edge.max() > 0.12 * peak
-            ring = np.zeros(diff.shape, bool)  # the pixels around the box, less the other digits' boxes
-            ring[max(y0 - 1, 0):y1 + 1, max(x0 - 1, 0):x1 + 1] = True
-            ring[y0:y1, x0:x1] = False
-            for b in boxes:
-                if b != (x0, y0, x1, y1):
-                    ring[b[1]:b[3], b[0]:b[2]] = False
-            if ring.any():
-                assert diff[ring].max() < 0.45 * peak and diff[ring].mean() < 15
-
-
-# --------------------------------------------------------------------------------------------
 # Sources: a COCO-json folder (two layouts) and a hub-schema dataset give the same rows
 # --------------------------------------------------------------------------------------------
 CLASSES = ["bird", "cat", "dog"]
@@ -229,7 +95,7 @@ def _write_coco(root: Path, layout: str, splits: dict[str, list[dict]]) -> Path:
     return root
 
 
-def _hub_dataset(splits: dict[str, list[dict]]):
+def _hubdetection_table(splits: dict[str, list[dict]]):
     """The cppe-5 schema: image_id, image, width, height, objects{id, area, bbox, category: ClassLabel}."""
     import datasets
 
@@ -258,7 +124,7 @@ def _rows(ds) -> list[tuple]:
 
 def test_coco_folders_and_hub_dataset_load_to_the_same_rows(tmp_path):
     splits = _scenes()
-    hub = _hub_dataset(splits)
+    hub = _hubdetection_table(splits)
     hub.save_to_disk(str(tmp_path / "saved"))
     repo = tmp_path / "repo" / "data"  # a local copy of a hub repository: parquet files
     repo.mkdir(parents=True)
@@ -273,7 +139,7 @@ def test_coco_folders_and_hub_dataset_load_to_the_same_rows(tmp_path):
                  r["pixels"].tobytes()) for r in splits["train"]]
     for name, data in loaded.items():
         assert data.classes == CLASSES, name
-        assert data.train.features == detection.features() == data.eval.features, name
+        assert data.train.features == features() == data.eval.features, name
         assert _rows(data.train) == expected, name  # eval split found: validation, val or valid
         assert _rows(data.eval) == _rows(loaded["coco"].eval), name
     assert list(loaded["coco"].eval["image_id"]) == [10, 11]
@@ -287,7 +153,7 @@ def test_crowd_regions_are_kept_for_evaluation_but_never_targets(tmp_path):
     data = load_detection(str(tmp_path))
     row = data.train[0]
     assert row["objects"]["iscrowd"] == [0, 0, 1] and row["objects"]["area"][2] == 300.0
-    _, target = DetectionDataset(data.train, detection_transforms(False, 64))[0]
+    _, target = DetectionDataset(data.train, _plain)[0]
     assert len(target["boxes"]) == 2 and target["dropped"] == 0
 
 
@@ -325,90 +191,28 @@ def test_bad_input_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match=r"cannot read image '.*broken\.png'"):
         bad = tmp_path / "broken.png"
         bad.write_bytes(b"not a png")
-        DetectionDataset(_dataset([{"path": str(bad), "bytes": None}], [[]]), detection_transforms(False, 32))[0]
+        DetectionDataset(detection_table([{"path": str(bad), "bytes": None}], [[]]), _plain)[0]
 
 
 # --------------------------------------------------------------------------------------------
-# Transforms, dataset, collate
+# Dataset, collate, box helpers
 # --------------------------------------------------------------------------------------------
-def _dataset(images: list, boxes: list[list], categories: list[list] | None = None, crowd: list[list] | None = None):
-    """A normalised dataset from images (PIL or datasets.Image values) and per-image COCO boxes."""
-    import datasets
-
-    def value(image):
-        if isinstance(image, dict):
-            return image
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        return {"bytes": buffer.getvalue(), "path": None}
-
-    sizes = [image.size if isinstance(image, Image.Image) else (8, 8) for image in images]
-    return datasets.Dataset.from_dict({
-        "image": [value(image) for image in images], "image_id": list(range(1, len(images) + 1)),
-        "width": [w for w, _ in sizes], "height": [h for _, h in sizes],
-        "objects": [{"bbox": b, "category": (categories or [[0] * len(b) for b in boxes])[i],
-                     "area": [x[2] * x[3] for x in b], "iscrowd": (crowd or [[0] * len(b) for b in boxes])[i]}
-                    for i, b in enumerate(boxes)],
-    }, features=detection.features())
-
-
-def _bright_rectangle(width=80, height=60, box=(20, 10, 25, 20)) -> Image.Image:
-    pixels = np.full((height, width, 3), 30, np.uint8)
-    x, y, w, h = box
-    pixels[y:y + h, x:x + w] = 230
-    return Image.fromarray(pixels)
-
-
-def _unnormalise(image: torch.Tensor) -> torch.Tensor:
-    mean, std = (torch.tensor(v)[:, None, None] for v in (detection.IMAGENET_MEAN, detection.IMAGENET_STD))
-    return image * std + mean
-
-
-@pytest.mark.parametrize("train", [True, False])
-def test_boxes_follow_the_pixels(train):
-    ds = DetectionDataset(_dataset([_bright_rectangle()], [[[20.0, 10.0, 25.0, 20.0]]]),
-                          detection_transforms(train, 64, color_jitter=False), seed=0)
-    kept = 0
-    for epoch in range(40 if train else 1):
-        image, target = ds[(epoch, 0)]
-        assert image.shape == (3, 64, 64) and image.dtype == torch.float32
-        assert target["boxes"].format.value == "XYXY" and target["boxes"].dtype == torch.float32
-        assert target["boxes"].canvas_size == (64, 64) and target["orig_size"] == (60, 80)
-        bright = _unnormalise(image).mean(0) > 0.5  # (64, 64)
-        if len(target["boxes"]) == 0:  # dropped: mostly cropped away
-            assert target["dropped"] == 1 and bright.sum() < 400  # under half of the 25x20 rectangle at scale <= 1.2
-            continue
-        kept += 1
-        x0, y0, x1, y1 = target["boxes"][0].tolist()
-        ys, xs = torch.nonzero(bright, as_tuple=True)
-        # bright pixels lie inside the box (1 px of resampling blur), and fill it
-        assert xs.min() >= x0 - 1 and xs.max() <= x1 and ys.min() >= y0 - 1 and ys.max() <= y1
-        inner = bright[int(y0) + 1:int(y1) - 1, int(x0) + 1:int(x1) - 1]
-        assert inner.float().mean() > 0.9
-        h, w = target["size"]
-        assert (image[:, h:] == 0).all() and (image[:, :, w:] == 0).all()  # padding: right and bottom only
-    assert kept >= (30 if train else 1)
-
-
 def test_degenerate_boxes_are_dropped_and_counted():
     boxes = [[10.0, 10.0, 20.0, 15.0],  # kept
              [30.0, 10.0, 0.0, 10.0],  # zero width
              [100.0, 100.0, 5.0, 5.0],  # outside the 80x60 image
              [40.0, 40.0, 0.5, 0.5],  # under 1 px
              [5.0, 5.0, 30.0, 30.0]]  # crowd: not a target, not counted as dropped
-    ds = DetectionDataset(_dataset([_bright_rectangle()], [boxes], [[0, 1, 2, 1, 2]], [[0, 0, 0, 0, 1]]),
-                          detection_transforms(False, 80))
+    ds = DetectionDataset(detection_table([bright_rectangle()], [boxes], [[0, 1, 2, 1, 2]], [[0, 0, 0, 0, 1]]), _plain)
     _, target = ds[0]
     assert target["boxes"].tolist() == [[10.0, 10.0, 30.0, 25.0]] and target["labels"].tolist() == [0]
-    assert target["dropped"] == 3
-    negative = DetectionDataset(_dataset([_bright_rectangle()], [[]]), detection_transforms(True, 64))
-    for epoch in range(5):  # an image without objects is a negative: it passes every transform
-        _, target = negative[(epoch, 0)]
-        assert target["boxes"].shape == (0, 4) and target["labels"].shape == (0,) and target["dropped"] == 0
+    assert target["dropped"] == 3 and target["size"] == (60, 80) and target["orig_size"] == (60, 80)
+    _, target = DetectionDataset(detection_table([bright_rectangle()], [[]]), _plain)[0]  # a negative
+    assert target["boxes"].shape == (0, 4) and target["labels"].shape == (0,) and target["dropped"] == 0
 
 
-def test_same_epoch_and_index_same_sample(builtin):
-    ds = DetectionDataset(builtin.data.train.select(range(8)), detection_transforms(True, 96), seed=3)
+def test_same_epoch_and_index_same_sample(digits_det):
+    ds = DetectionDataset(digits_det.data.train.select(range(8)), _random, seed=3)
     a, b, c = ds[(2, 5)], ds[(2, 5)], ds[(3, 5)]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1]["boxes"], b[1]["boxes"])
     assert not torch.equal(a[0], c[0])
@@ -418,23 +222,14 @@ def test_same_epoch_and_index_same_sample(builtin):
     assert torch.equal(state, torch.random.get_rng_state())  # the caller's stream is untouched
 
 
-def test_workers_give_the_same_batches(builtin):
-    ds = DetectionDataset(builtin.data.train.select(range(8)), detection_transforms(True, 96), seed=0)
+def test_workers_give_the_same_batches(digits_det):
+    ds = DetectionDataset(digits_det.data.train.select(range(8)), _random, seed=0)
     batches = [[(1, i) for i in range(4)], [(1, i) for i in range(4, 8)]]
     results = [list(torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=collate, num_workers=n))
                for n in (0, 2)]
     for (x0, m0, t0), (x1, m1, t1) in zip(*results):
         assert torch.equal(x0, x1) and torch.equal(m0, m1)
         assert all(torch.equal(a["boxes"], b["boxes"]) and a["image_id"] == b["image_id"] for a, b in zip(t0, t1))
-
-
-def test_rescale_boxes_undoes_the_eval_transform():
-    ds = DetectionDataset(_dataset([_bright_rectangle(80, 60)], [[[20.0, 10.0, 25.0, 20.0]]]),
-                          detection_transforms(False, 64))
-    _, target = ds[0]
-    assert target["size"] == (48, 64)  # longest side 64, aspect kept; then padded to 64 x 64
-    original = rescale_boxes(target["boxes"], target["size"], target["orig_size"])
-    assert torch.allclose(original, torch.tensor([[20.0, 10.0, 45.0, 30.0]]), atol=1e-4)
 
 
 def test_collate_pads_bottom_right_and_masks_padding():
@@ -447,6 +242,13 @@ def test_collate_pads_bottom_right_and_masks_padding():
     expected[0, :5, :6] = False  # the transform's own padding (column 6) counts as padding too
     expected[1, :6, :4] = False
     assert torch.equal(mask, expected)
+
+
+def test_box_helpers_by_hand():
+    boxes = torch.tensor([[0.0, 0.0, 4.0, 3.0], [5.0, 5.0, 4.0, 9.0], [1.0, 2.0, 1.5, 2.5]])
+    assert areas(boxes).tolist() == [12.0, 0.0, 0.25]  # a box with a negative side has area 0
+    # the picture (48, 64) of a padded 64 x 64 input, from an original of (60, 80): x 1.25 on both axes
+    assert rescale_boxes(boxes[:1], (48, 64), (60, 80)).tolist() == [[0.0, 0.0, 5.0, 3.75]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -497,9 +299,9 @@ def _pycocotools(gt_json: dict, predictions: list[dict]) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def val_subset(builtin):
-    ds = builtin.data.eval.select(range(120))
-    gt = json.loads((builtin.folder / "annotations" / "instances_val.json").read_text())
+def val_subset(digits_det):
+    ds = digits_det.data.eval.select(range(120))
+    gt = json.loads((digits_det.folder / "annotations" / "instances_val.json").read_text())
     ids = set(ds["image_id"])
     gt = {"images": [i for i in gt["images"] if i["id"] in ids], "categories": gt["categories"],
           "annotations": [a for a in gt["annotations"] if a["image_id"] in ids]}
@@ -507,10 +309,7 @@ def val_subset(builtin):
 
 
 def _evaluate(ds, batches: list[list[dict]], classes=None) -> dict[str, float]:
-    evaluator = CocoEvaluator(ds, classes)
-    for batch in batches:
-        evaluator.update(batch)
-    return evaluator.compute()
+    return CocoEvaluator(ds, classes).evaluate(iter(batches))
 
 
 def test_evaluator_equals_pycocotools_whatever_the_batching(val_subset):
@@ -533,12 +332,24 @@ def test_evaluator_perfect_and_empty_predictions(val_subset):
     metrics = _evaluate(val_subset.ds, [perfect], [str(i) for i in range(10)])
     assert metrics == {"map": 1.0, "map_50": 1.0, "map_75": 1.0, "map_small": 1.0, "map_medium": 1.0, "map_large": -1.0}
     evaluator = CocoEvaluator(val_subset.ds)
-    assert evaluator.compute() == {**{k: 0.0 for k in metrics}, "map_large": -1.0}  # -1: no large ground truth
-    evaluator.update(perfect)
-    evaluator.reset()
-    assert evaluator.compute()["map"] == 0.0
+    assert evaluator.evaluate([]) == {**{k: 0.0 for k in metrics}, "map_large": -1.0}  # -1: no large ground truth
     with pytest.raises(ValueError, match="image_id 123456"):
-        evaluator.update([{**perfect[0], "image_id": 123456}])
+        evaluator.evaluate([[{**perfect[0], "image_id": 123456}]])
+
+
+def test_evaluator_keeps_nothing_between_calls(val_subset):
+    """Each call scores only its own predictions: the first predictions per image win within one call
+    (Accelerate's padding repeats), never across calls, so no reset can be forgotten."""
+    perfect = [{"image_id": row["image_id"], "boxes": torch.tensor(_xyxy(row["objects"]["bbox"])),
+                "scores": torch.ones(len(row["objects"]["bbox"])), "labels": torch.tensor(row["objects"]["category"])}
+               for row in val_subset.ds]
+    evaluator = CocoEvaluator(val_subset.ds)
+    state = dict(vars(evaluator))
+    assert evaluator.evaluate(iter([perfect]))["map"] == 1.0
+    assert vars(evaluator) == state  # the same ground truth objects, nothing added
+    fresh = _evaluate(val_subset.ds, [val_subset.predictions])
+    assert evaluator.evaluate(batch for batch in [val_subset.predictions]) == fresh and fresh["map"] < 1.0
+    assert evaluator.evaluate([])["map"] == 0.0
 
 
 def test_evaluator_treats_crowd_and_area_as_coco_does(tmp_path):
@@ -566,24 +377,23 @@ _TWO_PROCESS_SCRIPT = """
 import json, sys
 import torch
 from accelerate import Accelerator
-from common.detection import CocoEvaluator, load_detection
+from common.coco_eval import CocoEvaluator
+from common.detection import load_detection
 
 accelerator = Accelerator(cpu=True)
 data = load_detection("digits_det")
 evaluator = CocoEvaluator(data.eval.select(range(120)), data.classes)
 shard = json.loads(open(sys.argv[1]).read())[accelerator.process_index]
-for start in range(0, len(shard), 3):
-    evaluator.update([{"image_id": p["image_id"], "boxes": torch.tensor(p["boxes"]),
-                       "scores": torch.tensor(p["scores"]), "labels": torch.tensor(p["labels"])}
-                      for p in shard[start:start + 3]])
-metrics = evaluator.compute(accelerator)
+batches = ([{"image_id": p["image_id"], "boxes": torch.tensor(p["boxes"]), "scores": torch.tensor(p["scores"]),
+             "labels": torch.tensor(p["labels"])} for p in shard[start:start + 3]] for start in range(0, len(shard), 3))
+metrics = evaluator.evaluate(batches, accelerator)
 with open(sys.argv[2] + f"/{accelerator.process_index}.json", "w") as f:
     json.dump(metrics, f)
 accelerator.end_training()
 """
 
 
-def test_two_processes_give_the_one_process_metrics(val_subset, cache, tmp_path):
+def test_two_processes_give_the_one_process_metrics(val_subset, tmp_path):
     if not torch.distributed.is_gloo_available():
         pytest.skip("gloo backend not available")
     plain = [{"image_id": p["image_id"], "boxes": p["boxes"].tolist(), "scores": p["scores"].tolist(),
@@ -594,7 +404,7 @@ def test_two_processes_give_the_one_process_metrics(val_subset, cache, tmp_path)
     (tmp_path / "script.py").write_text(_TWO_PROCESS_SCRIPT)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                str(tmp_path / "script.py"), str(tmp_path / "predictions.json"), str(tmp_path)]
-    proc = subprocess.run(command, cwd=ROOT, env=recipe_env(2, PYTHONPATH=str(ROOT), CV_RECIPES_CACHE=str(cache)),
+    proc = subprocess.run(command, cwd=ROOT, env=recipe_env(2, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = _evaluate(val_subset.ds, [val_subset.predictions])
@@ -603,10 +413,10 @@ def test_two_processes_give_the_one_process_metrics(val_subset, cache, tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
-# Drawing and anchors
+# Drawing
 # --------------------------------------------------------------------------------------------
 def test_draw_detections_and_wandb_boxes():
-    image = _bright_rectangle(80, 60)
+    image = bright_rectangle(80, 60)
     gt, labels = torch.tensor([[20.0, 10.0, 45.0, 30.0]]), torch.tensor([1])
     pred, pred_labels, scores = torch.tensor([[21.0, 11.0, 44.0, 29.0], [0.0, 0.0, 5.0, 5.0]]), torch.tensor([1, 2]), torch.tensor([0.9, 0.1])
     drawn = draw_detections(image, gt, labels, pred, pred_labels, scores, CLASSES)
@@ -616,12 +426,11 @@ def test_draw_detections_and_wandb_boxes():
     same = draw_detections(torch.from_numpy(np.array(image)).permute(2, 0, 1), gt, labels, pred, pred_labels,
                            scores, CLASSES, min_size=1)
     assert same.size == (80, 60)
-    # a normalised float image (what the transforms give) is drawn with its original colours
-    normalised = detection_transforms(False, 80)(image, {"boxes": tv_tensors.BoundingBoxes(
-        gt, format="XYXY", canvas_size=(60, 80)), "labels": labels})[0]
+    # a normalised float image (what the YOLO and DETR transforms give) is drawn with its original colours
+    normalised = TF.normalize(TF.to_dtype(TF.pil_to_tensor(image), torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
     undone = np.asarray(draw_detections(normalised, gt[:0], labels[:0], pred[:0], pred_labels[:0], scores[:0],
                                         CLASSES, min_size=1))
-    assert np.abs(undone[:60].astype(int) - np.asarray(image).astype(int)).max() <= 1
+    assert np.abs(undone.astype(int) - np.asarray(image).astype(int)).max() <= 1
     boxes = wandb_boxes(gt, labels, pred, pred_labels, scores, CLASSES)
     assert boxes["ground_truth"]["class_labels"] == {0: "bird", 1: "cat", 2: "dog"}
     assert boxes["ground_truth"]["box_data"][0]["position"] == {"minX": 20.0, "minY": 10.0, "maxX": 45.0, "maxY": 30.0}
@@ -630,8 +439,8 @@ def test_draw_detections_and_wandb_boxes():
 
 
 def test_save_detections_writes_one_png_and_logs_plain_images_with_boxes(tmp_path):
-    images = [torch.from_numpy(np.array(_bright_rectangle(80, 60))).permute(2, 0, 1),
-              torch.from_numpy(np.array(_bright_rectangle(50, 70))).permute(2, 0, 1)]
+    images = [torch.from_numpy(np.array(bright_rectangle(80, 60))).permute(2, 0, 1),
+              torch.from_numpy(np.array(bright_rectangle(50, 70))).permute(2, 0, 1)]
     targets = [{"boxes": torch.tensor([[20.0, 10.0, 45.0, 30.0]]), "labels": torch.tensor([1])},
                {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long)}]
     predictions = [{"boxes": torch.tensor([[21.0, 11.0, 44.0, 29.0]]), "labels": torch.tensor([1]),
@@ -655,14 +464,3 @@ def test_save_detections_writes_one_png_and_logs_plain_images_with_boxes(tmp_pat
     assert first.image.size == (80, 60)  # the plain image at its own size: boxes in its pixels
     # wandb keeps the box list in a private attribute; the positions are the target's, unscaled
     assert first._boxes["ground_truth"]._val[0]["position"] == {"minX": 20.0, "minY": 10.0, "maxX": 45.0, "maxY": 30.0}
-
-
-def test_kmeans_anchors_find_the_clusters():
-    rng = np.random.default_rng(0)
-    centres = np.array([[10.0, 12.0], [40.0, 20.0], [60.0, 90.0]])
-    wh = np.concatenate([c * rng.uniform(0.9, 1.1, (200, 2)) for c in centres])
-    anchors = kmeans_anchors(wh, 3, seed=0)
-    assert anchors.shape == (3, 2) and np.allclose(anchors, centres, rtol=0.05)  # sorted by area
-    assert np.array_equal(anchors, kmeans_anchors(wh, 3, seed=0))
-    with pytest.raises(UserError, match="too few for 3 anchors"):
-        kmeans_anchors(wh[:2], 3)

@@ -1,5 +1,6 @@
-"""recipes/yolo.py: target assignment and losses against hand-computed cases, the method's own
-augmentations, and runs through the entry point (learning, export, resume)."""
+"""recipes/yolo.py: target assignment and losses against hand-computed cases, the box-aware transforms,
+k-means anchors, the method's own augmentations, evaluation, and runs through the entry point
+(learning, export, resume)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from conftest import check, load_recipe, run_recipe
+from common import UserError
+from common.boxes import rescale_boxes
+from common.coco_eval import CocoEvaluator
+from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
+from conftest import bright_rectangle, check, detection_table, load_recipe, run_recipe
 
 yolo = load_recipe("yolo")
 
@@ -99,26 +104,26 @@ def test_each_loss_term_by_hand():
     raw[0, index, 5:] = torch.tensor([-1.0, 0.5, 2.0])
     losses = yolo.yolo_loss(model, raw, targets, 96, 96, ignore_iou=0.7, label_smoothing=False)
     box_weight = 2 - 256 / 9216
-    assert float(losses["obj"]) == pytest.approx(n * math.log(2), rel=1e-5)  # no other prediction overlaps > 0.7
-    assert float(losses["center"]) == pytest.approx(2 * math.log(2) * box_weight, rel=1e-5)
-    assert float(losses["scale"]) == pytest.approx(0.0, abs=1e-6)
-    assert float(losses["cls"]) == pytest.approx(_bce(-1.0, 0) + _bce(0.5, 0) + _bce(2.0, 1), rel=1e-5)
+    assert float(losses["loss_obj"]) == pytest.approx(n * math.log(2), rel=1e-5)  # no other prediction overlaps > 0.7
+    assert float(losses["loss_center"]) == pytest.approx(2 * math.log(2) * box_weight, rel=1e-5)
+    assert float(losses["loss_scale"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(losses["loss_cls"]) == pytest.approx(_bce(-1.0, 0) + _bce(0.5, 0) + _bce(2.0, 1), rel=1e-5)
 
     # Label smoothing (GluonCV): targets eps = min(1/C, 1/40) and 1 - eps.
     smoothed = yolo.yolo_loss(model, raw, targets, 96, 96, ignore_iou=0.7, label_smoothing=True)
     eps = 1 / 40
-    assert float(smoothed["cls"]) == pytest.approx(_bce(-1.0, eps) + _bce(0.5, eps) + _bce(2.0, 1 - eps), rel=1e-5)
+    assert float(smoothed["loss_cls"]) == pytest.approx(_bce(-1.0, eps) + _bce(0.5, eps) + _bce(2.0, 1 - eps), rel=1e-5)
 
     # A 32x16 box: best anchor [24, 24] (IoU 384 / 704); scale loss |log(32/24)| + |log(16/24)|, x box weight.
     wide = {**targets, "boxes": torch.tensor([[[8.0, 16.0, 40.0, 32.0]]])}
     expected_scale = (abs(math.log(32 / 24)) + abs(math.log(16 / 24))) * (2 - 512 / 9216)
-    assert float(yolo.yolo_loss(model, torch.zeros(1, n, 8), wide, 96, 96, 0.7, False)["scale"]) == pytest.approx(
+    assert float(yolo.yolo_loss(model, torch.zeros(1, n, 8), wide, 96, 96, 0.7, False)["loss_scale"]) == pytest.approx(
         expected_scale, rel=1e-5)
 
     # Ignore: a negative whose decoded box overlaps the ground truth above ignore_iou gets no
     # objectness loss. Raw 0 at the same cell's anchor [20, 20] decodes to a 20x20 box at the same
     # centre: IoU 256/400 = 0.64 with the 16x16 box, ignored at a threshold of 0.6, not at 0.7.
-    assert float(yolo.yolo_loss(model, raw, targets, 96, 96, 0.6, False)["obj"]) == pytest.approx(
+    assert float(yolo.yolo_loss(model, raw, targets, 96, 96, 0.6, False)["loss_obj"]) == pytest.approx(
         (n - 1) * math.log(2), rel=1e-5)
 
 
@@ -131,10 +136,10 @@ def test_mixup_weights_scale_the_box_losses():
                           96, 96, 0.7, False)
     half = yolo.yolo_loss(model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[0.5]])},
                           96, 96, 0.7, False)
-    assert float(half["center"]) == pytest.approx(0.5 * float(full["center"]))
-    assert float(half["cls"]) == pytest.approx(0.5 * float(full["cls"]))
+    assert float(half["loss_center"]) == pytest.approx(0.5 * float(full["loss_center"]))
+    assert float(half["loss_cls"]) == pytest.approx(0.5 * float(full["loss_cls"]))
     # objectness: the positive's term is weighted by its ratio, the negatives are unchanged
-    assert float(full["obj"]) - float(half["obj"]) == pytest.approx(0.5 * math.log(2), abs=1e-4)  # float32 sums of ~400
+    assert float(full["loss_obj"]) - float(half["loss_obj"]) == pytest.approx(0.5 * math.log(2), abs=1e-4)  # float32 sums of ~400
 
 
 def test_decode_inverts_the_targets():
@@ -160,13 +165,69 @@ def test_postprocess_nms_and_threshold():
     assert result["scores"].tolist() == pytest.approx([0.9, 0.7])
 
 
+def _unnormalise(image: torch.Tensor) -> torch.Tensor:
+    mean, std = (torch.tensor(v)[:, None, None] for v in (IMAGENET_MEAN, IMAGENET_STD))
+    return image * std + mean
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_boxes_follow_the_pixels(train):
+    ds = DetectionDataset(detection_table([bright_rectangle()], [[[20.0, 10.0, 25.0, 20.0]]]),
+                          yolo.detection_transforms(train, 64, color_jitter=False), seed=0)
+    kept = 0
+    for epoch in range(40 if train else 1):
+        image, target = ds[(epoch, 0)]
+        assert image.shape == (3, 64, 64) and image.dtype == torch.float32
+        assert target["boxes"].format.value == "XYXY" and target["boxes"].dtype == torch.float32
+        assert target["boxes"].canvas_size == (64, 64) and target["orig_size"] == (60, 80)
+        bright = _unnormalise(image).mean(0) > 0.5  # (64, 64)
+        if len(target["boxes"]) == 0:  # dropped: mostly cropped away
+            assert target["dropped"] == 1 and bright.sum() < 400  # under half of the 25x20 rectangle at scale <= 1.2
+            continue
+        kept += 1
+        x0, y0, x1, y1 = target["boxes"][0].tolist()
+        ys, xs = torch.nonzero(bright, as_tuple=True)
+        # bright pixels lie inside the box (1 px of resampling blur), and fill it
+        assert xs.min() >= x0 - 1 and xs.max() <= x1 and ys.min() >= y0 - 1 and ys.max() <= y1
+        inner = bright[int(y0) + 1:int(y1) - 1, int(x0) + 1:int(x1) - 1]
+        assert inner.float().mean() > 0.9
+        h, w = target["size"]
+        assert (image[:, h:] == 0).all() and (image[:, :, w:] == 0).all()  # padding: right and bottom only
+    assert kept >= (30 if train else 1)
+
+
+def test_an_image_without_objects_passes_every_transform():
+    negative = DetectionDataset(detection_table([bright_rectangle()], [[]]), yolo.detection_transforms(True, 64))
+    for epoch in range(5):
+        _, target = negative[(epoch, 0)]
+        assert target["boxes"].shape == (0, 4) and target["labels"].shape == (0,) and target["dropped"] == 0
+
+
+def test_rescale_boxes_undoes_the_eval_transform():
+    ds = DetectionDataset(detection_table([bright_rectangle(80, 60)], [[[20.0, 10.0, 25.0, 20.0]]]),
+                          yolo.detection_transforms(False, 64))
+    _, target = ds[0]
+    assert target["size"] == (48, 64)  # longest side 64, aspect kept; then padded to 64 x 64
+    original = rescale_boxes(target["boxes"], target["size"], target["orig_size"])
+    assert torch.allclose(original, torch.tensor([[20.0, 10.0, 45.0, 30.0]]), atol=1e-4)
+
+
+def test_kmeans_anchors_find_the_clusters():
+    rng = np.random.default_rng(0)
+    centres = np.array([[10.0, 12.0], [40.0, 20.0], [60.0, 90.0]])
+    wh = np.concatenate([c * rng.uniform(0.9, 1.1, (200, 2)) for c in centres])
+    anchors = yolo.kmeans_anchors(wh, 3, seed=0)
+    assert anchors.shape == (3, 2) and np.allclose(anchors, centres, rtol=0.05)  # sorted by area
+    assert np.array_equal(anchors, yolo.kmeans_anchors(wh, 3, seed=0))
+    with pytest.raises(UserError, match="too few for 3 anchors"):
+        yolo.kmeans_anchors(wh[:2], 3)
+
+
 def test_mosaic_keeps_boxes_on_their_digits():
     """Mosaic pieces keep their boxes: every box of a mosaic sample covers pixels that differ from
     the canvas fill, and boxes stay inside the window."""
-    from common.detection import DetectionDataset, detection_transforms, load_detection
-
     data = load_detection("digits_det")
-    base = DetectionDataset(data.train.select(range(64)), detection_transforms(True, 96, hflip=0.0), seed=0)
+    base = DetectionDataset(data.train.select(range(64)), yolo.detection_transforms(True, 96, hflip=0.0), seed=0)
     train_set = yolo.YoloTrainSet(base, 96, mosaic=1.0, mixup=0.0, aug_epochs=1, seed=0)
     for index in range(8):
         image, target = train_set[(0, index)]
@@ -185,26 +246,34 @@ def test_mosaic_keeps_boxes_on_their_digits():
     assert torch.equal(plain_image, expected_image)
 
 
+class _Recording(CocoEvaluator):
+    """A CocoEvaluator that also records what each evaluate() call scored: (image_id, boxes, scores)."""
+
+    def evaluate(self, batches, accelerator=None):
+        batches = [list(batch) for batch in batches]
+        self.scored = [(p["image_id"], p["boxes"].tolist(), p["scores"].tolist()) for b in batches for p in b]
+        return super().evaluate(batches, accelerator)
+
+
 def test_each_evaluation_scores_its_own_model():
-    """The evaluator keeps the first predictions per image; evaluate() must start from a clean one, or
-    every evaluation after the first would score the first model again."""
+    """An evaluator holds only the ground truth, and evaluate() hands it one pass of predictions per
+    call: evaluating a second model with the evaluator that scored the first gives the second model's
+    own predictions and numbers, exactly those of a fresh evaluator. No reset() to forget."""
     from accelerate import Accelerator
 
-    from common.detection import CocoEvaluator, DetectionDataset, collate, detection_transforms, load_detection
-
     split = load_detection("digits_det").eval.select(range(8))
-    loader = torch.utils.data.DataLoader(DetectionDataset(split, detection_transforms(False, 96)), batch_size=4,
+    assert set(vars(CocoEvaluator(split))) == {"gt", "image_ids"}  # nothing about predictions
+    loader = torch.utils.data.DataLoader(DetectionDataset(split, yolo.detection_transforms(False, 96)), batch_size=4,
                                          collate_fn=collate)
     accelerator, cfg = Accelerator(cpu=True), yolo.Config(conf_threshold=0.0)
     first, second = _model(), _model()
     torch.nn.init.normal_(second.outputs[0][-1].weight)  # another model: other boxes and scores
-    evaluator = CocoEvaluator(split)
+    evaluator, fresh = _Recording(split), _Recording(split)
     yolo.evaluate(first, loader, evaluator, accelerator, cfg)
-    yolo.evaluate(second, loader, evaluator, accelerator, cfg)
-    fresh = CocoEvaluator(split)
-    yolo.evaluate(second, loader, fresh, accelerator, cfg)
-    assert evaluator.predictions.keys() == fresh.predictions.keys() and len(fresh.predictions) == 8
-    assert all(np.array_equal(evaluator.predictions[i], fresh.predictions[i]) for i in fresh.predictions)
+    scored_first = evaluator.scored
+    metrics = yolo.evaluate(second, loader, evaluator, accelerator, cfg)
+    assert metrics == yolo.evaluate(second, loader, fresh, accelerator, cfg)
+    assert evaluator.scored == fresh.scored != scored_first and len({i for i, _, _ in fresh.scored}) == 8
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +317,9 @@ def test_export_round_trip(short_run):
     import onnxruntime
 
     meta = safetensors.safe_open(str(short_run / "final.safetensors"), "pt").metadata()
-    cfg = yolo.parse_config(yolo.Config, ["--model", meta["model"], "--neck_channels", meta["neck_channels"],
-                                          "--model_kwargs", meta["model_kwargs"]])
+    config = json.loads(meta["config"])  # the resolved config rebuilds the model
+    cfg = yolo.parse_config(yolo.Config, ["--model", config["model"], "--neck_channels", str(config["neck_channels"]),
+                                          "--model_kwargs", json.dumps(config["model_kwargs"])])
     weights = safetensors.torch.load_file(str(short_run / "final.safetensors"))
     model = yolo.create_model(cfg, len(json.loads(meta["classes"])), weights["anchors"].flip(0).reshape(-1, 2))
     model.load_state_dict(weights)
@@ -271,8 +341,6 @@ def test_export_round_trip(short_run):
     (["--model", "no_such_net", "--data", "digits_det"], "unknown timm model 'no_such_net'"),
 ])
 def test_bad_config_raises_a_clear_error(tmp_path, args, message):
-    from common import UserError
-
     with pytest.raises(UserError, match=re.escape(message)):
         yolo.main(["--output_dir", str(tmp_path / "run"), "--report_to", "none", *args])
 

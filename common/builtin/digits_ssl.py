@@ -1,21 +1,19 @@
 """``digits_ssl``: a harder built-in set for self-supervised learning, made from the 8x8 digits.
 
-Each image of version 3 shows one digit of :func:`common.data.digits_dataset` drawn 4-6 times on a
-32x32 RGB canvas: every copy has its own height (7-11 px), width (0.8-1.2 of it), tilt (up to
-0.3 rad) and place, and no two copies' boxes overlap. Colours and the sensor-noise level are the
-same in every image. Why this design (what DINO on earlier versions showed, README "DINO"):
+Each image shows one digit of :func:`.digits.digits_dataset` drawn 4-6 times on a 32x32 RGB canvas:
+every copy has its own height (7-11 px), width (0.8-1.2 of it), tilt (up to 0.3 rad) and place, and
+no two copies' boxes overlap. Colours and the sensor-noise level are the same in every image. Why
+(the earlier versions' story: docs/dino.md, "How digits_ssl came to be"):
 
 - whatever differs between images and is shared by all crops of one image becomes the cue a
-  self-supervised method matches crops by, instead of the digit: per-image colours, gradients and
-  clutter (version 1), and the noise level and the digit's place on the canvas (version 2, one digit
-  anywhere: a trained teacher's features located the digit with R^2 0.96, a zero-padded convnet
-  reads the canvas border). Here the copies' places, sizes and tilts are drawn independently, so
-  none of them is a property of the image; only the glyph is;
+  self-supervised method matches crops by, instead of the digit: per-image colours, clutter, noise
+  level, or the place of a single digit (which a zero-padded convnet reads from the canvas border).
+  Here the copies' places, sizes and tilts are drawn independently, so none of them is a property
+  of the image; only the glyph is;
 - every crop shows the class: a local crop (5-40 % of the canvas) holds a copy or part of one,
-  where a single small digit left most local crops empty;
-- raw pixels must match an arrangement of copies, which no training image repeats: DINO's weighted
-  kNN on pixels reaches about 25 % top-1 (97.5 % on the plain digits), while the DINO demo's teacher
-  passes 40 % after one epoch on a CPU.
+  where a single small digit would leave most local crops empty;
+- raw pixels must match an arrangement of copies, which no training image repeats, so a kNN on
+  pixels is far from solving the set (tests/test_builtin.py bounds it) while a trained teacher is not.
 
 Train images come only from the source's 1,437 train digits and test images only from its 360 test
 digits. Generation is deterministic in ``seed`` (a numpy Generator per split and image), takes
@@ -25,14 +23,13 @@ seconds, and is cached on disk.
 from __future__ import annotations
 
 import io
-import os
-import shutil
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
+
+from common.builtin.cache import cached_folder
+from common.builtin.digits import blend, coverage, digits_dataset
 
 if TYPE_CHECKING:
     import datasets
@@ -45,32 +42,6 @@ BACKGROUND, FOREGROUND, NOISE = 40.0, 220.0, 3.0  # grey levels, 0..255; NOISE: 
 COPIES, HEIGHT, ASPECT, TILT = (4, 6), (7.0, 11.0), (0.8, 1.2), 0.3  # per image; per copy (px, width/height, rad)
 PLACE_TRIES = 30  # places tried per copy before it is left out (the first copy always fits)
 _INK = np.full(3, FOREGROUND, np.float32)  # the digits' colour, RGB
-
-# Glyph value 0..255 after bilinear upscaling -> coverage in [0, 1]: a ramp that sharpens the
-# blurry edges of an 8x8 glyph blown up 2-3x.
-_SHARPEN = np.clip((np.arange(256, dtype=np.float32) / 255 - 0.15) / 0.45, 0.0, 1.0)
-
-
-def _coverage(glyph: np.ndarray, cx: float, cy: float, height: float, aspect: float, angle: float,
-              size: int = SIZE) -> np.ndarray:
-    """Coverage (size, size) in [0, 1] of a (10, 10) uint8 zero-padded 8x8 glyph drawn ``height`` px
-    tall and ``height * aspect`` px wide, centred at (cx, cy) px and tilted by ``angle`` radians
-    (``size``: the canvas side; the detection set draws on larger canvases than this module).
-
-    PIL's affine transform maps each canvas pixel back into the glyph (bilinear, in C).
-    """
-    ku, kv = 8.0 / (height * aspect), 8.0 / height  # glyph px per canvas px
-    cos, sin = np.cos(angle), np.sin(angle)
-    # Canvas (x, y) px -> glyph (u, v) px; 5 = the glyph centre 4 + 1 of padding.
-    affine = (cos * ku, sin * ku, 5 - ku * (cos * cx + sin * cy),
-              -sin * kv, cos * kv, 5 + kv * (sin * cx - cos * cy))
-    upscaled = Image.fromarray(glyph).transform((size, size), Image.AFFINE, affine, Image.BILINEAR)
-    return _SHARPEN[np.asarray(upscaled)]
-
-
-def _blend(image: np.ndarray, coverage: np.ndarray, colour: np.ndarray) -> None:
-    """Alpha-blend ``colour`` (3,) into ``image`` (SIZE, SIZE, 3) float32 where ``coverage`` is set."""
-    image += coverage[..., None] * (colour - image)
 
 
 class _Draws:
@@ -86,7 +57,7 @@ class _Draws:
 
 
 def _render(d: _Draws, noise: np.ndarray, glyph: np.ndarray) -> np.ndarray:
-    """One (SIZE, SIZE, 3) uint8 image of ``glyph`` ((10, 10), see :func:`_coverage`) drawn 4-6
+    """One (SIZE, SIZE, 3) uint8 image of ``glyph`` ((10, 10), see :func:`.digits.coverage`) drawn 4-6
     times; ``noise`` is (SIZE, SIZE, 3) U(0, 1). Colours are in 0..255, positions and lengths in
     canvas px.
     """
@@ -105,7 +76,7 @@ def _render(d: _Draws, noise: np.ndarray, glyph: np.ndarray) -> np.ndarray:
             if boxes:  # no room left: fewer copies
                 continue
         boxes.append((cx, cy, half_w, half_h))
-        _blend(image, _coverage(glyph, cx, cy, height, aspect, angle), _INK)
+        blend(image, coverage(glyph, cx, cy, height, aspect, angle, SIZE), _INK)
     # Sensor noise: uniform, zero-mean, standard deviation NOISE, independent per pixel and channel.
     image += (noise - 0.5) * np.float32(NOISE * 12**0.5)
     return np.rint(image.clip(0, 255)).astype(np.uint8)
@@ -139,8 +110,6 @@ def _png(image: np.ndarray) -> bytes:
 def _generate(seed: int) -> datasets.DatasetDict:
     import datasets
 
-    from common.data import digits_dataset
-
     source = digits_dataset()
     splits = {}
     for split, ds in source.items():
@@ -156,28 +125,11 @@ def digits_ssl_dataset(seed: int = 0) -> datasets.DatasetDict:
     and ``test`` (1,080), columns ``image`` (RGB, 32x32) and ``label`` (``ClassLabel`` '0'..'9').
     ``seed`` changes the drawings, never which source digits go to which split.
 
-    Cached in ``$CV_RECIPES_CACHE`` (default ``~/.cache/cv-recipes``) as ``digits_ssl-v3-seed<seed>``,
-    written to a temporary folder and renamed: a concurrent process sees no cache or a complete
-    one, and of two racing processes the first rename wins.
+    Cached in ``$CV_RECIPES_CACHE`` (default ``~/.cache/cv-recipes``) as ``digits_ssl-v3-seed<seed>``
+    (:func:`.cache.cached_folder`).
     """
     import datasets
 
-    root = Path(os.environ.get("CV_RECIPES_CACHE") or Path.home() / ".cache" / "cv-recipes")
-    cache = root / f"digits_ssl-{VERSION}-seed{seed}"
-    if (cache / "dataset_dict.json").exists():
-        return datasets.load_from_disk(str(cache))
-    data = _generate(seed)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}-", dir=root))
-    except OSError:  # a read-only cache location costs a regeneration next time, nothing more
-        return data
-    try:
-        data.save_to_disk(str(tmp))
-        tmp.rename(cache)
-    except OSError:
-        if not (cache / "dataset_dict.json").exists():  # not another process's win: a real failure
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return datasets.load_from_disk(str(cache))
+    folder = cached_folder(f"digits_ssl-{VERSION}-seed{seed}", "dataset_dict.json",
+                           lambda tmp: _generate(seed).save_to_disk(str(tmp)))
+    return datasets.load_from_disk(str(folder))

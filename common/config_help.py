@@ -1,0 +1,169 @@
+"""``--help`` for a recipe's ``Config``: every field's description, read from the comments in the
+Config source, so the comments are the one place the text lives (:func:`field_docs`)::
+
+    # data                                          <- a comment line above a documented field: a group heading
+    img_size: int = 32  # resolution, pixels        <- the trailing comment: the field's description
+    hflip: float = 0.0  # 0.5 for natural images;   <- a long one goes on under the field,
+        # digits must not be mirrored               <- as comment lines indented deeper than the field
+    # the comment lines right above a field with no trailing comment: its description
+    label_column: str = ""
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import io
+import sys
+import textwrap
+import tokenize
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HELP_WIDTH = 100  # columns of --help; descriptions wrap below their flag, indented
+
+
+def show(value: Any) -> str:
+    """A value as a user types it in a flag or a YAML file: ``''``, ``true``, ``none``, ``[0.5, 1.0]``."""
+    if isinstance(value, str):
+        return value if value and value.strip() == value and "\n" not in value else repr(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple, dict)):
+        plain = list(value) if isinstance(value, tuple) else value
+        return yaml.safe_dump(plain, default_flow_style=True, width=10**6, sort_keys=False).strip()
+    return repr(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldDoc:
+    description: str  # the trailing comment and its continuation lines, or the comment lines above
+    heading: str  # the group this field starts (a comment line above a documented field), else ""
+
+
+def _class_docs(cls: type) -> dict[str, FieldDoc]:
+    """Field name -> FieldDoc for the fields written in ``cls``'s own source (not its bases')."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (OSError, TypeError, tokenize.TokenError, IndentationError):
+        return {}  # no source (an interactive session, a frozen program): help without descriptions
+    comments: dict[int, tuple[int, str]] = {}  # row -> (column, text) of every comment
+    code_rows: set[int] = set()  # rows holding anything but a comment
+    fields: list[tuple[str, int, int]] = []  # (name, first row, last row) of each annotated assignment
+    depth, body_col = 0, -1  # nesting (the class body is 1) and the class body's indentation
+    statement: tuple[str, int] | None = None  # the field being read: (name, first row)
+    at_start = True  # the next token begins a logical line
+    for i, tok in enumerate(tokens):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip())
+        elif tok.type in (tokenize.INDENT, tokenize.DEDENT):
+            depth += 1 if tok.type == tokenize.INDENT else -1
+        elif tok.type == tokenize.NEWLINE:
+            if statement is not None:
+                fields.append((*statement, tok.start[0]))
+            statement, at_start = None, True
+        elif tok.type not in (tokenize.NL, tokenize.ENDMARKER):
+            code_rows.update(range(tok.start[0], tok.end[0] + 1))
+            if at_start and depth == 1:  # a statement of the class body: `name: type ...` is a field
+                body_col = tok.start[1] if body_col < 0 else body_col
+                if tok.type == tokenize.NAME and i + 1 < len(tokens) and tokens[i + 1].string == ":":
+                    statement = (tok.string, tok.start[0])
+            at_start = False
+
+    def comment_only(row: int) -> bool:
+        return row in comments and row not in code_rows
+
+    docs: dict[str, FieldDoc] = {}
+    for name, first, last in fields:
+        trailing = [comments[r][1] for r in range(first, last + 1) if r in comments]
+        row = last + 1  # continuation: comment lines right below, indented deeper than the field
+        while comment_only(row) and comments[row][0] > body_col:
+            trailing.append(comments[row][1])
+            row += 1
+        above: list[str] = []  # comment lines right above, at the field's indentation
+        row = first - 1
+        while comment_only(row) and comments[row][0] <= body_col:
+            above.insert(0, comments[row][1])
+            row -= 1
+        text = " ".join(t for t in trailing if t)
+        if text:
+            docs[name] = FieldDoc(text, " ".join(a for a in above if a))
+        else:
+            docs[name] = FieldDoc(" ".join(a for a in above if a), "")
+    return docs
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, FieldDoc]:
+    """Field name -> FieldDoc (description and group heading), from the comments in the source of
+    ``cls`` and of the dataclasses it derives from; a field without a comment has an empty description."""
+    docs: dict[str, FieldDoc] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_class_docs(klass))
+    return {f.name: docs.get(f.name, FieldDoc("", "")) for f in dataclasses.fields(cls)}
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        kinds = {type(a).__name__ for a in args}
+        return kinds.pop() if len(kinds) == 1 else "choice"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("none" if a is type(None) else _type_name(a) for a in args)
+    if origin is not None:
+        inner = ", ".join(_type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if inner else origin.__name__
+    return getattr(hint, "__name__", str(hint))
+
+
+def field_choices(f: dataclasses.Field, hint: Any) -> str:
+    """What ``--help`` prints after ``choices:`` for a field with a fixed set of values, else ""."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is typing.Literal:
+        return ", ".join(show(a) for a in typing.get_args(hint))
+    choices = f.metadata.get("choices")
+    if callable(choices):  # a run-time set: say where it comes from rather than list it
+        doc = (inspect.getdoc(choices) or "").split("\n")[0].rstrip(".")
+        return doc or f"the names {getattr(choices, '__name__', 'its choices')}() lists"
+    return ", ".join(show(a) for a in choices) if choices is not None else ""
+
+
+def usage(cls: type) -> str:
+    """``--help``: the recipe's first docstring line, the usage line, then every field by group:
+    ``--name TYPE (default: X)`` with its description (and ``choices:``) wrapped below it."""
+    module = sys.modules.get(cls.__module__)
+    script = Path(getattr(module, "__file__", None) or sys.argv[0]).name
+    summary = (inspect.getdoc(module) or "").strip().split("\n")[0] if module is not None else ""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    wrap = functools.partial(textwrap.fill, width=HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                             break_on_hyphens=False, break_long_words=False)
+    lines = [summary, ""] if summary else []
+    lines += [f"usage: {script} [--config FILE.yaml] [--FIELD VALUE ...]", "",
+              "Every field is a flag and a key of the YAML file; flags win over the file. Lists: --scale 0.5,1.0",
+              "or --scale '[0.5, 1.0]'; mappings: --model_kwargs '{depth: 4}'; a bool flag alone means true.", ""]
+    for f in dataclasses.fields(cls):
+        doc = docs[f.name]
+        if doc.heading:
+            lines += [""] if lines[-1] else []
+            lines.append(textwrap.fill(doc.heading if ":" in doc.heading else f"{doc.heading}:", HELP_WIDTH))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"  --{f.name} {_type_name(hints[f.name])} (default: {show(default)})")
+        if doc.description:
+            lines.append(wrap(doc.description))
+        choices = field_choices(f, hints[f.name])
+        if choices:
+            lines.append(wrap(f"choices: {choices}"))
+    return "\n".join(lines)
+
+

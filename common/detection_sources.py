@@ -1,0 +1,184 @@
+"""Detection sources read into one normalised schema: COCO-json folders (the COCO and the Roboflow
+layout) and tables with an ``objects`` column (hub datasets such as cppe-5, ``save_to_disk`` folders,
+local copies of hub repositories). :func:`common.detection.load_detection` picks the reader.
+
+The normalised schema of every split, a ``datasets.Dataset``::
+
+    image     datasets.Image(decode=False)   bytes or a path; decoded in DataLoader workers
+    image_id  int64                          unique within a split (COCO evaluation keys on it)
+    width     int32, height int32            of the original image, pixels
+    objects   {bbox:     [[x, y, w, h], ...] COCO boxes in original pixels (float64)
+               category: [c, ...]            class index 0..C-1 (int64)
+               area:     [a, ...]            COCO area (the mask's area where the json has one), px^2
+               iscrowd:  [0 or 1, ...]}      crowd regions: never a training target, ignored by COCO eval
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from PIL import Image
+
+from common import UserError
+
+if TYPE_CHECKING:
+    import datasets
+
+
+def features() -> datasets.Features:
+    """The normalised schema of every detection split (the module docstring)."""
+    import datasets
+
+    return datasets.Features({
+        "image": datasets.Image(decode=False),
+        "image_id": datasets.Value("int64"),
+        "width": datasets.Value("int32"),
+        "height": datasets.Value("int32"),
+        "objects": {
+            "bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float64"), length=4)),
+            "category": datasets.Sequence(datasets.Value("int64")),
+            "area": datasets.Sequence(datasets.Value("float64")),
+            "iscrowd": datasets.Sequence(datasets.Value("int8")),
+        },
+    })
+
+
+def _image_size(value: dict[str, Any] | Image.Image, name: str) -> tuple[int, int]:
+    """(width, height) from an image's header, without decoding its pixels."""
+    if isinstance(value, Image.Image):
+        return value.size
+    try:
+        with Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as image:
+            return image.size
+    except Exception as e:
+        raise UserError(f"cannot read image '{value.get('path') or name}': {type(e).__name__}: {e}") from None
+
+
+def coco_splits(folder: Path) -> dict[str, tuple[Path, list[Path]]]:
+    """Split name -> (annotation json, folders its images may be in) for both common layouts:
+    ``annotations/instances_<split>.json`` (COCO; images in ``<split>/``, ``<split>2017/``,
+    ``images/`` or relative to the folder) and ``<split>/_annotations.coco.json`` (Roboflow)."""
+    splits: dict[str, tuple[Path, list[Path]]] = {}
+    for path in sorted((folder / "annotations").glob("instances_*.json")):
+        name = path.stem[len("instances_"):]
+        base = re.sub(r"20\d\d$", "", name)  # instances_val2017.json also answers to 'val'
+        dirs = [folder / name, folder / f"{base}2017", folder / "images" / name, folder / "images", folder]
+        splits[name] = (path, list(dict.fromkeys(dirs)))
+        if base and base != name:
+            splits.setdefault(base, splits[name])
+    for path in sorted(folder.glob("*/_annotations.coco.json")):
+        splits.setdefault(path.parent.name, (path, [path.parent]))
+    return splits
+
+
+def load_coco_split(json_path: Path, image_dirs: list[Path], data: str) -> tuple[Any, list[str]]:
+    """One COCO-json split as a normalised ``datasets.Dataset`` and its class names (categories by id)."""
+    import datasets
+
+    try:
+        with open(json_path) as f:
+            coco = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"annotation file '{json_path}' could not be read: {type(e).__name__}: {e}") from None
+    if not isinstance(coco, dict) or not isinstance(coco.get("images"), list):
+        raise UserError(f"annotation file '{json_path}' has no 'images' list; is it a COCO detection file?")
+    categories = sorted(coco.get("categories") or [], key=lambda c: c["id"])
+    index = {c["id"]: i for i, c in enumerate(categories)}  # COCO category id -> contiguous class index
+    classes = [str(c.get("name", c["id"])) for c in categories]
+
+    images = coco["images"]
+    folder = next((d for d in image_dirs if images and (d / images[0]["file_name"]).exists()), None)
+    if images and folder is None:
+        where = ", ".join(f"'{d}'" for d in image_dirs)
+        raise UserError(f"image '{images[0]['file_name']}' of '{json_path}' is in none of {where}")
+    rows = {img["id"]: {"bbox": [], "category": [], "area": [], "iscrowd": []} for img in images}
+    for ann in coco.get("annotations") or []:
+        objects = rows.get(ann.get("image_id"))
+        if objects is None:
+            raise UserError(f"annotation {ann.get('id')} in '{json_path}' refers to image_id "
+                            f"{ann.get('image_id')}, which is not in its 'images'")
+        if ann.get("category_id") not in index:
+            raise UserError(f"annotation {ann.get('id')} in '{json_path}' has category_id "
+                            f"{ann.get('category_id')}, which is not in its 'categories'")
+        bbox = ann.get("bbox")
+        if not isinstance(bbox, list) or len(bbox) != 4:
+            raise UserError(f"annotation {ann.get('id')} in '{json_path}' has bbox {bbox!r}; expected [x, y, w, h]")
+        objects["bbox"].append([float(v) for v in bbox])
+        objects["category"].append(index[ann["category_id"]])
+        objects["area"].append(float(ann.get("area", bbox[2] * bbox[3])))
+        objects["iscrowd"].append(int(ann.get("iscrowd", 0)))
+
+    paths = [str(folder / img["file_name"]) for img in images] if folder else []
+    sizes = [(img["width"], img["height"]) if "width" in img and "height" in img
+             else _image_size({"path": p}, p) for img, p in zip(images, paths)]
+    table = {
+        "image": [{"path": p, "bytes": None} for p in paths],
+        "image_id": [img["id"] for img in images],
+        "width": [w for w, _ in sizes],
+        "height": [h for _, h in sizes],
+        "objects": list(rows.values()),
+    }
+    return datasets.Dataset.from_dict(table, features=features()), classes
+
+
+_BOX_KEYS = ("bbox", "bboxes", "boxes")
+_CATEGORY_KEYS = ("category", "categories", "category_id", "label", "labels", "class", "class_id")
+
+
+def normalise(ds: Any, data: str, split: str) -> tuple[Any, list[str] | None]:
+    """A dataset with an ``objects`` column (COCO xywh boxes in pixels, as cppe-5) in the normalised
+    schema, and its class names (from a ClassLabel, else None)."""
+    import datasets
+
+    columns = ds.features
+    objects_feature = columns.get("objects")
+    inner = objects_feature if isinstance(objects_feature, dict) else getattr(objects_feature, "feature", None)
+    if not isinstance(inner, dict):
+        raise UserError(f"split '{split}' of '{data}' has no 'objects' column (it has {list(columns)}); expected a "
+                        "COCO-json folder (annotations/instances_<split>.json or <split>/_annotations.coco.json) "
+                        "or a dataset whose 'objects' hold COCO [x, y, w, h] boxes and categories")
+    box_key = next((k for k in _BOX_KEYS if k in inner), None)
+    category_key = next((k for k in _CATEGORY_KEYS if k in inner), None)
+    if box_key is None or category_key is None:
+        raise UserError(f"the 'objects' of '{data}' have keys {list(inner)}; expected a box key "
+                        f"({'/'.join(_BOX_KEYS)}) and a category key ({'/'.join(_CATEGORY_KEYS)})")
+    image_column = next((k for k, f in columns.items() if isinstance(f, datasets.Image)), None)
+    if image_column is None:
+        raise UserError(f"split '{split}' of '{data}' has no image column (it has {list(columns)})")
+    category_feature = inner[category_key]
+    category_feature = getattr(category_feature, "feature", category_feature)  # inside a list, or not
+    names = list(category_feature.names) if isinstance(category_feature, datasets.ClassLabel) else None
+
+    images = ds.select_columns([image_column]).cast_column(image_column, datasets.Image(decode=False))
+    meta = ds.select_columns([c for c in ("image_id", "width", "height", "objects") if c in columns])[:]
+    table: dict[str, list] = {"image_id": meta.get("image_id") or list(range(len(ds))), "width": [], "height": [],
+                              "objects": []}
+    for i, objects in enumerate(meta["objects"]):
+        if isinstance(objects, list):  # a list of per-object dicts rather than a dict of lists
+            objects = {k: [o[k] for o in objects] for k in inner}
+        boxes = [[float(v) for v in box] for box in objects[box_key]]
+        if any(len(box) != 4 for box in boxes):
+            raise UserError(f"row {i} of split '{split}' of '{data}' has a box that is not [x, y, w, h]")
+        table["objects"].append({
+            "bbox": boxes,
+            "category": [int(c) for c in objects[category_key]],
+            "area": [float(a) for a in objects["area"]] if "area" in objects else [b[2] * b[3] for b in boxes],
+            "iscrowd": [int(c) for c in objects["iscrowd"]] if "iscrowd" in objects else [0] * len(boxes),
+        })
+    if "width" in meta and "height" in meta:
+        table["width"], table["height"] = meta["width"], meta["height"]
+    else:  # read each image's header: slower, but needed only once per load
+        for i, value in enumerate(images[image_column]):
+            w, h = _image_size(value, f"row {i} of split '{split}' of '{data}'")
+            table["width"].append(w)
+            table["height"].append(h)
+    schema = features()
+    meta_features = datasets.Features({k: v for k, v in schema.items() if k != "image"})
+    meta_ds = datasets.Dataset.from_dict(table, features=meta_features)
+    if image_column != "image":
+        images = images.rename_column(image_column, "image")
+    return datasets.concatenate_datasets([images, meta_ds], axis=1), names

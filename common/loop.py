@@ -1,0 +1,193 @@
+"""The training loop's bookkeeping, shared by every recipe: epochs, the mid-epoch resume skip, the
+checkpoint cadence, stop requests, meters and the progress bar, and the best metric so far.
+
+A recipe's loop then shows only its method::
+
+    loop = Loop(run, train_loader, total_steps)       # after run.resume(): continues where it stopped
+    for epoch in loop.epochs():                        # checkpoints the epoch's end after its body
+        model.train()
+        for batch in loop.batches():                   # skips what a resumed checkpoint already saw
+            ...forward, loss terms, backward, clip, optimizer.step()...
+            if not loop.optimizer_stepped():           # still accumulating gradients
+                continue
+            ...schedules, EMA; every log_every steps: loop.log_train(lr=...)
+        if loop.eval_due():
+            ...evaluate; if loop.improved("map_50", value): save best weights
+    if loop.stopped:                                   # SIGTERM/SIGINT: checkpoint saved, run ended
+        return
+
+Between two optimizer steps (when the loop asks for the next batch, so after the recipe's EMA update
+and logging) the iterator checks for a stop request on every process and saves a checkpoint every
+``cfg.checkpoint_every`` steps. Each checkpoint records the position (epoch, batches consumed in it)
+and ``extra`` (the best metrics, recipe values), so ``--resume auto`` continues with exactly the
+batches, augmentations and random numbers the uninterrupted run would have used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Iterator
+
+from common.meters import Meters, format_seconds, prefixed
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Where the loop is; saved next to each checkpoint as ``train_state.json``.
+
+    ``step`` counts optimizer steps; ``batches_in_epoch`` counts the (micro-)batches of ``epoch``
+    already consumed, so a resumed run skips exactly those. ``extra`` holds JSON values that must
+    survive a restart (``best/<metric>``, recipe values such as DINO's step-0 baselines).
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def steps_total(epochs: int, steps_per_epoch: Any, max_steps: int = 0) -> int:
+    """Optimizer steps in the whole run: ``steps_per_epoch`` (an int, or a function of the epoch)
+    summed over epochs, capped by ``max_steps`` (0 = no cap)."""
+    per_epoch = steps_per_epoch if callable(steps_per_epoch) else (lambda e: steps_per_epoch)
+    total = sum(per_epoch(e) for e in range(epochs))
+    return min(total, max_steps) if max_steps > 0 else total
+
+
+class Loop:
+    """Epochs and batches of one training run (see the module docstring for the loop it serves).
+
+    ``train_loader`` is the prepared loader; its batch sampler must have ``set_epoch`` (as
+    :class:`common.data.EpochBatchSampler`). ``total_steps`` is the run's optimizer-step count
+    (:func:`steps_total`). The state to continue from is read from ``run.resume()`` here.
+    """
+
+    def __init__(self, run: Any, train_loader: Any, total_steps: int) -> None:
+        self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
+        self.train_loader, self.total_steps = train_loader, total_steps
+        self.start = run.resume()
+        self.step, self.epoch, self.batches_done = self.start.step, self.start.epoch, self.start.batches_in_epoch
+        self.extra: dict[str, Any] = dict(self.start.extra)
+        self.stopped = False
+        self.meters = Meters(self.accelerator.device)
+        self._epoch_done = False
+        self._stepped = False
+        from tqdm.auto import tqdm
+
+        self.progress = tqdm(total=total_steps, initial=self.step, desc=run.recipe, dynamic_ncols=True,
+                             disable=not self.accelerator.is_main_process)
+
+    def state(self) -> TrainState:
+        return TrainState(self.step, self.epoch, self.batches_done, dict(self.extra))
+
+    # -- epochs ----------------------------------------------------------------------------------
+    def epochs(self) -> Iterator[int]:
+        """The epochs left to train. After each epoch's body (its evaluation included) the position is
+        checkpointed: a finished epoch as the start of the next (every ``checkpoint_every`` steps, and
+        always after the last), a last epoch cut short by ``max_steps`` as where it stopped."""
+        for epoch in range(self.start.epoch, self.cfg.epochs):
+            if self.step >= self.total_steps:
+                break
+            self.epoch, self._epoch_done = epoch, False
+            if epoch != self.start.epoch:
+                self.batches_done = 0
+            # Accelerate's loader re-applies its own epoch counter to the sampler whenever it starts
+            # iterating; a resumed run's counter starts at 0, so both are set to the true epoch here.
+            if hasattr(self.train_loader, "set_epoch"):
+                self.train_loader.set_epoch(epoch)
+            sampler = self.train_loader.batch_sampler
+            for candidate in (sampler, getattr(sampler, "batch_sampler", None), getattr(sampler, "sampler", None)):
+                if hasattr(candidate, "set_epoch"):
+                    candidate.set_epoch(epoch)
+            yield epoch
+            if self.stopped:
+                return
+            if self._epoch_done and (self.step % self.cfg.checkpoint_every == 0 or self.last_epoch):
+                self.run.save_checkpoint(TrainState(self.step, epoch + 1, 0, dict(self.extra)))
+            elif self.last_epoch:
+                self.run.save_checkpoint(self.state())
+        self.progress.close()
+
+    @property
+    def last_epoch(self) -> bool:
+        return self.epoch + 1 >= self.cfg.epochs or self.step >= self.total_steps
+
+    def eval_due(self) -> bool:
+        """Whether the epoch just trained is evaluated: every ``eval_every`` epochs and after the last
+        (never after a stop request: the run ends at once)."""
+        return not self.stopped and ((self.epoch + 1) % self.cfg.eval_every == 0 or self.last_epoch)
+
+    # -- batches ---------------------------------------------------------------------------------
+    def batches(self) -> Iterator[Any]:
+        """This epoch's batches, from where a resumed checkpoint left off. Between optimizer steps:
+        the stop check (every process agrees) and the checkpoint cadence; ends at ``total_steps``."""
+        skip = self.batches_done
+        loader = self.accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
+        length = len(self.train_loader)
+        iterator = iter(loader)
+        while True:
+            tick = time.perf_counter()
+            batch = next(iterator, None)
+            if batch is None:
+                self._epoch_done = True
+                return
+            self.meters.data_time(time.perf_counter() - tick)
+            self._stepped = False
+            yield batch
+            self.batches_done += 1
+            if not self._stepped:
+                continue
+            last_batch = self.batches_done == length
+            stopping = self.run.should_stop()
+            # An epoch's last batch is checkpointed by epochs(), after the evaluation.
+            if stopping or (self.step % self.cfg.checkpoint_every == 0 and not last_batch):
+                self.run.save_checkpoint(self.state())
+            if stopping:
+                self.stopped = True
+                self.progress.close()
+                self.run.stopped(self.step)
+                return
+            if self.step >= self.total_steps:
+                self._epoch_done = last_batch
+                return
+
+    def optimizer_stepped(self) -> bool:
+        """Call once per batch, after ``optimizer.step()``: whether this batch completed an optimizer
+        step (Accelerate's ``sync_gradients``; False while gradients accumulate). If so it counts it
+        in ``step``, the meters and the progress bar."""
+        if not self.accelerator.sync_gradients:
+            return False
+        self._stepped = True
+        self.step += 1
+        self.meters.step()
+        self.progress.update(1)
+        return True
+
+    # -- logging and the best metric ---------------------------------------------------------------
+    def log_train(self, **values: float) -> dict[str, float]:
+        """The interval's meter means (one all-reduce, one host sync) and ``values`` (host floats such
+        as the learning rate), under ``train/``, to metrics.jsonl and the trackers; raises if a loss
+        went non-finite since the last check. Returns the logged means."""
+        means = self.meters.summary(self.accelerator, steps_left=self.total_steps - self.step)
+        self.run.guard.check(self.accelerator, self.run.last_checkpoint)
+        means.update({k: float(v) for k, v in values.items()})
+        self.run.log({**prefixed(means, "train"), "epoch": self.epoch}, self.step, echo=False)
+        self.run.print(f"epoch {self.epoch} step {self.step}/{self.total_steps}  loss {means.get('loss', math.nan):.4g}"
+                       + (f"  lr {means['lr']:.3g}" if "lr" in means else "")
+                       + f"  {means['images_per_s']:.0f} img/s  eta {format_seconds(means.get('eta_s', 0.0))}")
+        return means
+
+    def improved(self, metric: str, value: float) -> bool:
+        """Record an evaluation's ``value`` of ``metric`` (higher is better). True when it beats every
+        earlier evaluation of the run (a tie does not); the best is kept as ``extra['best/<metric>']``
+        and survives resume."""
+        key = f"best/{metric}"
+        if value > self.extra.get(key, -math.inf):
+            self.extra[key] = value
+            return True
+        return False
+
+    def best(self, metric: str) -> float:
+        return self.extra.get(f"best/{metric}", math.nan)

@@ -1,0 +1,75 @@
+"""Models and weights shared by the recipes: timm models by name, SyncBatchNorm, safetensors weights.
+
+Every weights file a recipe writes has the same metadata schema (all values strings, as
+safetensors requires): ``recipe`` (the script's name), ``config`` (the resolved config as JSON:
+enough to rebuild the model with the recipe's own ``create_model``) and ``classes`` (JSON list of
+class names, index = the model's class index). :func:`read_metadata` returns them decoded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from common import UserError
+from common.config import to_dict
+
+
+def create_timm_model(name: str, optional: dict[str, Any] | None = None, also: str = "", **kwargs: Any) -> nn.Module:
+    """``timm.create_model(name, **optional, **kwargs)``; where the model family does not take the
+    ``optional`` arguments (``img_size`` for a convnet, say), again without them. An unknown name is
+    one :class:`UserError` line instead of timm's traceback (``also`` names what else the recipe
+    accepts)."""
+    import timm
+
+    try:
+        if optional:
+            try:
+                return timm.create_model(name, **optional, **kwargs)
+            except TypeError:
+                pass
+        return timm.create_model(name, **kwargs)
+    except RuntimeError as e:
+        if "nknown model" in str(e) or "nvalid model" in str(e):
+            raise UserError(f"unknown timm model '{name}'; see timm.list_models(){also}") from None
+        raise
+
+
+def sync_batchnorm(model: nn.Module, accelerator: Any) -> nn.Module:
+    """With several CUDA processes, batch norm statistics over the global batch (SyncBatchNorm);
+    otherwise the model unchanged. Frozen batch norm layers are not BatchNorm and stay as they are."""
+    if accelerator.num_processes > 1 and accelerator.device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return model
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, cfg: Any, classes: Sequence[str] = (),
+                 recipe: str = "") -> None:
+    """Write ``state_dict`` as safetensors with the metadata schema of the module docstring; written
+    to a temporary file and renamed, so a kill never leaves half a file. Call on the main process."""
+    import safetensors.torch
+
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    meta = {"recipe": recipe, "config": json.dumps(to_dict(cfg)), "classes": json.dumps(list(classes))}
+    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of a weights file written by :func:`save_weights`: ``recipe`` (str), ``config``
+    (dict) and ``classes`` (list); an unreadable file is one :class:`UserError`."""
+    import safetensors
+
+    try:
+        with safetensors.safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:
+        raise UserError(f"weights '{path}' could not be read: {type(e).__name__}: {e}") from None
+    return {"recipe": meta.get("recipe", ""), "config": json.loads(meta.get("config", "{}")),
+            "classes": json.loads(meta.get("classes", "[]"))}

@@ -1,0 +1,110 @@
+"""Exact resume in every recipe, through the entry point, from a checkpoint in a later epoch.
+
+Each case runs a recipe uninterrupted with evaluations after every epoch and a checkpoint in the
+middle of epoch 1 (after epoch 0's evaluation). A second folder is then made to look exactly like a
+run killed right after that checkpoint (the checkpoint and the metrics written so far; what a
+``kill -9`` leaves), and ``--resume auto`` continues it. Final weights must be identical and every
+learned quantity logged after the checkpoint equal. The classifier's test file kills a real process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+from PIL import Image, ImageDraw
+
+from conftest import check, run_recipe
+
+# Wall-clock meters differ between any two runs; everything else logged must not.
+TIMING = ("images_per_s", "data_wait", "s_per_step", "eta_s")
+
+
+@pytest.fixture(scope="module")
+def coco_folder(tmp_path_factory) -> Path:
+    """A small COCO-json folder as a user would write it: 64x48 images with 1-3 filled rectangles
+    whose colour gives the class, category ids 3, 7 and 11 (not 0..C-1), 40 train and 12 val images."""
+    root = tmp_path_factory.mktemp("coco")
+    rng = np.random.default_rng(0)
+    colours = {3: (230, 60, 60), 7: (60, 230, 60), 11: (80, 80, 240)}
+    for split, count in (("train", 40), ("val", 12)):
+        (root / split).mkdir()
+        images, annotations = [], []
+        for i in range(1, count + 1):
+            image = Image.new("RGB", (64, 48), tuple(int(v) for v in rng.integers(0, 60, 3)))
+            draw = ImageDraw.Draw(image)
+            for _ in range(int(rng.integers(1, 4))):
+                w, h = int(rng.integers(8, 24)), int(rng.integers(8, 20))
+                x, y = int(rng.integers(0, 64 - w)), int(rng.integers(0, 48 - h))
+                category = int(rng.choice(list(colours)))
+                draw.rectangle((x, y, x + w - 1, y + h - 1), fill=colours[category])
+                annotations.append({"id": len(annotations) + 1, "image_id": i, "category_id": category,
+                                    "bbox": [x, y, w, h], "area": w * h, "iscrowd": 0})
+            image.save(root / split / f"{i:04d}.png")
+            images.append({"id": i, "file_name": f"{i:04d}.png", "width": 64, "height": 48})
+        (root / "annotations").mkdir(exist_ok=True)
+        categories = [{"id": c, "name": f"box{c}"} for c in colours]
+        (root / "annotations" / f"instances_{split}.json").write_text(
+            json.dumps({"images": images, "annotations": annotations, "categories": categories}))
+    return root
+
+
+# Per recipe: arguments giving short epochs, an evaluation after each, a checkpoint at step CUT in
+# epoch 1, and the method's randomness switched on (dropout, mosaic, crops, multi-scale, sampling).
+COMMON = ["--report_to", "none", "--eval_every", "1", "--keep_checkpoints", "5", "--log_every", "1"]
+CASES = {
+    # digits: 1437 training images, 11 batches of 128 per epoch; the checkpoint at step 14 is batch 3 of epoch 1
+    "dino": (14, ["--data", "digits", "--batch_size", "128", "--local_crops", "2", "--num_workers", "1",
+                  "--knn_train_limit", "200", "--attention_images", "0", "--model", "vit_tiny_patch16_224",
+                  "--model_kwargs", "{patch_size: 4, embed_dim: 48, depth: 2, num_heads: 3}", "--head_use_bn", "false",
+                  "--out_dim", "256", "--max_steps", "16", "--checkpoint_every", "7"]),
+    # the COCO folder: 40 images, 5 batches of 8 per epoch; the checkpoint at step 7 is batch 2 of epoch 1
+    "yolo": (7, ["--batch_size", "8", "--img_size", "64", "--multiscale", "[32, 64]", "--multiscale_every", "2",
+                 "--mosaic", "0.5", "--mixup", "0.5", "--no_aug_epochs", "0", "--epochs", "3", "--export", "false",
+                 "--plot_images", "1", "--num_workers", "1", "--max_steps", "9", "--checkpoint_every", "7"]),
+    "detr": (7, ["--batch_size", "8", "--scales", "[48, 64]", "--max_size", "96", "--crop", "0.5",
+                 "--crop_resize", "[40, 48]", "--crop_size", "[32, 48]", "--pretrain_crops_epochs", "0",
+                 "--plot_images", "1", "--num_workers", "1", "--max_steps", "9", "--checkpoint_every", "7"]),
+    "faster_rcnn": (7, ["--batch_size", "8", "--min_size", "[40, 48]", "--max_size", "96", "--plot_images", "1",
+                        "--num_workers", "1", "--max_steps", "9", "--checkpoint_every", "7"]),
+}
+
+
+def _learned(run: Path, after: int) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k.split("/")[-1] not in TIMING} for r in rows if r["step"] > after]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(CASES))
+def test_resume_in_a_later_epoch_ends_with_the_uninterrupted_weights(recipe, coco_folder, tmp_path):
+    cut, args = CASES[recipe]
+    args = COMMON + args + ([] if recipe == "dino" else ["--data", str(coco_folder)])
+    full, part = tmp_path / "full", tmp_path / "part"
+    check(run_recipe(recipe, args + ["--output_dir", str(full)]))
+    checkpoint = full / "checkpoints" / f"step_{cut:08d}"
+    state = json.loads((checkpoint / "train_state.json").read_text())
+    assert state["epoch"] == 1 and state["batches_in_epoch"] > 0, state  # mid-epoch, after an evaluation
+    evaluations = [r for r in _learned(full, 0) if any(k.startswith(("eval/", "knn/")) for k in r)]
+    assert any(0 < r["step"] < cut for r in evaluations), "no evaluation before the checkpoint"
+
+    # What a kill right after that checkpoint leaves: the checkpoint and the metrics logged so far.
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(checkpoint, part / "checkpoints" / checkpoint.name)
+    shutil.copy(full / "config.yaml", part / "config.yaml")
+    kept = [line for line in (full / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= cut]
+    (part / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    resumed = check(run_recipe(recipe, args + ["--output_dir", str(part), "--resume", "auto"]))
+    assert f"resumed from {part / 'checkpoints' / checkpoint.name}" in resumed.stdout
+
+    name = "teacher_backbone.safetensors" if recipe == "dino" else "final.safetensors"
+    a, b = (safetensors.torch.load_file(str(run / name)) for run in (full, part))
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not (a[k] == b[k]).all()]
+    assert not differ, f"{len(differ)} of {len(a)} tensors differ after resume, e.g. {differ[:3]}"
+    after_full, after_part = _learned(full, cut), _learned(part, cut)
+    assert after_full == after_part and len(after_full) >= 2
