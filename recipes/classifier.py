@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.bn_momentum_end > 0 and (cfg.bn_momentum <= 0 or cfg.compile):
         raise UserError("bn_momentum_end needs bn_momentum > 0, and cannot be combined with compile "
                         "(each new momentum value would force torch.compile to recompile)")
-    run = Run(cfg, "classifier")
+    run = Run(cfg, "classifier")  # the run folder, then the Accelerator and the seeds (common/run.py)
     accelerator = run.accelerator
 
     # ---- data ------------------------------------------------------------------------------
@@ -334,16 +334,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if improved:
                 weights = accelerator.get_state_dict(model) if which == "raw" else ema.module.state_dict()
                 if accelerator.is_main_process:
-                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, "classifier")
+                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe)
     if loop.stopped:
         return results
 
     # ---- saving ---------------------------------------------------------------------------------
     final = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_weights(final, run.dir / "final.safetensors", cfg, data.classes, "classifier")
+        save_weights(final, run.dir / "final.safetensors", cfg, data.classes, run.recipe)
         if ema is not None:
-            save_weights(ema.module.state_dict(), run.dir / "final_ema.safetensors", cfg, data.classes, "classifier")
+            save_weights(ema.module.state_dict(), run.dir / "final_ema.safetensors", cfg, data.classes, run.recipe)
         run.print(f"done: best top-1 {loop.best('top1'):.2f} %, weights in {run.dir}")
     run.finish()
     return results

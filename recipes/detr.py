@@ -700,7 +700,7 @@ def check_config(cfg: Config) -> None:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     check_config(cfg)
-    run = Run(cfg, "detr")
+    run = Run(cfg, "detr")  # the run folder, then the Accelerator and the seeds (common/run.py)
     accelerator = run.accelerator
 
     # ---- data ------------------------------------------------------------------------------
@@ -725,6 +725,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             pretrain_backbone(cfg, backbone, data, run)
     model = create_model(cfg, num_classes, backbone)
     criterion = create_criterion(cfg, num_classes).to(accelerator.device)
+    weight_dict = criterion.weight_dict  # the total loss: sum of weight x term (auxiliary layers' terms too)
     model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch
 
     # ---- optimizer and schedules (AdamW; the backbone at lr_backbone, weight decay on everything) ----
@@ -774,14 +775,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 with accelerator.autocast():
                     outputs = model(images, mask)
                 losses = criterion(outputs, targets)  # fp32: the matcher and losses cast the outputs
-                loss = sum(losses[k] * w for k, w in criterion.weight_dict.items())
+                loss = sum(losses[k] * w for k, w in weight_dict.items())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip_grad > 0:
                     meters.update(grad_norm=accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(loop.step + 1, {"loss": loss, **{k: losses[k] for k in criterion.weight_dict}})
+            run.guard.observe(loop.step + 1, {"loss": loss, **{k: losses[k] for k in weight_dict}})
             meters.update(n=len(images), loss=loss, **losses)
             meters.images(len(images), boxes=sum(len(t["boxes"]) for t in targets),  # shapes: no device sync
                           dropped_boxes=sum(t["dropped"] for t in targets))
@@ -799,14 +800,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             plot(loop.step)
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
-                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, "detr")
+                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe)
     if loop.stopped:
         return results
 
     # ---- saving -----------------------------------------------------------------------------------
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, "detr")
+        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe)
         run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {loop.best('map_50'):.3f}), "
                   f"weights in {run.dir}")
     run.finish()

@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     if cfg.local_crops < 0 or cfg.global_size < cfg.local_size:
         raise UserError("need local_crops >= 0 and global_size >= local_size")
-    run = Run(cfg, "dino")
+    run = Run(cfg, "dino")  # the run folder, then the Accelerator and the seeds (common/run.py)
     accelerator = run.accelerator
 
     # ---- data ------------------------------------------------------------------------------
@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- saving: the teacher backbone, for recipes/classifier.py --init_weights ----------------
     if accelerator.is_main_process:
         path = run.dir / "teacher_backbone.safetensors"
-        save_weights(teacher.backbone.state_dict(), path, cfg, recipe="dino")
+        save_weights(teacher.backbone.state_dict(), path, cfg, recipe=run.recipe)
         summary = ", ".join(f"{k.split('/')[-1]} {v:.1f} %" for k, v in results.items() if k.startswith("knn/"))
         run.print(f"done: kNN top-1 {summary}; teacher backbone in {path}")
     run.finish()

@@ -401,7 +401,7 @@ def check_config(cfg: Config) -> None:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     check_config(cfg)
-    run = Run(cfg, "faster_rcnn")
+    run = Run(cfg, "faster_rcnn")  # the run folder, then the Accelerator and the seeds (common/run.py)
     accelerator = run.accelerator
 
     # ---- data ------------------------------------------------------------------------------
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(loop.step + 1, {"loss": loss, **losses})
+            run.guard.observe(loop.step + 1, {"loss": loss, **{k: losses[k] for k in weight_dict}})
             meters.update(n=len(images), loss=loss, **losses)
             meters.images(len(images), boxes=sum(len(t["boxes"]) for t in targets),  # shapes: no device sync
                           dropped_boxes=sum(t["dropped"] for t in targets))
@@ -487,14 +487,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             plot(loop.step)
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
-                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, "faster_rcnn")
+                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe)
     if loop.stopped:
         return results
 
     # ---- saving -----------------------------------------------------------------------------------
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, "faster_rcnn")
+        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe)
         run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {loop.best('map_50'):.3f}), "
                   f"weights in {run.dir}")
     run.finish()

@@ -66,8 +66,7 @@ from common.schedules import schedule, set_group_values, weight_decay_groups
 
 # YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they are at every input size.
 COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
-# The total loss is the weighted sum of the loss terms; GluonCV weighs its four YOLOv3 terms equally.
-LOSS_WEIGHTS = {"loss_obj": 1.0, "loss_center": 1.0, "loss_scale": 1.0, "loss_cls": 1.0}
+LOSS_TERMS = ("loss_obj", "loss_center", "loss_scale", "loss_cls")  # what yolo_loss returns
 
 
 # ============================================================================================
@@ -622,7 +621,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise UserError("anchors must be 3 x A [w, h] pairs in pixels (A per level), small to large (or empty: k-means)")
     if not cfg.anchors and cfg.anchors_per_level < 1:
         raise UserError(f"anchors_per_level must be at least 1, got {cfg.anchors_per_level}")
-    run = Run(cfg, "yolo")
+    run = Run(cfg, "yolo")  # the run folder, then the Accelerator and the seeds (common/run.py)
     accelerator = run.accelerator
 
     # ---- data ------------------------------------------------------------------------------
@@ -666,6 +665,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     lr_values = schedule(cfg.sched, cfg.lr, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_per_epoch),
                          cfg.warmup_lr, [m * steps_per_epoch for m in cfg.decay_milestones], cfg.decay_rate)
     sizes = cfg.multiscale or [cfg.img_size]
+    weight_dict = dict.fromkeys(LOSS_TERMS, 1.0)  # the total loss: sum of weight x term (GluonCV: all equal)
 
     def plot(step: int, net: nn.Module) -> None:
         """Ground truth (green) and predictions (red) on the first evaluation images, as one PNG."""
@@ -702,14 +702,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 with accelerator.autocast():
                     raw = model(images)  # [B, N, 5 + C]
                 losses = yolo_loss(unwrapped, raw, targets, size, size, cfg.ignore_iou, cfg.label_smoothing)
-                loss = sum(losses[k] * w for k, w in LOSS_WEIGHTS.items())
+                loss = sum(losses[k] * w for k, w in weight_dict.items())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip_grad > 0:
                     meters.update(grad_norm=accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(loop.step + 1, {"loss": loss, **losses})
+            run.guard.observe(loop.step + 1, {"loss": loss, **{k: losses[k] for k in weight_dict}})
             meters.update(n=len(images), loss=loss, **losses)
             meters.images(len(images), boxes=targets["num_boxes"], dropped_boxes=targets["dropped"])
             if not loop.optimizer_stepped():
@@ -730,14 +730,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if improved:
                 weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
                 if accelerator.is_main_process:
-                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, "yolo")
+                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe)
     if loop.stopped:
         return results
 
     # ---- saving and export ------------------------------------------------------------------------
     final = ema.module if ema is not None else unwrapped
     if accelerator.is_main_process:
-        save_weights(final.state_dict(), run.dir / "final.safetensors", cfg, data.classes, "yolo")
+        save_weights(final.state_dict(), run.dir / "final.safetensors", cfg, data.classes, run.recipe)
         if cfg.export:
             images = torch.stack([eval_set[i][0] for i in range(min(2, len(eval_set)))])
             diffs = export_and_check(final, images, run.dir)

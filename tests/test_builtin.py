@@ -6,7 +6,6 @@ cuts)."""
 from __future__ import annotations
 
 import io
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -45,7 +44,7 @@ def test_digits_has_hub_schema_and_fixed_split():
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
-    """One generation into a fresh cache, timed, with what each split's rendering got and made.
+    """One generation into a fresh cache, with what each split's rendering got and made.
 
     ``rendered[split]`` = (glyphs drawn from (N, 8, 8), images (M, 32, 32, 3), labels (M,)).
     """
@@ -60,10 +59,8 @@ def generated(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CV_RECIPES_CACHE", str(root))
         mp.setattr(digits_ssl, "render_split", recording)
-        start = time.perf_counter()
         data = digits_ssl.digits_ssl_dataset(seed=0)
-        seconds = time.perf_counter() - start
-    return SimpleNamespace(data=data, seconds=seconds, root=root, rendered=rendered)
+    return SimpleNamespace(data=data, root=root, rendered=rendered)
 
 
 def _png_bytes(ds) -> list[bytes]:
@@ -91,11 +88,6 @@ def test_ssl_schema_split_sizes_and_image_format(generated):
     assert [p.name for p in generated.root.iterdir()] == [f"digits_ssl-{digits_ssl.VERSION}-seed0"]  # renamed, no temp left
 
 
-def test_ssl_generation_takes_seconds(generated):
-    # About 5 s on 2 busy CPU cores; the bound leaves room for a loaded CI machine.
-    assert generated.seconds < 30, f"generation took {generated.seconds:.1f} s"
-
-
 def test_ssl_no_leakage_between_splits(generated):
     # render_split draws nothing but the glyphs it is given; each split's were exactly that split's digits.
     source = digits_dataset()
@@ -115,9 +107,9 @@ def test_ssl_deterministic_and_cached(generated, tmp_path, monkeypatch):
     other_seed = digits_ssl.render_split(glyphs, np.arange(4), 1, 1, "test")[0]
     assert not np.array_equal(other_seed, digits_ssl.render_split(glyphs, np.arange(4), 1, 0, "test")[0])
     monkeypatch.setenv("CV_RECIPES_CACHE", str(generated.root))
-    start = time.perf_counter()
+    monkeypatch.setattr(digits_ssl, "render_split", None)  # a cached set is read, never drawn again
     cached = digits_ssl.digits_ssl_dataset(seed=0)
-    assert time.perf_counter() - start < 5 and _png_bytes(cached["test"]) == _png_bytes(generated.data["test"])
+    assert _png_bytes(cached["test"]) == _png_bytes(generated.data["test"])
 
 
 def test_png_encoder_is_lossless():
@@ -164,7 +156,7 @@ def test_load_classification_finds_digits_ssl(generated, monkeypatch):
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def scenes(tmp_path_factory):
-    """One generation of digits_det into a fresh cache, timed, recording the glyphs each split drew."""
+    """One generation of digits_det into a fresh cache, recording the glyphs each split drew."""
     root = tmp_path_factory.mktemp("cache")
     render_scenes, rendered = digits_det.render_scenes, {}
 
@@ -175,11 +167,9 @@ def scenes(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CV_RECIPES_CACHE", str(root))
         mp.setattr(digits_det, "render_scenes", recording)
-        start = time.perf_counter()
         folder = digits_det.digits_det_folder()
-        seconds = time.perf_counter() - start
         data = load_detection("digits_det")
-    return SimpleNamespace(root=root, folder=folder, seconds=seconds, rendered=rendered, data=data)
+    return SimpleNamespace(root=root, folder=folder, rendered=rendered, data=data)
 
 
 @pytest.fixture
@@ -223,13 +213,11 @@ def test_digits_det_schema_sizes_and_boxes(scenes):
     assert np.bincount(labels, minlength=10).min() > 60  # every digit, roughly balanced
 
 
-def test_digits_det_generation_is_fast_and_cached(scenes, cache):
-    # About 12 s on 2 cores (rendering, PNG files, and importing scikit-learn); room for a loaded machine.
-    assert scenes.seconds < 40, f"generation took {scenes.seconds:.1f} s"
-    start = time.perf_counter()
+def test_digits_det_is_cached(scenes, cache, monkeypatch):
+    monkeypatch.setattr(digits_det, "render_scenes", None)  # a cached set is read, never drawn again
     assert digits_det.digits_det_folder() == scenes.folder
     data = load_detection("digits_det")
-    assert time.perf_counter() - start < 5 and list(data.eval["objects"]) == list(scenes.data.eval["objects"])
+    assert list(data.eval["objects"]) == list(scenes.data.eval["objects"])
 
 
 def test_digits_det_crops_are_every_box_cut_as_crop_box_cuts(scenes, cache):
