@@ -111,6 +111,20 @@ def run_recipe(recipe: str, args: list[str], nproc: int = 1, timeout: float = 60
                           capture_output=True, text=True, timeout=timeout)
 
 
+def error_line(capsys: pytest.CaptureFixture, main, args: list[str]) -> str:
+    """Run a recipe's ``main(args)`` in-process as its entry point does (``cli_main``): it must exit
+    with status 2 and print exactly one ``error:`` line; returns that line. In-process because a
+    subprocess per bad-input case costs seconds of imports."""
+    from common.run import cli_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(lambda: main(args))
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
     return proc

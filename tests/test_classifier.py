@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 from PIL import Image
 
-from conftest import ROOT, check, load_recipe, recipe_cmd, recipe_env, run_recipe
+from conftest import ROOT, check, error_line, load_recipe, recipe_cmd, recipe_env, run_recipe
 
 # A small transformer without batch norm: weights can be compared across batch splittings.
 TINY = ["--model", "test_vit", "--img_size", "32", "--report_to", "none", "--num_workers", "0",
@@ -220,31 +220,21 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     (["--bn_momentum_end", "0.01"], "error: bn_momentum_end needs bn_momentum > 0"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(capsys, tmp_path, args, message):
-    """In-process through the entry point's error handling (a subprocess per case would cost seconds
-    of imports; test_corrupted_image_is_named checks the same through a real process)."""
-    from common.run import cli_main
-
-    classifier = load_recipe("classifier")
-    with pytest.raises(SystemExit) as exit_info:
-        cli_main(lambda: classifier.main(["--report_to", "none", "--output_dir", str(tmp_path / "r"), *args]))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(message) and len(err.splitlines()) == 1, err
+    """In-process (test_corrupted_image_is_named checks the same through a real process)."""
+    line = error_line(capsys, load_recipe("classifier").main, ["--report_to", "none", "--output_dir", str(tmp_path / "r"), *args])
+    assert line.startswith(message), line
 
 
 def test_existing_run_folder_is_not_overwritten(capsys, tmp_path):
-    from common.run import cli_main
-
     run = tmp_path / "taken"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(SystemExit) as exit_info:
-        cli_main(lambda: load_recipe("classifier").main(["--report_to", "none", "--output_dir", str(run)]))
-    assert exit_info.value.code == 2 and "already holds a run" in capsys.readouterr().err
+    line = error_line(capsys, load_recipe("classifier").main, ["--report_to", "none", "--output_dir", str(run)])
+    assert "already holds a run" in line
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n' and sorted(os.listdir(run)) == ["metrics.jsonl"]
 
 
-def test_starts_from_a_backbone_weights_file(tmp_path):
+def test_starts_from_a_backbone_weights_file(tmp_path, capsys):
     """A headless backbone file (what DINO exports) initialises everything but the new head."""
     import timm
 
@@ -263,6 +253,5 @@ def test_starts_from_a_backbone_weights_file(tmp_path):
     probed = weights(probe / "final.safetensors")
     assert all(torch.equal(probed[k], v) for k, v in donor.state_dict().items())  # backbone frozen
     assert not torch.equal(probed["head.weight"], trained["head.weight"])  # the head learned
-    bad = run_recipe("classifier", TINY + ["--model", "test_resnet", "--init_weights", str(backbone),
-                                           "--output_dir", str(tmp_path / "bad")])
-    assert bad.returncode == 2 and "does not fit model" in _single_error_line(bad)
+    bad = TINY + ["--model", "test_resnet", "--init_weights", str(backbone), "--output_dir", str(tmp_path / "bad")]
+    assert "does not fit model" in error_line(capsys, load_recipe("classifier").main, bad)

@@ -59,6 +59,7 @@ COMMON = ["--report_to", "none", "--eval_every", "1", "--keep_checkpoints", "5",
 CASES = {
     # digits: 1437 training images, 11 batches of 128 per epoch; the checkpoint at step 14 is batch 3 of epoch 1
     "dino": (14, ["--data", "digits", "--batch_size", "128", "--local_crops", "2", "--num_workers", "1",
+                  "--global_size", "16", "--local_size", "8",
                   "--knn_train_limit", "200", "--attention_images", "0", "--model", "vit_tiny_patch16_224",
                   "--model_kwargs", "{patch_size: 4, embed_dim: 48, depth: 2, num_heads: 3}", "--head_use_bn", "false",
                   "--out_dim", "256", "--max_steps", "16", "--checkpoint_every", "7"]),

@@ -1,0 +1,135 @@
+"""YOLO's data helpers, beside recipes/yolo.py (as torchvision keeps its detection references'
+helpers beside their train.py): the box-aware letterbox transforms (scale jitter, crop, pad) and
+k-means anchors from the training boxes. recipes/yolo.py imports them; copy both files together.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+
+from common import UserError
+from common.boxes import areas
+from common.detection import IMAGENET_MEAN, IMAGENET_STD
+
+
+# ============================================================================================
+# Box-aware transforms: large-scale jitter, a crop with a visibility rule, padding to a square
+# ============================================================================================
+class RandomCropAtMost:
+    """Crop to at most ``size`` x ``size`` at a random position (a no-op on a smaller image).
+
+    Written here because ``v2.RandomCrop(pad_if_needed=True)`` would also pad, on both sides, and
+    neither it nor ``v2.RandomIoUCrop`` (which needs boxes in every image) has a visibility rule.
+
+    A box of which less than ``min_visibility`` of the area stays in the crop is made empty, so
+    SanitizeBoundingBoxes drops it: a digit cut in half may read as another class. Called by
+    ``v2.Compose`` with ``(image, target)``; randomness from torch's global generator (seeded per sample).
+    """
+
+    def __init__(self, size: int, min_visibility: float = 0.5) -> None:
+        self.size, self.min_visibility = size, min_visibility
+
+    def __call__(self, image: tv_tensors.Image, target: dict[str, Any]) -> tuple[tv_tensors.Image, dict[str, Any]]:
+        h, w = image.shape[-2:]
+        ch, cw = min(h, self.size), min(w, self.size)
+        if (ch, cw) == (h, w):
+            return image, target
+        top = int(torch.randint(h - ch + 1, ()))
+        left = int(torch.randint(w - cw + 1, ()))
+        boxes = target["boxes"]
+        before = areas(TF.clamp_bounding_boxes(boxes))
+        cropped = TF.crop(boxes, top, left, ch, cw)  # shifts and clamps to the crop
+        hidden = areas(cropped) < self.min_visibility * before
+        if hidden.any():
+            corners = cropped.as_subclass(torch.Tensor).clone()
+            corners[hidden, 2:] = corners[hidden, :2]  # empty: removed by SanitizeBoundingBoxes
+            cropped = tv_tensors.wrap(corners, like=cropped)
+        return TF.crop(image, top, left, ch, cw), {**target, "boxes": cropped}
+
+
+class PadTo:
+    """Pad right and bottom to ``size`` x ``size`` with 0 (after Normalize: the mean colour), so box
+    coordinates do not move; records the unpadded ``(h, w)`` as ``target["size"]``. (``v2.Pad`` takes
+    fixed amounts; the amounts here depend on each image's size.)"""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, image: tv_tensors.Image, target: dict[str, Any]) -> tuple[tv_tensors.Image, dict[str, Any]]:
+        h, w = image.shape[-2:]
+        padding = [0, 0, max(self.size - w, 0), max(self.size - h, 0)]  # left, top, right, bottom
+        target = {**target, "size": (int(h), int(w)), "boxes": TF.pad(target["boxes"], padding)}
+        return TF.pad(image, padding, fill=0.0), target
+
+
+def detection_transforms(train: bool, size: int, scale_range: tuple[float, float] = (0.5, 1.5),
+                         hflip: float = 0.5, color_jitter: bool = True, min_visibility: float = 0.5) -> v2.Compose:
+    """Box-aware transforms ``(PIL image, {"boxes": BoundingBoxes, "labels": Tensor}) -> (image, target)``.
+
+    Output: a float image [3, size, size] normalised with ImageNet mean/std, the picture in the top-left
+    ``target["size"] = (h, w)`` and zeros (the mean colour) right and bottom; XYXY boxes in its pixels.
+
+    train: large-scale jitter as in "Simple Copy-Paste" (resize so the image fits ``size`` x ``size``
+    times a factor in ``scale_range``, then a random crop of at most ``size`` x ``size`` where it is
+    larger; boxes less than ``min_visibility`` inside are dropped), horizontal flip with probability
+    ``hflip`` (use 0 for digits: mirrored digits are not digits), photometric distortion (brightness,
+    contrast, saturation, hue, channel order: torchvision's SSD recipe), pad.
+    eval: resize so the longest side is ``size`` (aspect kept), pad.
+    Both end with SanitizeBoundingBoxes: boxes under 1 px wide or tall go, with their labels.
+    torchvision.transforms.v2 does all the box arithmetic; only the crop and the pad are written here.
+    """
+    if not 0 < scale_range[0] <= scale_range[1]:
+        raise UserError(f"scale_range must be 0 < low <= high, got {scale_range}")
+    steps: list[Callable] = [v2.ToImage()]
+    if train:
+        steps += [v2.ScaleJitter((size, size), scale_range=tuple(scale_range), antialias=True),
+                  RandomCropAtMost(size, min_visibility)]
+        if hflip > 0:
+            steps.append(v2.RandomHorizontalFlip(hflip))
+        if color_jitter:
+            steps.append(v2.RandomPhotometricDistort(p=0.5))
+    else:
+        steps.append(v2.Resize(None, max_size=size, antialias=True))
+    steps += [v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes(min_size=1.0),
+              v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD), PadTo(size)]
+    return v2.Compose(steps)
+
+
+
+# ============================================================================================
+# Anchors: k-means on the training boxes' widths and heights
+# ============================================================================================
+def kmeans_anchors(boxes_wh: np.ndarray, k: int, seed: int = 0, iterations: int = 300) -> np.ndarray:
+    """``k`` anchor (w, h) pairs (k, 2), sorted by area, by k-means on box widths and heights
+    (``boxes_wh`` (N, 2), pixels) with distance 1 - IoU of boxes sharing a corner (YOLOv2): large
+    boxes do not dominate as with Euclidean distance. Centres start at k-means++ picks and move to
+    the median of their members."""
+    wh = np.asarray(boxes_wh, np.float64).reshape(-1, 2)
+    wh = wh[(wh > 0).all(1)]
+    if len(np.unique(wh, axis=0)) < k:
+        raise UserError(f"{len(wh)} boxes ({len(np.unique(wh, axis=0))} distinct sizes) are too few for {k} anchors")
+
+    def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # (N, 2), (K, 2) -> (N, K)
+        inter = np.minimum(a[:, None, 0], b[None, :, 0]) * np.minimum(a[:, None, 1], b[None, :, 1])
+        return inter / (a[:, None].prod(-1) + b[None].prod(-1) - inter)
+
+    rng = np.random.default_rng(seed)
+    centres = wh[[rng.integers(len(wh))]]
+    while len(centres) < k:  # k-means++: the next centre far (in 1 - IoU) from the chosen ones
+        distance = (1 - iou(wh, centres).max(1)) ** 2
+        centres = np.concatenate([centres, wh[[rng.choice(len(wh), p=distance / distance.sum())]]])
+    assignment = None
+    for _ in range(iterations):
+        new = iou(wh, centres).argmax(1)
+        if assignment is not None and np.array_equal(new, assignment):
+            break
+        assignment = new
+        centres = np.stack([np.median(wh[assignment == j], 0) if (assignment == j).any() else centres[j]
+                            for j in range(k)])
+    return centres[np.argsort(centres.prod(1))]
