@@ -123,13 +123,13 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 300) -> None:
 @pytest.mark.slow
 def test_sigkill_in_a_later_epoch_then_resume_matches_uninterrupted(tmp_path):
     """Kill -9 after the step-14 checkpoint (epoch 1, after epoch 0's evaluation), resume with
-    --resume auto: identical final weights.
+    --resume auto and train on into epoch 2: identical final weights.
 
     Exercises everything that must come back: model, optimizer, EMA, RNG for dropout and Mixup,
     the sampler's order and each sample's augmentation in a worker process, in the right epoch.
     """
     args = ["--model", "test_resnet", "--report_to", "none", "--num_workers", "1", "--batch_size", "128",
-            "--max_steps", "21", "--checkpoint_every", "7", "--log_every", "7", "--drop_rate", "0.2",
+            "--max_steps", "26", "--checkpoint_every", "7", "--log_every", "7", "--drop_rate", "0.2",
             "--mixup", "0.4", "--ema_decay", "0.9"]
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     check(run_recipe("classifier", args + ["--output_dir", str(clean)]))
