@@ -118,8 +118,7 @@ class Run:
             # Stop requests are agreed on over gloo (CPU) so that checking every step never
             # waits on the GPU stream.
             self._stop_group = dist.new_group(backend="gloo")  # its own group: never interleaves with training collectives
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
         if cfg.report_to != "none":
             self._init_trackers()
@@ -270,6 +269,8 @@ class Run:
             self._pending = None
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
+        for sig, handler in self._handlers.items():  # a run inside a longer program hands the signals back
+            signal.signal(sig, handler)
 
 
 def _fail(message: str, code: int) -> None:

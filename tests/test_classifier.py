@@ -17,7 +17,9 @@ from PIL import Image
 
 from conftest import ROOT, check, error_line, load_recipe, recipe_cmd, recipe_env, run_recipe
 
-# A small transformer without batch norm: weights can be compared across batch splittings.
+# A small transformer without batch norm: weights can be compared across batch splittings. Runs that
+# test no process-level behaviour (signals, exit codes, several processes) call main() in-process:
+# a subprocess costs seconds of imports.
 TINY = ["--model", "test_vit", "--img_size", "32", "--report_to", "none", "--num_workers", "0",
         "--opt", "sgd", "--lr", "0.05", "--warmup_epochs", "0", "--smoothing", "0", "--log_every", "1"]
 
@@ -70,9 +72,9 @@ def test_digits_config_reaches_97_percent(tmp_path):
 def test_accumulation_switch_from_an_epoch(tmp_path):
     """Epoch 0 steps every batch (11 steps of 128), epoch 1 accumulates 2 (ceil(11 / 2) = 6 steps)."""
     run = tmp_path / "switch"
-    check(run_recipe("classifier", TINY + ["--batch_size", "128", "--epochs", "2", "--grad_accum_switch_epoch", "1",
+    load_recipe("classifier").main(TINY + ["--batch_size", "128", "--epochs", "2", "--grad_accum_switch_epoch", "1",
                                            "--grad_accum_steps_after_switch", "2", "--output_dir", str(run),
-                                           "--report_to", "tensorboard"]))
+                                           "--report_to", "tensorboard"])
     assert list(run.rglob("events.out.tfevents.*")), "tensorboard wrote nothing"
     steps = [m["step"] for m in metrics(run) if "train/loss" in m]
     assert steps == list(range(1, 18))
@@ -83,9 +85,9 @@ def test_accumulation_switch_from_an_epoch(tmp_path):
 def test_gradient_accumulation_matches_larger_batch(tmp_path):
     """2 accumulated micro-batches of 16 == 1 batch of 32 (fp32, no batch norm)."""
     a, b = tmp_path / "accum", tmp_path / "big"
-    check(run_recipe("classifier", TINY + ["--batch_size", "16", "--grad_accum_steps", "2", "--max_steps", "3",
-                                           "--output_dir", str(a)]))
-    check(run_recipe("classifier", TINY + ["--batch_size", "32", "--max_steps", "3", "--output_dir", str(b)]))
+    main = load_recipe("classifier").main
+    main(TINY + ["--batch_size", "16", "--grad_accum_steps", "2", "--max_steps", "3", "--output_dir", str(a)])
+    main(TINY + ["--batch_size", "32", "--max_steps", "3", "--output_dir", str(b)])
     assert_same_weights(weights(a / "final.safetensors"), weights(b / "final.safetensors"), atol=1e-6)
     la = [m["train/loss"] for m in metrics(a) if "train/loss" in m]
     lb = [m["train/loss"] for m in metrics(b) if "train/loss" in m]
@@ -242,16 +244,17 @@ def test_starts_from_a_backbone_weights_file(tmp_path, capsys):
     backbone = tmp_path / "backbone.safetensors"
     safetensors.torch.save_file({k: v.contiguous() for k, v in donor.state_dict().items()}, str(backbone))
     run = tmp_path / "ft"
-    check(run_recipe("classifier", TINY + ["--batch_size", "16", "--max_steps", "1", "--lr", "0",
-                                           "--init_weights", str(backbone), "--output_dir", str(run)]))
+    main = load_recipe("classifier").main
+    main(TINY + ["--batch_size", "16", "--max_steps", "1", "--lr", "0", "--init_weights", str(backbone),
+                 "--output_dir", str(run)])
     trained = weights(run / "final.safetensors")
     for k, v in donor.state_dict().items():
         assert torch.equal(trained[k], v), k  # lr 0: untouched since loading
     probe = tmp_path / "probe"
-    check(run_recipe("classifier", TINY + ["--batch_size", "16", "--max_steps", "2", "--linear_probe",
-                                           "--init_weights", str(backbone), "--output_dir", str(probe)]))
+    main(TINY + ["--batch_size", "16", "--max_steps", "2", "--linear_probe", "--init_weights", str(backbone),
+                 "--output_dir", str(probe)])
     probed = weights(probe / "final.safetensors")
     assert all(torch.equal(probed[k], v) for k, v in donor.state_dict().items())  # backbone frozen
     assert not torch.equal(probed["head.weight"], trained["head.weight"])  # the head learned
     bad = TINY + ["--model", "test_resnet", "--init_weights", str(backbone), "--output_dir", str(tmp_path / "bad")]
-    assert "does not fit model" in error_line(capsys, load_recipe("classifier").main, bad)
+    assert "does not fit model" in error_line(capsys, main, bad)

@@ -1,6 +1,7 @@
 """Exact resume in every recipe, through the entry point, from a checkpoint in a later epoch.
 
-Each case runs a recipe uninterrupted with evaluations after every epoch and a checkpoint in the
+Each case runs a recipe's ``main`` (in-process: a subprocess would add seconds of imports per run;
+``cli_main`` and a real kill are tested in test_classifier.py) uninterrupted with evaluations after every epoch and a checkpoint in the
 middle of epoch 1 (after epoch 0's evaluation). A second folder is then made to look exactly like a
 run killed right after that checkpoint (the checkpoint and the metrics written so far; what a
 ``kill -9`` leaves), and ``--resume auto`` continues it. Final weights must be identical and every
@@ -18,7 +19,7 @@ import pytest
 import safetensors.torch
 from PIL import Image, ImageDraw
 
-from conftest import check, run_recipe
+from conftest import load_recipe
 
 # Wall-clock meters differ between any two runs; everything else logged must not.
 TIMING = ("images_per_s", "data_wait", "s_per_step", "eta_s")
@@ -53,16 +54,33 @@ def coco_folder(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory) -> Path:
+    """A small imagefolder (``train/<class>/*.png``, ``validation/<class>/*.png``) of 16 px images
+    with two classes (a bright square or a bright bar), 80 train and 20 validation images."""
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 40), ("validation", 10)):
+        for name in ("square", "bar"):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 80, (16, 16, 3), dtype=np.uint8)
+                x, y = rng.integers(0, 8, 2)
+                pixels[y:y + 8, x:x + (8 if name == "square" else 3)] = 230
+                Image.fromarray(pixels).save(root / split / name / f"{i:03d}.png")
+    return root
+
+
 # Per recipe: arguments giving short epochs, an evaluation after each, a checkpoint at step CUT in
 # epoch 1, training on into epoch 2 (the first epoch the resumed run starts afresh: where a wrong
 # epoch counter would show), and the method's randomness switched on (dropout, mosaic, crops,
 # multi-scale, sampling).
 COMMON = ["--report_to", "none", "--eval_every", "1", "--keep_checkpoints", "5", "--log_every", "1"]
 CASES = {
-    # digits: 1437 training images, 5 batches of 256 per epoch; the checkpoint at step 7 is batch 2 of epoch 1
-    "dino": (7, ["--data", "digits", "--batch_size", "256", "--local_crops", "2", "--num_workers", "1",
+    # the image folder: 80 images, 5 batches of 16 per epoch; the checkpoint at step 7 is batch 2 of epoch 1
+    "dino": (7, ["--batch_size", "16", "--local_crops", "2", "--num_workers", "1",
                   "--global_size", "16", "--local_size", "8",
-                  "--knn_train_limit", "200", "--attention_images", "0", "--model", "vit_tiny_patch16_224",
+                  "--attention_images", "0", "--model", "vit_tiny_patch16_224",
                   "--model_kwargs", "{patch_size: 4, embed_dim: 48, depth: 2, num_heads: 3}", "--head_use_bn", "false",
                   "--out_dim", "256", "--max_steps", "12", "--checkpoint_every", "7"]),
     # the COCO folder: 40 images, 5 batches of 8 per epoch; the checkpoint at step 7 is batch 2 of epoch 1
@@ -85,11 +103,13 @@ def _learned(run: Path, after: int) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(CASES))
-def test_resume_in_a_later_epoch_ends_with_the_uninterrupted_weights(recipe, coco_folder, tmp_path):
+def test_resume_in_a_later_epoch_ends_with_the_uninterrupted_weights(recipe, coco_folder, image_folder, tmp_path,
+                                                                    capsys):
     cut, args = CASES[recipe]
-    args = COMMON + args + ([] if recipe == "dino" else ["--data", str(coco_folder)])
+    args = COMMON + args + ["--data", str(image_folder if recipe == "dino" else coco_folder)]
     full, part = tmp_path / "full", tmp_path / "part"
-    check(run_recipe(recipe, args + ["--output_dir", str(full)]))
+    main = load_recipe(recipe).main
+    main(args + ["--output_dir", str(full)])
     checkpoint = full / "checkpoints" / f"step_{cut:08d}"
     state = json.loads((checkpoint / "train_state.json").read_text())
     assert state["epoch"] == 1 and state["batches_in_epoch"] > 0, state  # mid-epoch, after an evaluation
@@ -102,8 +122,9 @@ def test_resume_in_a_later_epoch_ends_with_the_uninterrupted_weights(recipe, coc
     shutil.copy(full / "config.yaml", part / "config.yaml")
     kept = [line for line in (full / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= cut]
     (part / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
-    resumed = check(run_recipe(recipe, args + ["--output_dir", str(part), "--resume", "auto"]))
-    assert f"resumed from {part / 'checkpoints' / checkpoint.name}" in resumed.stdout
+    capsys.readouterr()
+    main(args + ["--output_dir", str(part), "--resume", "auto"])
+    assert f"resumed from {part / 'checkpoints' / checkpoint.name}" in capsys.readouterr().out
 
     name = "teacher_backbone.safetensors" if recipe == "dino" else "final.safetensors"
     a, b = (safetensors.torch.load_file(str(run / name)) for run in (full, part))
