@@ -134,7 +134,7 @@ def test_sigkill_in_a_later_epoch_then_resume_matches_uninterrupted(tmp_path):
             "--max_steps", "26", "--checkpoint_every", "7", "--log_every", "7", "--drop_rate", "0.2",
             "--mixup", "0.4", "--ema_decay", "0.9"]
     clean, killed = tmp_path / "clean", tmp_path / "killed"
-    check(run_recipe("classifier", args + ["--output_dir", str(clean)]))
+    load_recipe("classifier").main(args + ["--output_dir", str(clean)])  # in-process: only the killed one is a process
 
     proc = subprocess.Popen(recipe_cmd("classifier", args + ["--output_dir", str(killed)]), cwd=ROOT,
                             env=recipe_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
