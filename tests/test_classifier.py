@@ -99,7 +99,7 @@ def test_two_processes_match_one_process(tmp_path):
     """torchrun with 2 gloo processes x batch 16 == 1 process x batch 32: weights, losses and top-1."""
     one, two = tmp_path / "one", tmp_path / "two"
     common_args = TINY + ["--max_steps", "4", "--eval_batch_size", "50"]  # 360 eval images: uneven last batch
-    check(run_recipe("classifier", common_args + ["--batch_size", "32", "--output_dir", str(one)]))
+    load_recipe("classifier").main(common_args + ["--batch_size", "32", "--output_dir", str(one)])  # in-process
     check(run_recipe("classifier", common_args + ["--batch_size", "16", "--output_dir", str(two)], nproc=2))
     assert_same_weights(weights(one / "final.safetensors"), weights(two / "final.safetensors"), atol=1e-5)
     m1, m2 = metrics(one), metrics(two)
@@ -199,13 +199,20 @@ def test_corrupted_image_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+    """In-process through cli_main, as the entry point: one error line, exit status 1."""
+    from common.run import cli_main
+
     run = tmp_path / "nan"
-    proc = run_recipe("classifier", TINY + ["--batch_size", "16", "--max_steps", "20", "--checkpoint_every", "5",
-                                            "--log_every", "100", "--output_dir", str(run)],
-                      CV_RECIPES_FAULT_NAN_AT_STEP="7")
-    assert proc.returncode == 1
-    line = _single_error_line(proc)
+    monkeypatch.setenv("CV_RECIPES_FAULT_NAN_AT_STEP", "7")
+    args = TINY + ["--batch_size", "16", "--max_steps", "20", "--checkpoint_every", "5", "--log_every", "100",
+                   "--output_dir", str(run)]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(lambda: load_recipe("classifier").main(args))
+    err = capsys.readouterr().err  # the progress bar writes there too
+    errors = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
+    assert exit_info.value.code == 1 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    line = errors[0]
     assert line.startswith("error: non-finite loss at step 7: loss=nan") and "step_00000005" in line, line
     assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_00000005"]
     good = weights(run / "checkpoints" / "step_00000005" / "model.safetensors")
