@@ -14,6 +14,7 @@ import safetensors.torch
 import torch
 import yaml
 
+from common.models import read_metadata
 from conftest import check, error_line, load_recipe, run_recipe
 
 detr = load_recipe("detr")
@@ -266,8 +267,8 @@ def test_run_writes_its_outputs(short_run):
         assert r["train/loss"] == pytest.approx(scaled, rel=1e-4)
     assert list((run / "plots").glob("detections_step*.png"))
     for name in ("best.safetensors", "final.safetensors"):
-        meta = safetensors.safe_open(str(run / name), "pt").metadata()
-        assert len(json.loads(meta["classes"])) == 10
+        meta = read_metadata(run / name)
+        assert meta["recipe"] == "detr" and len(meta["classes"]) == 10
         model = detr.create_model(detr.parse_config(detr.Config, []), 10)
         model.load_state_dict(safetensors.torch.load_file(str(run / name)))
 

@@ -10,6 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from common.models import read_metadata
 from conftest import check, error_line, load_recipe, run_recipe
 
 frcnn = load_recipe("faster_rcnn")
@@ -140,9 +141,9 @@ def test_default_run_learns_the_builtin_scenes(default_run):
     assert final["eval/map_50"] >= 0.80, final
     assert (run / "plots").glob("detections_step*.png")
     # best.safetensors holds the best weights and rebuilds the model from its metadata
-    meta = safetensors.safe_open(str(run / "best.safetensors"), "pt").metadata()
+    meta = read_metadata(run / "best.safetensors")
     cfg = frcnn.parse_config(frcnn.Config, [])
-    assert json.loads(meta["config"])["model"] == cfg.model and len(json.loads(meta["classes"])) == 10
+    assert meta["recipe"] == "faster_rcnn" and meta["config"]["model"] == cfg.model and len(meta["classes"]) == 10
     model = frcnn.create_model(cfg, 10)
     model.load_state_dict(safetensors.torch.load_file(str(run / "best.safetensors")))
 

@@ -17,6 +17,7 @@ from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
+from common.models import read_metadata
 from conftest import bright_rectangle, check, detection_table, error_line, load_recipe, run_recipe
 
 yolo = load_recipe("yolo")
@@ -316,12 +317,12 @@ def test_export_round_trip(short_run):
     """model.pt2 and model.onnx reproduce the final weights' boxes and scores on fresh inputs."""
     import onnxruntime
 
-    meta = safetensors.safe_open(str(short_run / "final.safetensors"), "pt").metadata()
-    config = json.loads(meta["config"])  # the resolved config rebuilds the model
+    meta = read_metadata(short_run / "final.safetensors")
+    config = meta["config"]  # the resolved config rebuilds the model
     cfg = yolo.parse_config(yolo.Config, ["--model", config["model"], "--neck_channels", str(config["neck_channels"]),
                                           "--model_kwargs", json.dumps(config["model_kwargs"])])
     weights = safetensors.torch.load_file(str(short_run / "final.safetensors"))
-    model = yolo.create_model(cfg, len(json.loads(meta["classes"])), weights["anchors"].flip(0).reshape(-1, 2))
+    model = yolo.create_model(cfg, len(meta["classes"]), weights["anchors"].flip(0).reshape(-1, 2))
     model.load_state_dict(weights)
     images = torch.randn(3, 3, 96, 96)  # another batch size than the export's example
     with torch.no_grad():
