@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
 
 from common.meters import Meters, format_seconds, prefixed
 
@@ -61,12 +62,17 @@ class Loop:
 
     ``train_loader`` is the prepared loader; its batch sampler must have ``set_epoch`` (as
     :class:`common.data.EpochBatchSampler`). ``total_steps`` is the run's optimizer-step count
-    (:func:`steps_total`). The state to continue from is read from ``run.resume()`` here.
+    (:func:`steps_total`). ``eval_images`` and ``classes`` describe the data in the start banner.
+    Here the run folder is created (``run.begin()``), the banner printed, and the state to continue
+    from read with ``run.resume()``.
     """
 
-    def __init__(self, run: Any, train_loader: Any, total_steps: int) -> None:
+    def __init__(self, run: Any, train_loader: Any, total_steps: int, eval_images: int | None = None,
+                 classes: Sequence[str] | None = None) -> None:
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
         self.train_loader, self.total_steps = train_loader, total_steps
+        run.begin()
+        self._banner(eval_images, classes)
         self.start = run.resume()
         self.step, self.epoch, self.batches_done = self.start.step, self.start.epoch, self.start.batches_in_epoch
         self.extra: dict[str, Any] = dict(self.start.extra)
@@ -78,6 +84,18 @@ class Loop:
 
         self.progress = tqdm(total=total_steps, initial=self.step, desc=run.recipe, dynamic_ncols=True,
                              disable=not self.accelerator.is_main_process)
+
+    def _banner(self, eval_images: int | None, classes: Sequence[str] | None) -> None:
+        from common.console import banner, tracker_line
+        from common.trackers import project_name, run_name
+
+        acc, cfg, run = self.accelerator, self.cfg, self.run
+        precision = {"no": "fp32"}.get(str(acc.mixed_precision), f"{acc.mixed_precision} autocast")
+        tracker = tracker_line(cfg.report_to, project_name(cfg, run.recipe), run_name(cfg, run.dir), str(run.dir))
+        run.print(banner(run.recipe, str(run.dir), str(acc.device), acc.num_processes, precision,
+                         len(self.train_loader.dataset), eval_images, classes,
+                         math.ceil(len(self.train_loader) / cfg.grad_accum_steps), cfg.epochs,
+                         self.total_steps, cfg.batch_size * acc.num_processes * cfg.grad_accum_steps, tracker))
 
     def state(self) -> TrainState:
         return TrainState(self.step, self.epoch, self.batches_done, dict(self.extra))
@@ -186,8 +204,21 @@ class Loop:
         key = f"best/{metric}"
         if value > self.extra.get(key, -math.inf):
             self.extra[key] = value
+            self.extra[f"best_step/{metric}"] = self.step
             return True
         return False
 
     def best(self, metric: str) -> float:
         return self.extra.get(f"best/{metric}", math.nan)
+
+    def finish(self, results: Mapping[str, Any], weights: Sequence[Path] = ()) -> None:
+        """End a completed run: the summary (final metrics, the best ones and their steps, the weights
+        files, wall time), then ``run.finish`` (weights as W&B artifacts with ``log_weights``)."""
+        from common.console import summary
+
+        weights = [Path(w) for w in weights if Path(w).is_file()]  # best.safetensors: only once one improved
+        best = {k.split("/", 1)[1]: (v, self.extra.get(f"best_step/{k.split('/', 1)[1]}", self.step))
+                for k, v in self.extra.items() if k.startswith("best/")}
+        self.run.print(summary(str(self.run.dir), time.perf_counter() - self.run.started, results, best,
+                               [Path(w).name for w in weights]))
+        self.run.finish(weights)

@@ -1,11 +1,12 @@
 """Run plumbing: Accelerator, run folder, trackers, checkpoints and resume, signals, non-finite guard.
 
-A recipe makes one :class:`Run` from its config first thing in ``main()``: it builds the
-``Accelerator`` (mixed precision, gradient accumulation, trackers, the inductor backend with
-``compile``) and seeds every generator with ``cfg.seed``, after choosing the run folder (which the
-Accelerator's project configuration needs). The recipe then uses ``run.accelerator``,
-``run.log(values, step)``, ``run.guard.observe(step, losses)``; :class:`common.loop.Loop` uses
-``run.resume()``, ``run.save_checkpoint(state)`` and ``run.should_stop()``.
+A recipe makes one :class:`Run` from its config first thing in ``main()``: it chooses the run folder
+(:mod:`common.run_folder`: refusing a resume whose config changed), builds the ``Accelerator``
+(mixed precision, gradient accumulation, trackers, the inductor backend with ``compile``) and seeds
+every generator with ``cfg.seed``. Nothing is written before :meth:`Run.begin`, which
+:class:`common.loop.Loop` calls once data and model are built. The recipe then uses
+``run.accelerator``, ``run.log(values, step)``, ``run.log_images``, ``run.guard.observe(step,
+losses)``; the loop uses ``run.resume()``, ``run.save_checkpoint(state)`` and ``run.should_stop()``.
 
 Run folder (``runs/<recipe>/<name>/``): ``config.yaml``, ``metrics.jsonl`` (every logged value,
 always), ``checkpoints/step_XXXXXXXX/`` (Accelerate state + ``train_state.json``, last K kept),
@@ -20,48 +21,24 @@ import os
 import shutil
 import signal
 import sys
+import textwrap
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (DataLoaderConfiguration, ProjectConfiguration, broadcast_object_list,
                                parse_flag_from_env, set_seed)
+from PIL import Image
 
 from common import UserError
 from common.config import save_config, to_dict
 from common.guard import NonFiniteGuard, NonFiniteLoss
 from common.loop import TrainState
-
-
-def _wandb_has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
-
-
-def _has_run(folder: Path) -> bool:
-    return (folder / "metrics.jsonl").exists() or (folder / "checkpoints").is_dir()
-
-
-def _choose_output_dir(cfg: Any, recipe: str) -> Path:
-    """The run folder. An explicit ``output_dir`` that already holds a run is refused unless resuming;
-    the default ``runs/<recipe>/<config name>`` moves on to ``-2``, ``-3``, ... instead."""
-    if cfg.output_dir:
-        out = Path(cfg.output_dir)
-        if _has_run(out) and not cfg.resume:
-            raise UserError(f"run folder '{out}' already holds a run; pass --resume auto to continue it "
-                            "or choose another --output_dir")
-        return out
-    name = Path(getattr(cfg, "config", "") or "default").stem
-    out = base = Path("runs") / recipe / name
-    k = 1
-    while _has_run(out) and cfg.resume != "auto":
-        k += 1
-        out = base.with_name(f"{name}-{k}")
-    return out
+from common.run_folder import check_resume, choose_output_dir
+from common.trackers import init_trackers, log_images, log_weights
 
 
 def _complete(path: Path) -> bool:
@@ -69,11 +46,17 @@ def _complete(path: Path) -> bool:
 
 
 class Run:
-    """Everything around the training loop that is the same for every recipe."""
+    """Everything around the training loop that is the same for every recipe.
+
+    Nothing is written until :meth:`begin` (called by :class:`common.loop.Loop`, or by the first
+    :meth:`log`): a mistake found while the recipe loads its data or builds its model leaves no
+    run folder behind.
+    """
 
     def __init__(self, cfg: Any, recipe: str) -> None:
         self.cfg = cfg
-        self.recipe = recipe
+        self.recipe = recipe  # the recipe file's name: runs/<recipe>/, the tracker project, the progress bar
+        self.started = time.perf_counter()
         # report_to and mixed_precision were checked against their choices when the config was parsed
         mixed = getattr(cfg, "mixed_precision", "") or None  # empty: whatever `accelerate launch` set
         if cfg.grad_accum_steps < 1:
@@ -83,7 +66,7 @@ class Run:
         # then all take the main process's choice. PartialState sets up the process group; the
         # Accelerator made below shares it.
         procs = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as the Accelerator would
-        choice = [str(_choose_output_dir(cfg, recipe))]
+        choice = [str(choose_output_dir(cfg, recipe))]
         if procs.num_processes > 1:
             procs.wait_for_everyone()
             broadcast_object_list(choice)
@@ -91,6 +74,10 @@ class Run:
         self.checkpoint_dir = self.dir / "checkpoints"
         self.plots_dir = self.dir / "plots"
         cfg.output_dir = str(self.dir)
+        self.resume_changes: dict[str, tuple[Any, Any]] = {}
+        if cfg.resume:  # the checkpoint's own run folder holds the config it was trained with
+            origin = self.dir if cfg.resume == "auto" else Path(cfg.resume).resolve().parent.parent
+            self.resume_changes = check_resume(cfg, origin)
 
         self.accelerator = Accelerator(
             mixed_precision=mixed,
@@ -101,28 +88,37 @@ class Run:
             step_scheduler_with_optimizer=False,
             dataloader_config=DataLoaderConfiguration(non_blocking=True),
         )
-        acc = self.accelerator
         set_seed(cfg.seed)
-        if acc.is_main_process:
-            for d in (self.dir, self.checkpoint_dir, self.plots_dir):
-                d.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.dir / "config.yaml")
-        acc.wait_for_everyone()
-
-        self.guard = NonFiniteGuard(acc.device)
+        self.begun = False
+        self.guard = NonFiniteGuard(self.accelerator.device)
         self.last_checkpoint = ""
         self._stop_signal: int | None = None
         self._stop_group = None
         self._pending: tuple[Any, torch.Tensor] | None = None
-        if acc.num_processes > 1 and dist.is_initialized():
+        if self.accelerator.num_processes > 1 and dist.is_initialized():
             # Stop requests are agreed on over gloo (CPU) so that checking every step never
             # waits on the GPU stream.
             self._stop_group = dist.new_group(backend="gloo")  # its own group: never interleaves with training collectives
+        # DataLoader workers inherit this handler; only the process that installed it acts on a signal.
+        self._pid = os.getpid()
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
+    def begin(self) -> None:
+        """Create the run folder, write ``config.yaml`` and start the tracker (once; every process)."""
+        if self.begun:
+            return
+        self.begun = True
+        acc, cfg = self.accelerator, self.cfg
+        if acc.is_main_process:
+            for d in (self.dir, self.checkpoint_dir, self.plots_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            # ``resume`` is an action, not a setting: `--config <run>/config.yaml` alone starts a new run
+            save_config(dataclasses.replace(cfg, resume=""), self.dir / "config.yaml")
+        acc.wait_for_everyone()
         if cfg.report_to != "none":
-            self._init_trackers()
-        self.print(f"run folder: {self.dir}")
+            init_trackers(acc, cfg, self.recipe, self.dir, to_dict(cfg), self.print)
+        if self.resume_changes:
+            self.print("resume with changed " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.resume_changes.items()))
 
     # -- output -----------------------------------------------------------------------------
     def print(self, *args: Any) -> None:
@@ -132,20 +128,15 @@ class Run:
 
             tqdm.write(" ".join(str(a) for a in args), file=sys.stdout)
 
-    def _init_trackers(self) -> None:
-        kwargs: dict[str, Any] = {}
-        if self.cfg.report_to == "wandb":
-            if not _wandb_has_credentials():
-                os.environ["WANDB_MODE"] = "offline"
-                self.print("wandb: no credentials found (WANDB_API_KEY or `wandb login`), logging offline "
-                           f"under {self.dir}/wandb; upload later with `wandb sync`")
-            kwargs["wandb"] = {"name": self.dir.name, "dir": str(self.dir)}
-        # Trackers such as tensorboard's hparams take only scalars: lists go as strings.
-        config = {k: (str(v) if isinstance(v, (list, dict)) else v) for k, v in to_dict(self.cfg).items()}
-        self.accelerator.init_trackers(f"cv-recipes-{self.recipe}", config=config, init_kwargs=kwargs)
+    def progress(self, iterable: Iterable[Any], desc: str) -> Iterable[Any]:
+        """``iterable`` with a transient progress bar on the main process (evaluation passes)."""
+        from tqdm.auto import tqdm
+
+        return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True, disable=not self.accelerator.is_main_process)
 
     def log(self, values: dict[str, float], step: int, echo: bool = True) -> None:
         """Send host floats to the trackers and ``metrics.jsonl`` (main process), and print a line."""
+        self.begin()
         acc = self.accelerator
         if not acc.is_main_process:
             return
@@ -154,8 +145,13 @@ class Run:
             f.write(json.dumps(record) + "\n")
         if self.cfg.report_to != "none":
             acc.log(values, step=step)
-        if echo:
-            self.print(f"step {step}: " + "  ".join(f"{k} {v:.4g}" for k, v in values.items() if isinstance(v, float)))
+        if echo:  # wrapped at 120 columns, continuation lines indented
+            line = f"step {step}: " + "  ".join(f"{k} {v:.4g}" for k, v in values.items() if isinstance(v, float))
+            self.print(textwrap.fill(line, 120, subsequent_indent="    ", break_long_words=False))
+
+    def log_images(self, images: Mapping[str, Image.Image], step: int) -> None:
+        """Pictures (already saved under ``plots/``) to the tracker as images, keyed ``plots/<name>``."""
+        log_images(self.accelerator, self.cfg.report_to, {f"plots/{k}": v for k, v in images.items()}, step)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, state: TrainState) -> None:
@@ -165,6 +161,7 @@ class Run:
         half-written folder that ``--resume auto`` would pick. Refuses to save (raising
         :class:`NonFiniteLoss`) once a loss went non-finite, so the last good one stays newest.
         """
+        self.begin()
         acc = self.accelerator
         self.guard.check(acc, self.last_checkpoint)
         final = self.checkpoint_dir / f"step_{state.step:08d}"
@@ -233,6 +230,8 @@ class Run:
 
     # -- signals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:  # a DataLoader worker: the training process stops it
+            return
         if self._stop_signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
         self._stop_signal = signum
@@ -263,7 +262,12 @@ class Run:
         self.print(f"stopped by {reason} at step {step}; checkpoint {self.last_checkpoint}; continue with --resume auto")
         self.finish()
 
-    def finish(self) -> None:
+    def finish(self, weights: Sequence[Path] = ()) -> None:
+        """End the run: with ``cfg.log_weights``, ``weights`` (files in the run folder) become W&B
+        artifacts; the tracker is closed and the signal handlers handed back."""
+        if getattr(self.cfg, "log_weights", False) and weights:
+            log_weights(self.accelerator, self.cfg.report_to, [Path(w) for w in weights],
+                        f"{self.recipe}-{self.dir.name}")
         if self._pending is not None:  # collect the last stop-flag reduction before shutting down
             self._pending[0].wait()
             self._pending = None

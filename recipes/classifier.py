@@ -32,6 +32,12 @@ for _root in Path(__file__).resolve().parents:
         if str(_root) not in sys.path:
             sys.path.insert(0, str(_root))
         break
+else:  # a copy outside the repository: common/ must be installed
+    import importlib.util
+
+    if importlib.util.find_spec("common") is None:
+        sys.exit("error: this recipe needs the cv-recipes package common/: run `pip install -e <cv-recipes folder>` "
+                 "once (README, \"Your own recipe\")")
 
 import safetensors.torch
 import torch
@@ -117,7 +123,7 @@ class Config:
     ema_warmup: bool = True  # the EMA decay ramps as min(ema_decay, (1 + step) / (10 + step)), so the init fades fast
     mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
     # run
-    output_dir: str = ""  # the run folder; empty: runs/classifier/<config name>
+    output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation and initialisation
     log_every: int = 20  # log training metrics every this many optimizer steps
     eval_every: int = 1  # evaluate every this many epochs; also at the end
@@ -126,6 +132,9 @@ class Config:
     resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
     report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
         # metrics.jsonl is written in every case
+    project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
+    run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
+    log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
 
 
 # ============================================================================================
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.bn_momentum_end > 0 and (cfg.bn_momentum <= 0 or cfg.compile):
         raise UserError("bn_momentum_end needs bn_momentum > 0, and cannot be combined with compile "
                         "(each new momentum value would force torch.compile to recompile)")
-    run = Run(cfg, "classifier")  # the run folder, then the Accelerator and the seeds (common/run.py)
+    run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
 
     # ---- data ------------------------------------------------------------------------------
@@ -279,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                          cfg.warmup_lr, milestones, cfg.decay_rate)
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps)
+    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
     meters, results = loop.meters, {}
     for epoch in loop.epochs():
         accelerator.gradient_accumulation_steps = accum_steps(epoch)
@@ -320,12 +329,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation and best weights (raw or EMA, by top-1) ----------------------------------
         if loop.eval_due():
-            results = {f"eval/{k}": v for k, v in evaluate(model, eval_loader, accelerator, num_classes,
-                                                           cfg.channels_last).items()}
+            results = {f"eval/{k}": v for k, v in evaluate(model, run.progress(eval_loader, "eval"), accelerator,
+                                                           num_classes, cfg.channels_last).items()}
             candidates = [(results["eval/top1"], "raw")]
             if ema is not None:
-                results.update({f"eval_ema/{k}": v for k, v in evaluate(ema.module, eval_loader, accelerator,
-                                                                        num_classes, cfg.channels_last).items()})
+                results.update({f"eval_ema/{k}": v for k, v in evaluate(ema.module, run.progress(eval_loader, "eval ema"),
+                                                                        accelerator, num_classes, cfg.channels_last).items()})
                 candidates.append((results["eval_ema/top1"], "ema"))
             top1, which = max(candidates)
             improved = loop.improved("top1", top1)
@@ -340,12 +349,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- saving ---------------------------------------------------------------------------------
     final = accelerator.get_state_dict(model)
+    weights = [run.dir / "best.safetensors", run.dir / "final.safetensors"]
     if accelerator.is_main_process:
-        save_weights(final, run.dir / "final.safetensors", cfg, data.classes, run.recipe)
+        save_weights(final, weights[1], cfg, data.classes, run.recipe)
         if ema is not None:
-            save_weights(ema.module.state_dict(), run.dir / "final_ema.safetensors", cfg, data.classes, run.recipe)
-        run.print(f"done: best top-1 {loop.best('top1'):.2f} %, weights in {run.dir}")
-    run.finish()
+            weights.append(run.dir / "final_ema.safetensors")
+            save_weights(ema.module.state_dict(), weights[2], cfg, data.classes, run.recipe)
+    loop.finish(results, weights)  # the summary; the weights as W&B artifacts with --log_weights
     return results
 
 

@@ -46,6 +46,12 @@ for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout"
         if str(_root) not in sys.path:
             sys.path.insert(0, str(_root))
         break
+else:  # a copy outside the repository: common/ must be installed
+    import importlib.util
+
+    if importlib.util.find_spec("common") is None:
+        sys.exit("error: this recipe needs the cv-recipes package common/: run `pip install -e <cv-recipes folder>` "
+                 "once (README, \"Your own recipe\")")
 
 
 import numpy as np
@@ -152,7 +158,7 @@ class Config:
     # evaluation
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions under plots/ (0: none)
     # run
-    output_dir: str = ""  # the run folder; empty: runs/detr/<config name>
+    output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation and initialisation
     log_every: int = 20  # log training metrics every this many optimizer steps
     eval_every: int = 5  # evaluate every this many epochs; also at the end
@@ -161,6 +167,9 @@ class Config:
     resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
     report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
         # metrics.jsonl is written in every case
+    project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
+    run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
+    log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
 
 
 # ============================================================================================
@@ -700,7 +709,7 @@ def check_config(cfg: Config) -> None:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     check_config(cfg)
-    run = Run(cfg, "detr")  # the run folder, then the Accelerator and the seeds (common/run.py)
+    run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
 
     # ---- data ------------------------------------------------------------------------------
@@ -763,7 +772,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         run.plots_dir / f"detections_step{step:08d}.png", tracker, step)
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps)
+    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
     meters, results = loop.meters, {}
     for epoch in loop.epochs():
         model.train()
@@ -793,7 +802,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation and best weights ---------------------------------------------------------
         if loop.eval_due():
-            results = {f"eval/{k}": v for k, v in evaluate(model, eval_loader, evaluator, accelerator).items()}
+            metrics = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
+            results = {f"eval/{k}": v for k, v in metrics.items()}
             improved = loop.improved("map_50", results["eval/map_50"])
             results["best/map_50"] = loop.best("map_50")
             run.log({**results, "epoch": epoch}, loop.step)
@@ -808,9 +818,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe)
-        run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {loop.best('map_50'):.3f}), "
-                  f"weights in {run.dir}")
-    run.finish()
+    loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary
     return results
 
 

@@ -34,6 +34,12 @@ for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout"
         if str(_root) not in sys.path:
             sys.path.insert(0, str(_root))
         break
+else:  # a copy outside the repository: common/ must be installed
+    import importlib.util
+
+    if importlib.util.find_spec("common") is None:
+        sys.exit("error: this recipe needs the cv-recipes package common/: run `pip install -e <cv-recipes folder>` "
+                 "once (README, \"Your own recipe\")")
 
 
 import numpy as np
@@ -119,7 +125,7 @@ class Config:
     knn_train_limit: int = 0  # >0: at most this many memory-bank images (seeded subset)
     attention_images: int = 4  # ViT only: CLS attention maps of this many evaluation images saved under plots/
     # run
-    output_dir: str = ""  # the run folder; empty: runs/dino/<config name>
+    output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation and initialisation
     log_every: int = 20  # log training metrics every this many optimizer steps
     eval_every: int = 1  # evaluate every this many epochs; also at step 0 and at the end
@@ -128,6 +134,9 @@ class Config:
     resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
     report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
         # metrics.jsonl is written in every case
+    project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
+    run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
+    log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
 
 
 # ============================================================================================
@@ -381,7 +390,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = parse_config(Config, argv)
     if cfg.local_crops < 0 or cfg.global_size < cfg.local_size:
         raise UserError("need local_crops >= 0 and global_size >= local_size")
-    run = Run(cfg, "dino")  # the run folder, then the Accelerator and the seeds (common/run.py)
+    run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
 
     # ---- data ------------------------------------------------------------------------------
@@ -441,8 +450,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- evaluation ----------------------------------------------------------------------------
     def evaluate(step: int) -> dict[str, float]:
         teacher.eval()
-        bank_f, bank_y = extract(teacher.backbone, bank_loader, accelerator)
-        test_f, test_y = extract(teacher.backbone, eval_loader, accelerator)
+        bank_f, bank_y = extract(teacher.backbone, run.progress(bank_loader, "kNN bank"), accelerator)
+        test_f, test_y = extract(teacher.backbone, run.progress(eval_loader, "kNN queries"), accelerator)
         teacher.train()  # the reference's teacher runs in train mode (batch statistics) while training
         result = {"knn/teacher_top1": knn_top1(bank_f, bank_y, test_f, test_y, cfg.knn_k, cfg.knn_temperature,
                                                len(data.classes))}
@@ -459,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return result
 
     # ---- resume, or the step-0 baselines ---------------------------------------------------------
-    loop = Loop(run, train_loader, total_steps)
+    loop = Loop(run, train_loader, total_steps, len(data.eval), data.classes)
     meters = loop.meters
     if "baseline" not in loop.extra:  # kept in every checkpoint, so a resumed run does not redo them
         bank_px, bank_y = extract(None, bank_loader, accelerator)
@@ -514,12 +523,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return results
 
     # ---- saving: the teacher backbone, for recipes/classifier.py --init_weights ----------------
+    path = run.dir / "teacher_backbone.safetensors"
     if accelerator.is_main_process:
-        path = run.dir / "teacher_backbone.safetensors"
         save_weights(teacher.backbone.state_dict(), path, cfg, recipe=run.recipe)
-        summary = ", ".join(f"{k.split('/')[-1]} {v:.1f} %" for k, v in results.items() if k.startswith("knn/"))
-        run.print(f"done: kNN top-1 {summary}; teacher backbone in {path}")
-    run.finish()
+    loop.finish(results, [path])  # the summary; the weights as a W&B artifact with --log_weights
     return results
 
 

@@ -39,6 +39,12 @@ for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout"
         if str(_root) not in sys.path:
             sys.path.insert(0, str(_root))
         break
+else:  # a copy outside the repository: common/ must be installed
+    import importlib.util
+
+    if importlib.util.find_spec("common") is None:
+        sys.exit("error: this recipe needs the cv-recipes package common/: run `pip install -e <cv-recipes folder>` "
+                 "once (README, \"Your own recipe\")")
 
 import random
 
@@ -129,7 +135,7 @@ class Config:
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions under plots/ (0: none)
     export: bool = True  # torch.export (.pt2) and ONNX of the final model, each checked against eager
     # run
-    output_dir: str = ""  # the run folder; empty: runs/yolo/<config name>
+    output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation, multi-scale sizes and initialisation
     log_every: int = 20  # log training metrics every this many optimizer steps
     eval_every: int = 2  # evaluate every this many epochs; also at the end
@@ -138,6 +144,9 @@ class Config:
     resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
     report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
         # metrics.jsonl is written in every case
+    project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
+    run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
+    log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
 
 
 # ============================================================================================
@@ -509,7 +518,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise UserError("anchors must be 3 x A [w, h] pairs in pixels (A per level), small to large (or empty: k-means)")
     if not cfg.anchors and cfg.anchors_per_level < 1:
         raise UserError(f"anchors_per_level must be at least 1, got {cfg.anchors_per_level}")
-    run = Run(cfg, "yolo")  # the run folder, then the Accelerator and the seeds (common/run.py)
+    run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
 
     # ---- data ------------------------------------------------------------------------------
@@ -573,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         run.plots_dir / f"detections_step{step:08d}.png", tracker, step)
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps)
+    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
     meters, results = loop.meters, {}
     for epoch in loop.epochs():
         model.train()
@@ -610,7 +619,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # ---- evaluation and best weights (the EMA when there is one) -----------------------------
         if loop.eval_due():
             net = ema.module if ema is not None else model
-            results = {f"eval/{k}": v for k, v in evaluate(net, eval_loader, evaluator, accelerator, cfg).items()}
+            metrics = evaluate(net, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
+            results = {f"eval/{k}": v for k, v in metrics.items()}
             improved = loop.improved("map_50", results["eval/map_50"])
             results["best/map_50"] = loop.best("map_50")
             run.log({**results, "epoch": epoch}, loop.step)
@@ -633,9 +643,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             results.update(diffs)
             if max(diffs.values()) > 1e-3:
                 raise RuntimeError(f"an exported model disagrees with the eager one: {diffs}")
-        run.print(f"done: mAP@0.5 {results.get('eval/map_50', 0):.3f} (best {loop.best('map_50'):.3f}), "
-                  f"weights and exports in {run.dir}")
-    run.finish()
+    loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary
     return results
 
 

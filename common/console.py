@@ -1,0 +1,86 @@
+"""What a run prints at its start and at its end: the banner and the summary, each line within 120
+columns. Pure functions of host values; :class:`common.loop.Loop` prints them on the main process."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+from common.meters import format_seconds
+
+WIDTH = 120
+
+
+def _fit(text: str, width: int = WIDTH) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _names(classes: Sequence[str], room: int) -> str:
+    """``'cat, dog, ... (1000)'`` within ``room`` characters."""
+    shown = ""
+    for i, name in enumerate(classes):
+        candidate = f"{shown}, {name}" if shown else str(name)
+        if len(candidate) + 12 > room and i < len(classes) - 1:
+            return f"{shown}, ... ({len(classes)})" if shown else f"({len(classes)})"
+        shown = candidate
+    return shown
+
+
+def tracker_line(report_to: str, project: str, name: str, folder: str) -> str:
+    if report_to == "wandb":
+        mode = os.environ.get("WANDB_MODE", "online").lower()
+        where = f", {mode}: {folder}/wandb" if mode in ("offline", "dryrun", "disabled") else ""
+        return f"wandb project '{project}', run '{name}'{where}; metrics.jsonl"
+    if report_to == "tensorboard":
+        return f"tensorboard --logdir {folder}; metrics.jsonl"
+    return "metrics.jsonl only (report_to none)"
+
+
+def banner(recipe: str, folder: str, device: str, processes: int, precision: str, train_images: int,
+           eval_images: int | None, classes: Sequence[str] | None, steps_per_epoch: int, epochs: int,
+           total_steps: int, global_batch: int, tracker: str) -> str:
+    """The run at a glance, before its first step: where it writes, on what it runs, on what data, for
+    how long, and where to watch it."""
+    data = f"{train_images:,} training images"
+    if eval_images is not None:
+        data += f", {eval_images:,} evaluation images"
+    if classes:
+        data += f", {len(classes)} classes: "
+        data += _names(list(classes), WIDTH - 13 - len(data))
+    steps = f"{total_steps:,} optimizer steps: {epochs} epochs x {steps_per_epoch:,}"
+    if total_steps < epochs * steps_per_epoch:
+        steps = f"{total_steps:,} optimizer steps (max_steps; {epochs} epochs would be {epochs * steps_per_epoch:,})"
+    lines = [
+        f"{recipe}: {folder}",
+        f"  devices   {processes} process{'es' if processes > 1 else ''} on {device}, precision {precision}",
+        f"  data      {data}",
+        f"  steps     {steps}, global batch {global_batch:,}",
+        f"  tracker   {tracker}",
+    ]
+    return "\n".join(_fit(line) for line in lines)
+
+
+def _value(v: Any) -> str:
+    if not isinstance(v, (int, float)):
+        return str(v)
+    if math.isnan(v):
+        return "-"
+    return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def summary(folder: str, seconds: float, final: Mapping[str, Any], best: Mapping[str, tuple[float, int]],
+            weights: Sequence[str]) -> str:
+    """The end of a run: its final evaluation as a table, the best value of each tracked metric and
+    the step it came from, the weights written, and the wall time of this session."""
+    lines = [f"done in {format_seconds(seconds)}: {folder}"]
+    shown = {k: v for k, v in final.items() if not k.startswith("best/") and isinstance(v, (int, float))}
+    if shown:
+        width = max(len(k) for k in [*shown, "final metrics"])
+        lines.append(f"  {'final metrics':<{width}}  value")
+        lines += [f"  {k:<{width}}  {_value(v)}" for k, v in shown.items()]
+    for metric, (value, step) in best.items():
+        lines.append(f"  best {metric} {_value(value)} at step {step}")
+    if weights:
+        lines.append("  weights   " + ", ".join(weights))
+    return "\n".join(_fit(line) for line in lines)

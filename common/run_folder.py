@@ -1,0 +1,99 @@
+"""Which folder a run writes to, and whether a resumed run's config may continue the saved one.
+
+Both are decided before anything is written, so a refusal leaves every existing folder as it was.
+
+- The default folder is ``runs/<recipe>/<config name>`` (``default`` without ``--config``); when it
+  holds a run, a fresh run moves on to ``-2``, ``-3``, ...
+- An explicit ``output_dir`` that holds a run is refused unless resuming.
+- A run's own ``config.yaml`` given back with ``--config`` (and no other ``--output_dir``) starts a new
+  run in the next free sibling of the folder the file is in; with ``--resume`` it continues that run.
+- ``--resume`` with a config whose model, data or training fields differ from the saved
+  ``config.yaml`` is refused with one line naming them; only the fields in :data:`MAY_CHANGE_ON_RESUME`
+  may differ.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common import UserError
+from common.config import to_dict
+
+#: Fields a resumed run may change: where and how it reports, how long it runs, how it loads data.
+#: Any other field shapes the model, the data or the optimisation the checkpoint was trained with.
+MAY_CHANGE_ON_RESUME = frozenset({
+    "config", "output_dir", "resume", "epochs", "max_steps", "log_every", "eval_every", "checkpoint_every",
+    "keep_checkpoints", "num_workers", "report_to", "project", "run_name", "log_weights", "plot_images",
+    "attention_images", "eval_batch_size", "mixed_precision", "compile",
+})
+
+
+def has_run(folder: Path) -> bool:
+    return (folder / "metrics.jsonl").exists() or (folder / "checkpoints").is_dir()
+
+
+def _next_free(base: Path) -> Path:
+    """``base`` itself when it holds no run, else the first free ``<name>-2``, ``<name>-3``, ..."""
+    name = re.sub(r"-\d+$", "", base.name) if has_run(base) else base.name
+    out, k = base, 1
+    while has_run(out):
+        k += 1
+        out = base.with_name(f"{name}-{k}")
+    return out
+
+
+def saved_run_folder(cfg: Any) -> Path | None:
+    """The run folder whose own config.yaml ``--config`` named, with the output_dir it holds (not one
+    given on the command line); None otherwise. The file's folder counts, so a moved run still works."""
+    config = Path(getattr(cfg, "config", "") or "")
+    if config.name != "config.yaml" or not has_run(config.parent):
+        return None
+    saved = (yaml.safe_load(config.read_text()) or {}).get("output_dir")
+    return config.parent if saved == cfg.output_dir else None
+
+
+def choose_output_dir(cfg: Any, recipe: str) -> Path:
+    """The run folder for ``cfg`` (see the module docstring); reads, never writes."""
+    saved = saved_run_folder(cfg)
+    if saved is not None:
+        return saved if cfg.resume else _next_free(saved)
+    if cfg.output_dir:
+        out = Path(cfg.output_dir)
+        if has_run(out) and not cfg.resume:
+            raise UserError(f"run folder '{out}' already holds a run; pass --resume auto to continue it "
+                            "or choose another --output_dir")
+        return out
+    base = Path("runs") / recipe / Path(getattr(cfg, "config", "") or "default").stem
+    return base if cfg.resume == "auto" else _next_free(base)
+
+
+def changed_on_resume(cfg: Any, folder: Path) -> dict[str, tuple[Any, Any]]:
+    """Fields of ``cfg`` that differ from the folder's saved config.yaml: name -> (saved, given).
+    Empty when there is no saved config (a run stopped before it wrote one)."""
+    saved_file = folder / "config.yaml"
+    if not saved_file.is_file():
+        return {}
+    saved = yaml.safe_load(saved_file.read_text()) or {}
+    given = to_dict(cfg)
+    return {k: (saved.get(k), v) for k, v in given.items() if k in saved and saved[k] != v}
+
+
+def check_resume(cfg: Any, folder: Path) -> dict[str, tuple[Any, Any]]:
+    """Refuse a resume whose config changes more than :data:`MAY_CHANGE_ON_RESUME` allows; return the
+    allowed changes (to be reported)."""
+    changed = changed_on_resume(cfg, folder)
+    refused = {k: v for k, v in changed.items() if k not in MAY_CHANGE_ON_RESUME}
+    if refused:
+        listed = ", ".join(f"{k} {_short(a)} -> {_short(b)}" for k, (a, b) in refused.items())
+        raise UserError(f"--resume: the run in '{folder}' was trained with other values of {listed}; "
+                        f"continue it with --config {folder / 'config.yaml'} --resume auto, or start a new run")
+    return {k: v for k, v in changed.items() if k not in ("config", "output_dir", "resume")}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

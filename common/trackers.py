@@ -1,0 +1,120 @@
+"""Experiment trackers (W&B, TensorBoard) behind Accelerate: project and run names, one W&B run per
+run folder across ``--resume``, credentials, images and weights artifacts.
+
+``metrics.jsonl`` is written by :class:`common.run.Run` in every case; everything here is only for
+``report_to`` = ``wandb`` or ``tensorboard`` and runs on the main process (Accelerate's trackers
+are main-process objects).
+
+- Project: ``cfg.project``, else ``WANDB_PROJECT``, else the recipe's name (its file name).
+- Run name: ``cfg.run_name``, else ``WANDB_NAME``, else the run folder's name.
+- The W&B run id is kept in the run folder (:data:`WANDB_ID_FILE`), so ``--resume auto`` continues
+  the same W&B run instead of starting a second one.
+- No credentials (checked through wandb's own login, for whatever host ``WANDB_BASE_URL`` names):
+  W&B logs offline under the run folder, with one notice line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import secrets
+import string
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+from PIL import Image
+
+#: The W&B run id of a run folder, written when the run starts; ``--resume`` reads it back.
+WANDB_ID_FILE = "wandb_run_id.txt"
+
+
+def wandb_has_credentials() -> bool:
+    """Whether wandb can log online without prompting: an API key in the environment, the netrc
+    entry of the configured host (``WANDB_BASE_URL``: self-hosted servers too), or an explicit
+    offline/disabled mode (nothing to authenticate). Never contacts the server."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    import wandb
+
+    silent = os.environ.get("WANDB_SILENT")
+    os.environ["WANDB_SILENT"] = "true"  # else login greets the user by name, which asks the server
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            return bool(wandb.login(prompt=False, verify=False))  # never prompts, never verifies online
+    except TypeError:  # older wandb: no `prompt`; its api object reads the same sources
+        return bool(getattr(getattr(wandb, "api", None), "api_key", None))
+    except Exception:
+        return False
+    finally:
+        if silent is None:
+            os.environ.pop("WANDB_SILENT", None)
+        else:
+            os.environ["WANDB_SILENT"] = silent
+
+
+def project_name(cfg: Any, recipe: str) -> str:
+    return getattr(cfg, "project", "") or os.environ.get("WANDB_PROJECT") or recipe
+
+
+def run_name(cfg: Any, run_dir: Path) -> str:
+    return getattr(cfg, "run_name", "") or os.environ.get("WANDB_NAME") or run_dir.name
+
+
+def init_trackers(accelerator: Any, cfg: Any, recipe: str, run_dir: Path, config: Mapping[str, Any],
+                  say: Callable[[str], None]) -> None:
+    """Start ``cfg.report_to``'s tracker through Accelerate (every process calls this; Accelerate
+    starts it on the main process). ``config`` goes to the tracker as the run's hyperparameters."""
+    kwargs: dict[str, Any] = {}
+    name = run_name(cfg, run_dir)
+    if cfg.report_to == "wandb":
+        if accelerator.is_main_process and not wandb_has_credentials():
+            os.environ["WANDB_MODE"] = "offline"
+            say("wandb: no credentials found (WANDB_API_KEY or `wandb login`), logging offline "
+                f"under {run_dir}/wandb; upload later with `wandb sync`")
+        kwargs["wandb"] = {"name": name, "dir": str(run_dir), "id": _wandb_id(run_dir, accelerator),
+                           "resume": "allow"}
+    # Trackers such as tensorboard's hparams take only scalars: lists go as strings.
+    flat = {k: (str(v) if isinstance(v, (list, dict)) else v) for k, v in config.items()}
+    accelerator.init_trackers(project_name(cfg, recipe), config=flat, init_kwargs=kwargs)
+
+
+def _wandb_id(run_dir: Path, accelerator: Any) -> str:
+    """The run folder's W&B id: read back on resume, else a new one written for the next resume."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's id form
+    if accelerator.is_main_process:
+        path.write_text(run_id + "\n")
+    return run_id
+
+
+def log_images(accelerator: Any, report_to: str, images: Mapping[str, Image.Image], step: int) -> None:
+    """PNG-like pictures to the tracker (main process): W&B images, TensorBoard image summaries."""
+    if report_to == "none" or not images or not accelerator.is_main_process:
+        return
+    tracker = accelerator.get_tracker(report_to, unwrap=True)
+    if report_to == "wandb":
+        import wandb
+
+        tracker.log({key: wandb.Image(image) for key, image in images.items()}, step=step)
+    elif report_to == "tensorboard":
+        for key, image in images.items():
+            tracker.add_image(key, np.asarray(image.convert("RGB")), global_step=step, dataformats="HWC")
+
+
+def log_weights(accelerator: Any, report_to: str, paths: Sequence[Path], name: str) -> None:
+    """Each weights file as a W&B model artifact ``<name>-<file stem>`` (main process, wandb only);
+    offline runs upload it with ``wandb sync``."""
+    if report_to != "wandb" or not accelerator.is_main_process:
+        return
+    import wandb
+
+    tracker = accelerator.get_tracker("wandb", unwrap=True)
+    for path in paths:
+        artifact = wandb.Artifact(f"{name}-{Path(path).stem}".replace("/", "-"), type="model",
+                                  metadata={"file": Path(path).name})
+        artifact.add_file(str(path))
+        tracker.log_artifact(artifact, aliases=["latest", Path(path).stem])
