@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                            "out_dim"),
                           note="reference: fp32, or fp16 + GradScaler under mixed precision on cuda",
                           defaults=("--data", "digits", "--batch_size", "32", "--knn_train_limit", "64",
-                                    "--attention_images", "0"), synthetic="global_size", target=(1.0, 1.3))
+                                    "--plot_images", "0"), synthetic="global_size", target=(1.0, 1.3))
 
 
 if __name__ == "__main__":

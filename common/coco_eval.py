@@ -1,10 +1,12 @@
-"""COCO box mAP with pycocotools, from predictions in original image pixels, across processes."""
+"""COCO box mAP with pycocotools, from predictions in original image pixels, across processes; and,
+from the same pass, what the pictures of an evaluation need (:class:`EvalDetails`)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence, overload
 
 import numpy as np
 import torch
@@ -12,6 +14,35 @@ import torch
 from common import UserError
 
 METRICS = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large")  # COCOeval.stats[:6]
+# The detection confusion matrix counts predictions at least this confident, matched to ground truth
+# at this IoU: the values Ultralytics' confusion matrix uses, so the pictures read the same.
+CONFUSION_SCORE = 0.25
+CONFUSION_IOU = 0.5
+
+
+@dataclasses.dataclass
+class EvalDetails:
+    """What one :meth:`CocoEvaluator.evaluate` pass found, beyond its six numbers. K = number of classes."""
+
+    classes: list[str]
+    ap: np.ndarray  # [K] AP@[.5:.95] per class, 0..1; NaN for a class without ground truth
+    ap50: np.ndarray  # [K] AP@.5 per class, 0..1; NaN likewise
+    instances: np.ndarray  # [K] int64: ground-truth boxes per class (crowd regions excluded)
+    # COCOeval's eval["precision"]: [T=10 IoUs .5:.05:.95, R=101 recall points, K, A=4 areas (all, small,
+    # medium, large), M=3 maxDets (1, 10, 100)]; -1 where a class has no ground truth.
+    precision: np.ndarray
+    # [K+1, K+1] int64, rows the true class, columns the predicted one, index K = background: predictions
+    # with score >= CONFUSION_SCORE matched to ground truth at IoU >= CONFUSION_IOU; an unmatched
+    # prediction counts in the background row, a missed box in the background column.
+    confusion: np.ndarray
+    # image_id -> the predictions scored for it: boxes [N, 4] float32 XYXY in original pixels,
+    # scores [N] float32, labels [N] int64 (class indices)
+    predictions: dict[int, dict[str, np.ndarray]]
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per class (class, instances, ap50, ap), for :func:`common.figures.format_table`."""
+        return [{"class": name, "instances": int(n), "ap50": float(a50), "ap": float(a)}
+                for name, n, a50, a in zip(self.classes, self.instances, self.ap50, self.ap)]
 
 
 class CocoEvaluator:
@@ -47,7 +78,16 @@ class CocoEvaluator:
             self.gt.createIndex()
         self.image_ids = frozenset(ids)
 
-    def evaluate(self, batches: Iterable[Sequence[dict[str, Any]]], accelerator: Any = None) -> dict[str, float]:
+    @overload
+    def evaluate(self, batches: Iterable[Sequence[dict[str, Any]]], accelerator: Any = None,
+                 details: Literal[False] = False) -> dict[str, float]: ...
+
+    @overload
+    def evaluate(self, batches: Iterable[Sequence[dict[str, Any]]], accelerator: Any = None, *,
+                 details: Literal[True]) -> tuple[dict[str, float], EvalDetails]: ...
+
+    def evaluate(self, batches: Iterable[Sequence[dict[str, Any]]], accelerator: Any = None,
+                 details: bool = False) -> dict[str, float] | tuple[dict[str, float], EvalDetails]:
         """COCO metrics of the predictions in ``batches``: an iterable (a generator over the evaluation
         loader, say) of per-batch lists, one dict per image: ``image_id`` (int), ``boxes`` [N, 4] XYXY in
         original pixels, ``scores`` [N], ``labels`` [N] (class indices); tensors on any device, copied to
@@ -58,6 +98,10 @@ class CocoEvaluator:
         With ``accelerator`` (more than one process), every process's predictions are gathered and every
         process gets the same numbers; all must call this. Returns fractions 0..1 as pycocotools gives
         them, -1 where the split has no ground truth of that size (``map_large`` on digits_det).
+
+        With ``details=True``, returns ``(metrics, details)``: the same metrics and an
+        :class:`EvalDetails` of the same pass (per-class AP, the precision array for PR curves, the
+        detection confusion matrix, the predictions per image_id), equal on every process.
         """
         from pycocotools.coco import COCO
         from pycocotools.cocoeval import COCOeval
@@ -94,7 +138,76 @@ class CocoEvaluator:
             evaluation.evaluate()
             evaluation.accumulate()
             evaluation.summarize()
-        return {name: float(value) for name, value in zip(METRICS, evaluation.stats[:6])}
+        metrics = {name: float(value) for name, value in zip(METRICS, evaluation.stats[:6])}
+        return (metrics, self._details(evaluation, merged)) if details else metrics
+
+    def _details(self, evaluation: Any, merged: dict[int, np.ndarray]) -> EvalDetails:
+        """The :class:`EvalDetails` of a scored pass: ``evaluation`` (accumulated COCOeval), ``merged``
+        (image_id -> COCO result rows (N, 6): x, y, w, h, score, class)."""
+        categories = sorted(self.gt.dataset["categories"], key=lambda c: c["id"])
+        k = len(categories)
+        precision = np.asarray(evaluation.eval["precision"], np.float64)  # [T, R, K, A, M]
+        valid = precision[..., 0, -1] > -1  # area "all", 100 detections: [T, R, K]
+        with np.errstate(invalid="ignore"):  # a class without ground truth: 0 / 0 -> NaN, as intended
+            ap = np.where(valid, precision[..., 0, -1], 0).sum((0, 1)) / valid.sum((0, 1))
+            ap50 = np.where(valid[0], precision[0, :, :, 0, -1], 0).sum(0) / valid[0].sum(0)
+        instances = np.zeros(k, np.int64)
+        for a in self.gt.dataset["annotations"]:
+            instances[a["category_id"]] += not a["iscrowd"]
+        confusion = np.zeros((k + 1, k + 1), np.int64)
+        predictions = {}
+        for image_id in sorted(self.image_ids):
+            rows = merged.get(image_id, np.zeros((0, 6)))
+            boxes = np.concatenate([rows[:, :2], rows[:, :2] + rows[:, 2:4]], 1)
+            predictions[image_id] = {"boxes": boxes.astype(np.float32), "scores": rows[:, 4].astype(np.float32),
+                                     "labels": rows[:, 5].astype(np.int64)}
+            annotations = self.gt.imgToAnns.get(image_id, [])
+            gt = np.array([a["bbox"] + [a["category_id"], a["iscrowd"]] for a in annotations], np.float64).reshape(-1, 6)
+            gt[:, 2:4] += gt[:, :2]  # COCO xywh -> XYXY
+            confusion += detection_confusion(boxes, rows[:, 4], rows[:, 5], gt[:, :4], gt[:, 4], k, gt[:, 5] > 0)
+        return EvalDetails([c["name"] for c in categories], ap, ap50, instances, precision, confusion, predictions)
+
+
+def detection_confusion(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, gt_boxes: np.ndarray,
+                        gt_labels: np.ndarray, num_classes: int, gt_crowd: np.ndarray | None = None,
+                        score_threshold: float = CONFUSION_SCORE, iou_threshold: float = CONFUSION_IOU) -> np.ndarray:
+    """One image's detection confusion matrix [K+1, K+1] int64 (rows true class, columns predicted,
+    index K = background). Predictions (XYXY ``boxes`` [N, 4], ``scores``, ``labels`` [N]) with score >=
+    ``score_threshold``, in order of decreasing score, each take the unmatched ground-truth box (XYXY
+    ``gt_boxes`` [G, 4], ``gt_labels`` [G]) of any class with the highest IoU >= ``iou_threshold``:
+    (true, predicted) += 1. A prediction left unmatched counts as (background, predicted), unless it
+    lies mostly (>= half its area) in a crowd region (``gt_crowd`` [G] True), which COCO ignores; a
+    ground-truth box left unmatched as (true, background)."""
+    from torchvision.ops import box_iou
+
+    crowd = np.zeros(len(gt_boxes), bool) if gt_crowd is None else np.asarray(gt_crowd, bool)
+    scores = np.asarray(scores, np.float64).reshape(-1)
+    order = [i for i in np.argsort(-scores, kind="stable") if scores[i] >= score_threshold]
+    boxes, labels = np.asarray(boxes, np.float64).reshape(-1, 4)[order], np.asarray(labels, np.int64).reshape(-1)[order]
+    gt_boxes, gt_labels = np.asarray(gt_boxes, np.float64).reshape(-1, 4), np.asarray(gt_labels, np.int64).reshape(-1)
+    crowd_boxes, gt_boxes, gt_labels = gt_boxes[crowd], gt_boxes[~crowd], gt_labels[~crowd]
+    iou = box_iou(torch.from_numpy(boxes), torch.from_numpy(gt_boxes)).numpy()  # [N, G]
+    matrix = np.zeros((num_classes + 1, num_classes + 1), np.int64)
+    taken = np.zeros(len(gt_boxes), bool)
+    for i, c in enumerate(labels):
+        candidates = np.where(taken, -1.0, iou[i])
+        j = int(candidates.argmax()) if len(candidates) else -1
+        if j >= 0 and candidates[j] >= iou_threshold:
+            taken[j] = True
+            matrix[gt_labels[j], c] += 1
+        elif not _in_crowd(boxes[i], crowd_boxes):
+            matrix[num_classes, c] += 1
+    np.add.at(matrix[:, num_classes], gt_labels[~taken], 1)
+    return matrix
+
+
+def _in_crowd(box: np.ndarray, crowd: np.ndarray) -> bool:
+    """Whether at least half of ``box`` (XYXY) lies inside one of the ``crowd`` regions [C, 4]."""
+    if not len(crowd):
+        return False
+    w = np.clip(np.minimum(box[2], crowd[:, 2]) - np.maximum(box[0], crowd[:, 0]), 0, None)
+    h = np.clip(np.minimum(box[3], crowd[:, 3]) - np.maximum(box[1], crowd[:, 1]), 0, None)
+    return bool((w * h).max() >= 0.5 * max((box[2] - box[0]) * (box[3] - box[1]), 1e-9))
 
 
 def _rows(prediction: dict[str, Any]) -> np.ndarray:

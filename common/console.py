@@ -1,12 +1,16 @@
 """What a run prints at its start and at its end: the banner and the summary, each line within 120
-columns. Pure functions of host values; :class:`common.loop.Loop` prints them on the main process."""
+columns (pure functions of host values; :class:`common.loop.Loop` prints them on the main process),
+and :func:`cli_main`, the recipes' entry point that turns a mistake into one ``error:`` line."""
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping, Sequence
+import sys
+from typing import Any, Callable, Mapping, Sequence
 
+from common import UserError
+from common.guard import NonFiniteLoss
 from common.meters import format_seconds
 
 WIDTH = 120
@@ -27,13 +31,14 @@ def _names(classes: Sequence[str], room: int) -> str:
     return shown
 
 
-def tracker_line(report_to: str, project: str, name: str, folder: str) -> str:
+def tracker_line(report_to: str, project: str, name: str) -> str:
+    """The banner's tracker entry (paths are relative to the run folder, named on the banner's first line)."""
     if report_to == "wandb":
         mode = os.environ.get("WANDB_MODE", "online").lower()
-        where = f", {mode}: {folder}/wandb" if mode in ("offline", "dryrun", "disabled") else ""
+        where = f" ({mode}: wandb/ in the run folder)" if mode in ("offline", "dryrun", "disabled") else ""
         return f"wandb project '{project}', run '{name}'{where}; metrics.jsonl"
     if report_to == "tensorboard":
-        return f"tensorboard --logdir {folder}; metrics.jsonl"
+        return "tensorboard (tensorboard --logdir <run folder>); metrics.jsonl"
     return "metrics.jsonl only (report_to none)"
 
 
@@ -58,7 +63,7 @@ def banner(recipe: str, folder: str, device: str, processes: int, precision: str
         f"  steps     {steps}, global batch {global_batch:,}",
         f"  tracker   {tracker}",
     ]
-    return "\n".join(_fit(line) for line in lines)
+    return "\n".join([lines[0]] + [_fit(line) for line in lines[1:]])  # the folder's path is never cut
 
 
 def _value(v: Any) -> str:
@@ -84,3 +89,26 @@ def summary(folder: str, seconds: float, final: Mapping[str, Any], best: Mapping
     if weights:
         lines.append("  weights   " + ", ".join(weights))
     return "\n".join(_fit(line) for line in lines)
+
+
+def _fail(message: str, code: int) -> None:
+    from tqdm.auto import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", [])):
+        bar.close()  # end the progress bar's line so the error stands on a line of its own
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def cli_main(main: Callable[[], Any]) -> None:
+    """Run a recipe's ``main``; bad input and a diverged loss become one ``error:`` line and exit 2 / 1."""
+    try:
+        main()
+    except UserError as e:
+        message = str(e)
+        if "Original Traceback" in message:  # re-raised from a DataLoader worker: keep the cause
+            message = message.strip().splitlines()[-1].split(": ", 1)[-1]
+        _fail(message, 2)
+    except NonFiniteLoss as e:
+        _fail(str(e), 1)
+

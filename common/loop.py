@@ -91,7 +91,7 @@ class Loop:
 
         acc, cfg, run = self.accelerator, self.cfg, self.run
         precision = {"no": "fp32"}.get(str(acc.mixed_precision), f"{acc.mixed_precision} autocast")
-        tracker = tracker_line(cfg.report_to, project_name(cfg, run.recipe), run_name(cfg, run.dir), str(run.dir))
+        tracker = tracker_line(cfg.report_to, project_name(cfg, run.recipe), run_name(cfg, run.dir))
         run.print(banner(run.recipe, str(run.dir), str(acc.device), acc.num_processes, precision,
                          len(self.train_loader.dataset), eval_images, classes,
                          math.ceil(len(self.train_loader) / cfg.grad_accum_steps), cfg.epochs,

@@ -24,7 +24,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from PIL import Image
 
 from common import UserError
 from common.config import save_config, to_dict
-from common.guard import NonFiniteGuard, NonFiniteLoss
+from common.guard import NonFiniteGuard
 from common.loop import TrainState
 from common.run_folder import check_resume, choose_output_dir
 from common.trackers import init_trackers, log_images, log_weights
@@ -149,9 +149,17 @@ class Run:
             line = f"step {step}: " + "  ".join(f"{k} {v:.4g}" for k, v in values.items() if isinstance(v, float))
             self.print(textwrap.fill(line, 120, subsequent_indent="    ", break_long_words=False))
 
-    def log_images(self, images: Mapping[str, Image.Image], step: int) -> None:
-        """Pictures (already saved under ``plots/``) to the tracker as images, keyed ``plots/<name>``."""
-        log_images(self.accelerator, self.cfg.report_to, {f"plots/{k}": v for k, v in images.items()}, step)
+    def log_plots(self, step: int, **pictures: Image.Image | None) -> None:
+        """After an evaluation (every process calls it): redraw ``plots/curves.png`` from metrics.jsonl,
+        and send it and ``pictures`` (drawn and saved under ``plots/`` by the recipe on the main
+        process; None elsewhere) to the tracker as images keyed ``plots/<name>``."""
+        if not self.accelerator.is_main_process:
+            return
+        from common.figures import plot_curves
+
+        pictures["curves"] = plot_curves(self.dir / "metrics.jsonl", self.plots_dir / "curves.png")
+        shown = {f"plots/{k}": v for k, v in pictures.items() if v is not None}
+        log_images(self.accelerator, self.cfg.report_to, shown, step)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, state: TrainState) -> None:
@@ -275,26 +283,3 @@ class Run:
         self.accelerator.end_training()
         for sig, handler in self._handlers.items():  # a run inside a longer program hands the signals back
             signal.signal(sig, handler)
-
-
-def _fail(message: str, code: int) -> None:
-    from tqdm.auto import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", [])):
-        bar.close()  # end the progress bar's line so the error stands on a line of its own
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
-
-
-def cli_main(main: Callable[[], Any]) -> None:
-    """Run a recipe's ``main``; bad input and a diverged loss become one ``error:`` line and exit 2 / 1."""
-    try:
-        main()
-    except UserError as e:
-        message = str(e)
-        if "Original Traceback" in message:  # re-raised from a DataLoader worker: keep the cause
-            message = message.strip().splitlines()[-1].split(": ", 1)[-1]
-        _fail(message, 2)
-    except NonFiniteLoss as e:
-        _fail(str(e), 1)
-

@@ -69,12 +69,13 @@ def init_trackers(accelerator: Any, cfg: Any, recipe: str, run_dir: Path, config
     kwargs: dict[str, Any] = {}
     name = run_name(cfg, run_dir)
     if cfg.report_to == "wandb":
-        if accelerator.is_main_process and not wandb_has_credentials():
-            os.environ["WANDB_MODE"] = "offline"
-            say("wandb: no credentials found (WANDB_API_KEY or `wandb login`), logging offline "
-                f"under {run_dir}/wandb; upload later with `wandb sync`")
         kwargs["wandb"] = {"name": name, "dir": str(run_dir), "id": _wandb_id(run_dir, accelerator),
                            "resume": "allow"}
+        if accelerator.is_main_process and not wandb_has_credentials():
+            # explicit: the credentials lookup already made wandb's settings, which read WANDB_MODE once
+            os.environ["WANDB_MODE"] = kwargs["wandb"]["mode"] = "offline"
+            say("wandb: no credentials found (WANDB_API_KEY or `wandb login`), logging offline "
+                f"under {run_dir}/wandb; upload later with `wandb sync`")
     # Trackers such as tensorboard's hparams take only scalars: lists go as strings.
     flat = {k: (str(v) if isinstance(v, (list, dict)) else v) for k, v in config.items()}
     accelerator.init_trackers(project_name(cfg, recipe), config=flat, init_kwargs=kwargs)

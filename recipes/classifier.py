@@ -48,11 +48,13 @@ from timm.optim import create_optimizer_v2
 
 from common import UserError
 from common.config import parse_config, timm_optimizers
+from common.console import cli_main
 from common.data import ClassificationDataset, eval_loader_for, load_classification, train_loader_for
 from common.ema import ModelEma
+from common.figures import plot_confusion_matrix
 from common.loop import Loop, steps_total
 from common.models import create_timm_model, save_weights
-from common.run import Run, cli_main
+from common.run import Run
 from common.schedules import schedule, set_group_values
 
 
@@ -190,13 +192,16 @@ def set_bn_momentum(model: torch.nn.Module, momentum: float) -> None:
 
 
 # ============================================================================================
-# Evaluation: top-1 / top-5, exact across processes and uneven last batches
+# Evaluation: top-1 / top-5 and the confusion matrix, exact across processes and uneven last batches
 # ============================================================================================
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, eval_loader, accelerator, num_classes: int, channels_last: bool) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, eval_loader, accelerator, num_classes: int,
+             channels_last: bool) -> tuple[dict[str, float], torch.Tensor]:
+    """Top-1 / top-5 accuracy (%) and mean loss, and the confusion matrix [true, predicted] (counts, CPU)."""
     model.eval()
     k = min(5, num_classes)
     hits, losses = [], []
+    confusion = torch.zeros(num_classes * num_classes, dtype=torch.long, device=accelerator.device)
     for images, targets in eval_loader:
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
@@ -209,8 +214,10 @@ def evaluate(model: torch.nn.Module, eval_loader, accelerator, num_classes: int,
         match = topk == targets[:, None]  # [B, k]
         hits.append(torch.stack([match[:, 0], match.any(dim=1)], dim=1).float())
         losses.append(loss)
+        confusion += torch.bincount(targets * num_classes + topk[:, 0], minlength=num_classes * num_classes)
     acc1, acc5 = (torch.cat(hits).mean(dim=0) * 100).tolist()
-    return {"top1": acc1, "top5": acc5, "loss": torch.cat(losses).mean().item()}
+    metrics = {"top1": acc1, "top5": acc5, "loss": torch.cat(losses).mean().item()}
+    return metrics, confusion.view(num_classes, num_classes).cpu()
 
 
 # ============================================================================================
@@ -329,17 +336,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation and best weights (raw or EMA, by top-1) ----------------------------------
         if loop.eval_due():
-            results = {f"eval/{k}": v for k, v in evaluate(model, run.progress(eval_loader, "eval"), accelerator,
-                                                           num_classes, cfg.channels_last).items()}
-            candidates = [(results["eval/top1"], "raw")]
+            metrics, confusion = evaluate(model, run.progress(eval_loader, "eval"), accelerator, num_classes,
+                                          cfg.channels_last)
+            results = {f"eval/{k}": v for k, v in metrics.items()}
+            candidates = [(results["eval/top1"], "raw", confusion)]
             if ema is not None:
-                results.update({f"eval_ema/{k}": v for k, v in evaluate(ema.module, run.progress(eval_loader, "eval ema"),
-                                                                        accelerator, num_classes, cfg.channels_last).items()})
-                candidates.append((results["eval_ema/top1"], "ema"))
-            top1, which = max(candidates)
+                metrics, confusion = evaluate(ema.module, run.progress(eval_loader, "eval ema"), accelerator,
+                                              num_classes, cfg.channels_last)
+                results.update({f"eval_ema/{k}": v for k, v in metrics.items()})
+                candidates.append((results["eval_ema/top1"], "ema", confusion))
+            top1, which, confusion = max(candidates, key=lambda c: c[0])
             improved = loop.improved("top1", top1)
             results["best/top1"] = loop.best("top1")
             run.log({**results, "epoch": epoch}, loop.step)
+            picture = None
+            if accelerator.is_main_process:  # the evaluated model's (the better of raw and EMA) mistakes
+                picture = plot_confusion_matrix(confusion.numpy(), data.classes, run.plots_dir / "confusion_matrix.png",
+                                                f"{which} model, step {loop.step}: top-1 {top1:.2f} %")
+            run.log_plots(loop.step, confusion_matrix=picture)  # and the training curves
             if improved:
                 weights = accelerator.get_state_dict(model) if which == "raw" else ema.module.state_dict()
                 if accelerator.is_main_process:

@@ -69,15 +69,16 @@ from tqdm.auto import tqdm
 
 from common import UserError
 from common.boxes import crop_box
-from common.coco_eval import CocoEvaluator
+from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import parse_config
+from common.console import cli_main
 from common.data import decode_image, eval_loader_for, sample_seed, train_loader_for
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionData, DetectionDataset, collate, load_detection
-from common.meters import Meters, prefixed
-from common.plots import save_detections
+from common.detection_figures import per_class_text, save_evaluation_figures
 from common.loop import Loop, steps_total
+from common.meters import Meters, prefixed
 from common.models import create_timm_model, save_weights, sync_batchnorm
-from common.run import Run, cli_main
+from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
 
 # The three weighted loss terms, in the order of loss_weights (and, for the costs, of matcher_costs).
@@ -156,7 +157,7 @@ class Config:
     mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
     compile: bool = False  # torch.compile the model through Accelerate (inductor); the matcher stays eager
     # evaluation
-    plot_images: int = 4  # evaluation images drawn with ground truth and predictions under plots/ (0: none)
+    plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
     # run
     output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation and initialisation
@@ -665,8 +666,9 @@ def postprocess(outputs: dict, orig_sizes: torch.Tensor) -> list[dict[str, torch
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator) -> dict[str, float]:
-    """COCO mAP over the evaluation split; boxes go to the evaluator in original-image pixels."""
+def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator) -> tuple[dict[str, float], EvalDetails]:
+    """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
+    predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training
     model.eval()
 
@@ -677,7 +679,7 @@ def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerato
             orig = torch.tensor([t["orig_size"] for t in targets])
             yield [{"image_id": t["image_id"], **d} for d, t in zip(postprocess(outputs, orig), targets)]
 
-    results = evaluator.evaluate(batches(), accelerator)
+    results = evaluator.evaluate(batches(), accelerator, details=True)
     model.train(was_training)
     return results
 
@@ -753,27 +755,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     lr_values = schedule("step", cfg.lr, 0.0, total_steps, round(cfg.warmup_epochs * steps_per_epoch), 0.0,
                          [drop_epoch * steps_per_epoch], 0.1)
 
-    def plot(step: int) -> None:
-        """Ground truth (green) and predictions (red) on the first evaluation images, as one PNG."""
-        if cfg.plot_images <= 0 or not accelerator.is_main_process:
-            return
-        samples = [eval_set[i] for i in range(min(cfg.plot_images, len(eval_set)))]
-        model.eval()
-        with torch.no_grad(), accelerator.autocast():
-            detections = []
-            for image, t in samples:
-                mask = torch.zeros((1, *image.shape[-2:]), dtype=torch.bool, device=accelerator.device)
-                outputs = accelerator.unwrap_model(model)(image[None].to(accelerator.device), mask)
-                detections += postprocess(outputs, torch.tensor([image.shape[-2:]]))  # in the drawn image's pixels
-        model.train()
-        tracker = accelerator.get_tracker("wandb", unwrap=True) if cfg.report_to == "wandb" else None
-        save_detections([image for image, _ in samples], [t for _, t in samples],
-                        [{k: v.cpu() for k, v in d.items()} for d in detections], data.classes,
-                        run.plots_dir / f"detections_step{step:08d}.png", tracker, step)
-
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
-    meters, results = loop.meters, {}
+    meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
         model.train()
         for images, mask, targets in loop.batches():
@@ -802,12 +786,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation and best weights ---------------------------------------------------------
         if loop.eval_due():
-            metrics = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
+            metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
             results = {f"eval/{k}": v for k, v in metrics.items()}
             improved = loop.improved("map_50", results["eval/map_50"])
             results["best/map_50"] = loop.best("map_50")
             run.log({**results, "epoch": epoch}, loop.step)
-            plot(loop.step)
+            pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
+            if accelerator.is_main_process:
+                pictures = save_evaluation_figures(details, run.plots_dir, data.eval, cfg.plot_images)
+            run.log_plots(loop.step, **pictures)  # and the training curves
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
                 save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe)
@@ -818,6 +805,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe)
+    if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
+        run.print(per_class_text(details))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary
     return results
 

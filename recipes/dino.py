@@ -52,11 +52,13 @@ from torchvision import transforms as T
 
 from common import UserError
 from common.config import parse_config
+from common.console import cli_main
 from common.data import ClassificationDataset, eval_loader_for, load_classification, train_loader_for
 from common.ema import ema_update_
+from common.feature_figures import attention_overlay, neighbour_grid
 from common.loop import Loop, steps_total
 from common.models import create_timm_model, save_weights, sync_batchnorm
-from common.run import Run, cli_main
+from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -123,7 +125,8 @@ class Config:
     knn_k: int = 20  # neighbours that vote in the weighted kNN evaluation (reference: 20)
     knn_temperature: float = 0.07  # the kNN votes weigh exp(cosine similarity / this) (reference: 0.07)
     knn_train_limit: int = 0  # >0: at most this many memory-bank images (seeded subset)
-    attention_images: int = 4  # ViT only: CLS attention maps of this many evaluation images saved under plots/
+    plot_images: int = 4  # evaluation images drawn under plots/ at each evaluation: their nearest neighbours in the
+        # kNN bank, and for ViTs the [CLS] attention over them (0: none)
     # run
     output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation and initialisation
@@ -347,9 +350,10 @@ def knn_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor,
 
 
 @torch.no_grad()
-def save_attention_maps(backbone: nn.Module, images: torch.Tensor, path: Path) -> Image.Image | None:
-    """Last block's [CLS] -> patch attention (mean over heads; without a class token, the mean attention
-    each patch receives) beside each image, as one PNG."""
+def attention_maps(backbone: nn.Module, images: torch.Tensor) -> torch.Tensor | None:
+    """The last block's [CLS] -> patch attention, mean over heads, as [B, h, w] (None for a backbone
+    without timm ViT blocks). Without a class token: the attention each patch receives, averaged over
+    all queries, i.e. what the average-pooled feature is built from."""
     blocks = getattr(backbone, "blocks", None)
     if blocks is None or not hasattr(blocks[-1], "attn") or not hasattr(blocks[-1].attn, "attn_drop"):
         return None
@@ -364,23 +368,15 @@ def save_attention_maps(backbone: nn.Module, images: torch.Tensor, path: Path) -
         attn_module.fused_attn = fused
     attn = captured[0].float().mean(dim=1)  # [B, tokens, tokens]
     prefix = getattr(backbone, "num_prefix_tokens", 1)
-    # [CLS] -> patches; a ViT without a class token (average-pooled): the attention each patch
-    # receives, averaged over all queries, i.e. what the pooled feature is built from.
     weights = attn[:, 0, prefix:] if prefix else attn.mean(dim=1)  # [B, patches]
     side = int(math.isqrt(weights.shape[1]))
-    maps = weights.reshape(-1, 1, side, side)
-    maps = F.interpolate(maps, size=images.shape[-2:], mode="nearest")
-    maps = (maps - maps.amin(dim=(2, 3), keepdim=True)) / (maps.amax(dim=(2, 3), keepdim=True) - maps.amin(dim=(2, 3), keepdim=True) + 1e-8)
-    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
-    pictures = (images.float().cpu() * std + mean).clamp(0, 1)
-    heat = torch.stack([maps.cpu()[:, 0], torch.zeros_like(maps.cpu()[:, 0]), 1 - maps.cpu()[:, 0]], dim=1)
-    rows = torch.cat([pictures, heat], dim=3)  # [B, 3, H, 2W]: image | attention
-    grid = torch.cat(list(rows), dim=1)  # [3, B*H, 2W]
-    scale = max(1, 256 // grid.shape[-1])
-    picture = Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).astype(np.uint8)).resize(
-        (grid.shape[2] * scale, grid.shape[1] * scale), Image.NEAREST)
-    picture.save(path)
-    return picture
+    return weights.reshape(-1, side, side).cpu()
+
+
+def unnormalise(images: torch.Tensor) -> torch.Tensor:
+    """ImageNet-normalised [..., 3, H, W] -> pixel values in 0..1 (for pictures)."""
+    mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    return (images.float().cpu() * std + mean).clamp(0, 1)
 
 
 # ============================================================================================
@@ -448,24 +444,30 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     momentum_values = schedule("cosine", cfg.momentum_teacher, 1.0, total_steps)
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def evaluate(step: int) -> dict[str, float]:
+    def evaluate(step: int) -> tuple[dict[str, float], dict[str, Image.Image]]:
+        """Teacher kNN top-1; on the main process also the nearest-neighbour grid and (ViT) attention maps."""
         teacher.eval()
         bank_f, bank_y = extract(teacher.backbone, run.progress(bank_loader, "kNN bank"), accelerator)
         test_f, test_y = extract(teacher.backbone, run.progress(eval_loader, "kNN queries"), accelerator)
-        teacher.train()  # the reference's teacher runs in train mode (batch statistics) while training
         result = {"knn/teacher_top1": knn_top1(bank_f, bank_y, test_f, test_y, cfg.knn_k, cfg.knn_temperature,
                                                len(data.classes))}
-        if cfg.attention_images > 0 and accelerator.is_main_process:
-            images = torch.stack([eval_loader.dataset[i][0] for i in range(min(cfg.attention_images, len(data.eval)))])
-            teacher.eval()
-            picture = save_attention_maps(teacher.backbone, images.to(accelerator.device),
-                                          run.plots_dir / f"attention_step{step:08d}.png")
-            teacher.train()
-            if picture is not None and cfg.report_to == "wandb":
-                import wandb
-
-                accelerator.get_tracker("wandb", unwrap=True).log({"attention": wandb.Image(picture)}, step=step)
-        return result
+        pictures = {}
+        if cfg.plot_images > 0 and accelerator.is_main_process:
+            # the first evaluation images and their nearest bank images (cosine similarity of teacher features)
+            count = min(cfg.plot_images, len(test_f))
+            images = torch.stack([eval_loader.dataset[i][0] for i in range(count)])
+            similarity, index = (test_f[:count] @ bank_f.T).topk(min(5, len(bank_f)), dim=1)
+            neighbours = torch.stack([torch.stack([bank_loader.dataset[j][0] for j in row]) for row in index.tolist()])
+            names = [data.classes[int(y)] for y in bank_y.tolist()]
+            pictures["neighbours"] = neighbour_grid(
+                unnormalise(images), unnormalise(neighbours), run.plots_dir / "neighbours.png",
+                [data.classes[int(y)] for y in test_y[:count].tolist()],
+                [[names[j] for j in row] for row in index.tolist()], similarity.cpu())
+            maps = attention_maps(teacher.backbone, images.to(accelerator.device))
+            if maps is not None:  # ViTs: where the [CLS] token looks
+                pictures["attention"] = attention_overlay(unnormalise(images), maps, run.plots_dir / "attention.png")
+        teacher.train()  # the reference's teacher runs in train mode (batch statistics) while training
+        return result, pictures
 
     # ---- resume, or the step-0 baselines ---------------------------------------------------------
     loop = Loop(run, train_loader, total_steps, len(data.eval), data.classes)
@@ -475,8 +477,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         test_px, test_y = extract(None, eval_loader, accelerator)
         baseline = {"knn/raw_pixels_top1": knn_top1(bank_px, bank_y, test_px, test_y, cfg.knn_k,
                                                     cfg.knn_temperature, len(data.classes))}
-        baseline["knn/step0_top1"] = evaluate(0)["knn/teacher_top1"]
+        step0, pictures = evaluate(0)
+        baseline["knn/step0_top1"] = step0["knn/teacher_top1"]
         run.log(baseline, 0)
+        run.log_plots(0, **pictures)
         loop.extra["baseline"] = baseline
     results: dict[str, float] = dict(loop.extra["baseline"])
 
@@ -517,8 +521,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation ------------------------------------------------------------------------
         if loop.eval_due():
-            results = {**loop.extra["baseline"], **evaluate(loop.step)}
+            knn, pictures = evaluate(loop.step)
+            results = {**loop.extra["baseline"], **knn}
             run.log({**results, "epoch": epoch}, loop.step)
+            run.log_plots(loop.step, **pictures)  # and the training curves
     if loop.stopped:
         return results
 

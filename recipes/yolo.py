@@ -56,15 +56,16 @@ from torchvision.ops import batched_nms
 
 from common import UserError
 from common.boxes import rescale_boxes
-from common.coco_eval import CocoEvaluator
+from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import parse_config
+from common.console import cli_main
 from common.data import eval_loader_for, sample_seed, train_loader_for
 from common.detection import DetectionDataset, collate, load_detection
+from common.detection_figures import per_class_text, save_evaluation_figures
 from common.ema import ModelEma
 from common.loop import Loop, steps_total
 from common.models import create_timm_model, save_weights, sync_batchnorm
-from common.plots import save_detections
-from common.run import Run, cli_main
+from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
 from recipes.yolo_data import detection_transforms, kmeans_anchors  # YOLO's own helpers, beside this file
 
@@ -132,7 +133,7 @@ class Config:
     conf_threshold: float = 0.01  # scores below are dropped before NMS
     nms_iou: float = 0.45  # NMS drops a box overlapping a higher-scoring one of its class above this IoU
     max_detections: int = 100  # detections kept per image after NMS
-    plot_images: int = 4  # evaluation images drawn with ground truth and predictions under plots/ (0: none)
+    plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
     export: bool = True  # torch.export (.pt2) and ONNX of the final model, each checked against eager
     # run
     output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
@@ -458,8 +459,9 @@ def postprocess(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: flo
 
 
 @torch.no_grad()
-def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config) -> dict[str, float]:
-    """COCO mAP over the evaluation split; boxes go to the evaluator in original-image pixels."""
+def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config) -> tuple[dict[str, float], EvalDetails]:
+    """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
+    predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training  # the EMA copy stays in eval mode, the trained model goes back to train
     model.eval()
     unwrapped = accelerator.unwrap_model(model)
@@ -475,7 +477,7 @@ def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, 
                 p["image_id"] = t["image_id"]
             yield predictions
 
-    results = evaluator.evaluate(batches(), accelerator)
+    results = evaluator.evaluate(batches(), accelerator, details=True)
     model.train(was_training)
     return results
 
@@ -564,26 +566,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     sizes = cfg.multiscale or [cfg.img_size]
     weight_dict = dict.fromkeys(LOSS_TERMS, 1.0)  # the total loss: sum of weight x term (GluonCV: all equal)
 
-    def plot(step: int, net: nn.Module) -> None:
-        """Ground truth (green) and predictions (red) on the first evaluation images, as one PNG."""
-        if cfg.plot_images <= 0 or not accelerator.is_main_process:
-            return
-        samples = [eval_set[i] for i in range(min(cfg.plot_images, len(eval_set)))]
-        images = torch.stack([image for image, _ in samples]).to(accelerator.device)
-        was_training = net.training
-        net.eval()
-        with torch.no_grad():
-            boxes, scores = unwrapped.decode(net(images), images.shape[-2], images.shape[-1])
-        net.train(was_training)
-        predictions = postprocess(boxes, scores, 0.3, cfg.nms_iou, cfg.max_detections)
-        tracker = accelerator.get_tracker("wandb", unwrap=True) if cfg.report_to == "wandb" else None
-        save_detections([image for image, _ in samples], [t for _, t in samples],
-                        [{k: v.cpu() for k, v in p.items()} for p in predictions], data.classes,
-                        run.plots_dir / f"detections_step{step:08d}.png", tracker, step)
-
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
-    meters, results = loop.meters, {}
+    meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
         model.train()
         for images, targets in loop.batches():
@@ -619,12 +604,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # ---- evaluation and best weights (the EMA when there is one) -----------------------------
         if loop.eval_due():
             net = ema.module if ema is not None else model
-            metrics = evaluate(net, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
+            metrics, details = evaluate(net, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
             results = {f"eval/{k}": v for k, v in metrics.items()}
             improved = loop.improved("map_50", results["eval/map_50"])
             results["best/map_50"] = loop.best("map_50")
             run.log({**results, "epoch": epoch}, loop.step)
-            plot(loop.step, net)
+            pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
+            if accelerator.is_main_process:
+                pictures = save_evaluation_figures(details, run.plots_dir, data.eval, cfg.plot_images)
+            run.log_plots(loop.step, **pictures)  # and the training curves
             if improved:
                 weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
                 if accelerator.is_main_process:
@@ -643,6 +631,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             results.update(diffs)
             if max(diffs.values()) > 1e-3:
                 raise RuntimeError(f"an exported model disagrees with the eager one: {diffs}")
+    if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
+        run.print(per_class_text(details))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary
     return results
 

@@ -115,7 +115,7 @@ def error_line(capsys: pytest.CaptureFixture, main, args: list[str]) -> str:
     """Run a recipe's ``main(args)`` in-process as its entry point does (``cli_main``): it must exit
     with status 2 and print exactly one ``error:`` line; returns that line. In-process because a
     subprocess per bad-input case costs seconds of imports."""
-    from common.run import cli_main
+    from common.console import cli_main
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
@@ -145,3 +145,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         if any(d.scope == "module" for fixture_defs in defs.values() for d in fixture_defs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def assert_pictures(folder: Path, names: list[str]) -> None:
+    """Each ``folder/<name>.png`` exists, opens, is at least 200 px on each side and has content (not one
+    flat colour)."""
+    import numpy as np
+    from PIL import Image
+
+    for name in names:
+        path = folder / f"{name}.png"
+        assert path.is_file(), f"{path} missing; found {sorted(p.name for p in folder.iterdir())}"
+        pixels = np.asarray(Image.open(path).convert("L"), np.float32)
+        assert min(pixels.shape) >= 200 and pixels.std() > 10, (name, pixels.shape, pixels.std())

@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 from PIL import Image
 
-from conftest import ROOT, check, error_line, load_recipe, recipe_cmd, recipe_env, run_recipe
+from conftest import ROOT, assert_pictures, check, error_line, load_recipe, recipe_cmd, recipe_env, run_recipe
 
 # A small transformer without batch norm: weights can be compared across batch splittings. Runs that
 # test no process-level behaviour (signals, exit codes, several processes) call main() in-process:
@@ -51,6 +51,7 @@ def test_digits_config_reaches_97_percent(tmp_path):
     check(proc)
     assert "wandb: no credentials found" in proc.stdout and (run / "wandb").is_dir()
     assert (run / "config.yaml").is_file()
+    assert_pictures(run / "plots", ["curves", "confusion_matrix"])
     assert max(m["eval/top1"] for m in metrics(run) if "eval/top1" in m) >= 97.0
 
     # best.safetensors loads into timm by name and classifies the held-out digits on its own.
@@ -201,7 +202,7 @@ def test_corrupted_image_is_named(tmp_path):
 @pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     """In-process through cli_main, as the entry point: one error line, exit status 1."""
-    from common.run import cli_main
+    from common.console import cli_main
 
     run = tmp_path / "nan"
     monkeypatch.setenv("CV_RECIPES_FAULT_NAN_AT_STEP", "7")

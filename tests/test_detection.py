@@ -15,16 +15,15 @@ import pytest
 import torch
 from PIL import Image
 from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as TF
 
 from common import UserError
 from common.boxes import areas, rescale_boxes
 from common.builtin import DETECTION
 from common.coco_eval import CocoEvaluator
 from common.data import decode_image
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
+from common.detection import DetectionDataset, collate, load_detection
 from common.detection_sources import features
-from common.plots import draw_detections, save_detections, wandb_boxes
+from common.plots import class_colour, draw_detections, save_detections, wandb_boxes
 from conftest import ROOT, bright_rectangle, detection_table, free_port, recipe_env
 
 
@@ -420,17 +419,16 @@ def test_draw_detections_and_wandb_boxes():
     gt, labels = torch.tensor([[20.0, 10.0, 45.0, 30.0]]), torch.tensor([1])
     pred, pred_labels, scores = torch.tensor([[21.0, 11.0, 44.0, 29.0], [0.0, 0.0, 5.0, 5.0]]), torch.tensor([1, 2]), torch.tensor([0.9, 0.1])
     drawn = draw_detections(image, gt, labels, pred, pred_labels, scores, CLASSES)
-    assert drawn.size == (80 * 5, 60 * 5)  # enlarged 5x: shorter side at least 256
+    # enlarged 6x (a whole factor up to 512 px), with the same margin on every side for edge labels
+    assert drawn.width - drawn.height == (80 - 60) * 6 and 480 < drawn.width < 560
     pixels = np.asarray(drawn).reshape(-1, 3)
-    assert ((pixels == [0, 255, 0]).all(1)).any() and ((pixels == [255, 0, 0]).all(1)).any()
-    same = draw_detections(torch.from_numpy(np.array(image)).permute(2, 0, 1), gt, labels, pred, pred_labels,
-                           scores, CLASSES, min_size=1)
-    assert same.size == (80, 60)
-    # a normalised float image (what the YOLO and DETR transforms give) is drawn with its original colours
-    normalised = TF.normalize(TF.to_dtype(TF.pil_to_tensor(image), torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
-    undone = np.asarray(draw_detections(normalised, gt[:0], labels[:0], pred[:0], pred_labels[:0], scores[:0],
-                                        CLASSES, min_size=1))
-    assert np.abs(undone.astype(int) - np.asarray(image).astype(int)).max() <= 1
+    assert ((pixels == class_colour(1)).all(1)).any()  # the prediction, in its class's colour
+    assert not ((pixels == class_colour(2)).all(1)).any()  # the 0.1 score is under the threshold
+    # the same picture from a uint8 tensor and from a float one in 0..1
+    as_uint8 = torch.from_numpy(np.array(image)).permute(2, 0, 1)
+    for same in (as_uint8, as_uint8.float() / 255):
+        assert np.array_equal(np.asarray(draw_detections(same, gt, labels, pred, pred_labels, scores, CLASSES)),
+                              np.asarray(drawn))
     boxes = wandb_boxes(gt, labels, pred, pred_labels, scores, CLASSES)
     assert boxes["ground_truth"]["class_labels"] == {0: "bird", 1: "cat", 2: "dog"}
     assert boxes["ground_truth"]["box_data"][0]["position"] == {"minX": 20.0, "minY": 10.0, "maxX": 45.0, "maxY": 30.0}
@@ -455,9 +453,9 @@ def test_save_detections_writes_one_png_and_logs_plain_images_with_boxes(tmp_pat
             self.logged.append((values, step))
 
     path = tmp_path / "plots.png"
-    save_detections(images, targets, predictions, CLASSES, path, Run(), step=7)
-    # both pictures enlarged to a shorter side of at least 256 (x5 and x6), side by side, padded to the taller
-    assert Image.open(path).size == (80 * 5 + 50 * 6, max(60 * 5, 70 * 6))
+    picture = save_detections(images, targets, predictions, CLASSES, path, wandb_run=Run(), step=7)
+    # both pictures (x6 and x7: a whole factor up to 512 px) in two cells of the wider one's width, a legend below
+    assert Image.open(path).size == picture.size and 2 * 80 * 6 < picture.width < 2 * 80 * 6 + 120
     ((values, step),) = Run.logged
     assert step == 7 and len(values["detections"]) == 2
     first = values["detections"][0]

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from common.models import read_metadata
-from conftest import check, error_line, load_recipe, run_recipe
+from conftest import assert_pictures, check, error_line, load_recipe, run_recipe
 
 detr = load_recipe("detr")
 
@@ -265,7 +265,7 @@ def test_run_writes_its_outputs(short_run):
     for r in train:  # the logged total is the weighted sum of the logged terms, auxiliary ones included
         scaled = sum(weights[k] * r[f"train/{k}{s}"] for k in detr.LOSS_TERMS for s in ("", "_0", "_1"))
         assert r["train/loss"] == pytest.approx(scaled, rel=1e-4)
-    assert list((run / "plots").glob("detections_step*.png"))
+    assert_pictures(run / "plots", ["curves", "pr_curves", "confusion_matrix", "detections"])
     for name in ("best.safetensors", "final.safetensors"):
         meta = read_metadata(run / name)
         assert meta["recipe"] == "detr" and len(meta["classes"]) == 10

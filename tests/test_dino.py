@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from common.schedules import schedule
-from conftest import check, load_recipe, run_recipe
+from conftest import assert_pictures, check, load_recipe, run_recipe
 
 dino = load_recipe("dino")
 
@@ -22,7 +22,7 @@ dino = load_recipe("dino")
 # batch norm: on CPU (no SyncBatchNorm) 2 processes x 16 images would see other batch statistics
 # than 1 x 32, and its parameters are all the state the EMA moves.
 FAST = ["--data", "digits", "--report_to", "none", "--num_workers", "0", "--batch_size", "16", "--local_crops", "2",
-        "--knn_train_limit", "200", "--attention_images", "0", "--drop_path_rate", "0", "--log_every", "1",
+        "--knn_train_limit", "200", "--plot_images", "0", "--drop_path_rate", "0", "--log_every", "1",
         "--model", "vit_tiny_patch16_224", "--model_kwargs", "{patch_size: 4, embed_dim: 96, depth: 4, num_heads: 3}",
         "--head_use_bn", "false"]
 
@@ -113,12 +113,16 @@ def test_attention_maps_with_and_without_a_class_token(tmp_path, kwargs):
     cfg = dino.parse_config(dino.Config, ["--model", "vit_tiny_patch16_224", "--model_kwargs",
                                           str({"patch_size": 4, "embed_dim": 96, "depth": 2, "num_heads": 3, **kwargs})])
     backbone = dino.create_backbone(cfg).eval()
-    picture = dino.save_attention_maps(backbone, torch.randn(3, 3, 32, 32), tmp_path / "attention.png")
-    # 3 rows of [image | map], each 32 x 64 px, scaled up by 256 // 64 = 4
-    assert picture.size == (64 * 4, 3 * 32 * 4) and (tmp_path / "attention.png").is_file()
+    images = torch.randn(3, 3, 32, 32)
+    maps = dino.attention_maps(backbone, images)
+    assert maps.shape == (3, 8, 8) and (maps >= 0).all()  # 32 px / patch 4: one value per patch
+    # with a class token each map is the [CLS] row over the patches: a softmax row without the prefix
+    if kwargs == {}:
+        assert torch.all(maps.flatten(1).sum(1) <= 1 + 1e-5)
     assert backbone.blocks[-1].attn.fused_attn == timm.layers.use_fused_attn()  # restored after the hook
     resnet = dino.create_backbone(dino.parse_config(dino.Config, []))  # the demo's ResNet: nothing to draw
-    assert dino.save_attention_maps(resnet, torch.randn(1, 3, 32, 32), tmp_path / "none.png") is None
+    assert dino.attention_maps(resnet, torch.randn(1, 3, 32, 32)) is None
+    assert dino.unnormalise(images).min() >= 0 and dino.unnormalise(images).max() <= 1
 
 
 def _checkpoint(run: Path, step: int) -> Path:
@@ -171,13 +175,15 @@ def test_one_epoch_of_the_demo_learns(tmp_path):
     and 25.3 % (raw pixels); the step-0 network and raw pixels both near 25 %."""
     run = tmp_path / "demo"
     check(run_recipe("dino", ["--report_to", "none", "--epochs", "1", "--warmup_epochs", "0.5", "--momentum_teacher", "0.9",
-                              "--num_workers", "1", "--attention_images", "0", "--output_dir", str(run)], timeout=900))
+                              "--num_workers", "1", "--output_dir", str(run)], timeout=900))
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     final = [m for m in metrics if "knn/teacher_top1" in m][-1]
     assert final["knn/raw_pixels_top1"] < 60, final  # the set is hard for pixels (plain digits: 97.5 %)
     assert final["knn/teacher_top1"] >= final["knn/step0_top1"] + 10, final
     assert final["knn/teacher_top1"] >= final["knn/raw_pixels_top1"] + 10, final
     assert (run / "teacher_backbone.safetensors").is_file()
+    assert_pictures(run / "plots", ["curves", "neighbours"])  # a ResNet: no attention maps
+    assert not (run / "plots" / "attention.png").exists()
 
 
 @pytest.mark.slow

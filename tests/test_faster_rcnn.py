@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 from common.models import read_metadata
-from conftest import check, error_line, load_recipe, run_recipe
+from conftest import assert_pictures, check, error_line, load_recipe, run_recipe
 
 frcnn = load_recipe("faster_rcnn")
 AspectRatioBatchSampler = frcnn.AspectRatioBatchSampler
@@ -139,7 +139,8 @@ def test_default_run_learns_the_builtin_scenes(default_run):
         assert r["train/loss"] == pytest.approx(terms, rel=1e-4)
     final = [r for r in records if "eval/map_50" in r][-1]
     assert final["eval/map_50"] >= 0.80, final
-    assert (run / "plots").glob("detections_step*.png")
+    assert_pictures(run / "plots", ["curves", "pr_curves", "confusion_matrix", "detections"])
+    assert "AP per class (last evaluation):" in proc.stdout
     # best.safetensors holds the best weights and rebuilds the model from its metadata
     meta = read_metadata(run / "best.safetensors")
     cfg = frcnn.parse_config(frcnn.Config, [])

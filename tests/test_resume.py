@@ -80,7 +80,7 @@ CASES = {
     # the image folder: 80 images, 5 batches of 16 per epoch; the checkpoint at step 7 is batch 2 of epoch 1
     "dino": (7, ["--batch_size", "16", "--local_crops", "2", "--num_workers", "1",
                   "--global_size", "16", "--local_size", "8",
-                  "--attention_images", "0", "--model", "vit_tiny_patch16_224",
+                  "--plot_images", "0", "--model", "vit_tiny_patch16_224",
                   "--model_kwargs", "{patch_size: 4, embed_dim: 48, depth: 2, num_heads: 3}", "--head_use_bn", "false",
                   "--out_dim", "256", "--max_steps", "12", "--checkpoint_every", "7"]),
     # the COCO folder: 40 images, 5 batches of 8 per epoch; the checkpoint at step 7 is batch 2 of epoch 1

@@ -18,7 +18,7 @@ from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
 from common.models import read_metadata
-from conftest import bright_rectangle, check, detection_table, error_line, load_recipe, run_recipe
+from conftest import assert_pictures, bright_rectangle, check, detection_table, error_line, load_recipe, run_recipe
 
 yolo = load_recipe("yolo")
 
@@ -250,10 +250,10 @@ def test_mosaic_keeps_boxes_on_their_digits():
 class _Recording(CocoEvaluator):
     """A CocoEvaluator that also records what each evaluate() call scored: (image_id, boxes, scores)."""
 
-    def evaluate(self, batches, accelerator=None):
+    def evaluate(self, batches, accelerator=None, details=False):
         batches = [list(batch) for batch in batches]
         self.scored = [(p["image_id"], p["boxes"].tolist(), p["scores"].tolist()) for b in batches for p in b]
-        return super().evaluate(batches, accelerator)
+        return super().evaluate(batches, accelerator, details=details)
 
 
 def test_each_evaluation_scores_its_own_model():
@@ -272,8 +272,9 @@ def test_each_evaluation_scores_its_own_model():
     evaluator, fresh = _Recording(split), _Recording(split)
     yolo.evaluate(first, loader, evaluator, accelerator, cfg)
     scored_first = evaluator.scored
-    metrics = yolo.evaluate(second, loader, evaluator, accelerator, cfg)
-    assert metrics == yolo.evaluate(second, loader, fresh, accelerator, cfg)
+    metrics, details = yolo.evaluate(second, loader, evaluator, accelerator, cfg)
+    again, fresh_details = yolo.evaluate(second, loader, fresh, accelerator, cfg)
+    assert metrics == again and (details.confusion == fresh_details.confusion).all()
     assert evaluator.scored == fresh.scored != scored_first and len({i for i, _, _ in fresh.scored}) == 8
 
 
@@ -299,7 +300,9 @@ def test_short_run_learns_logs_losses_evaluates_and_exports(short_run):
     assert evals[-1]["eval/map_50"] >= 0.25, evals[-1]  # measured 0.31 (1 core)
     exports = [r for r in records if "export/onnx_max_abs_diff" in r][-1]
     assert exports["export/torch_export_max_abs_diff"] < 1e-4 and exports["export/onnx_max_abs_diff"] < 1e-3
-    assert (short_run / "best.safetensors").is_file() and list((short_run / "plots").glob("detections_step*.png"))
+    assert (short_run / "best.safetensors").is_file()
+    assert_pictures(short_run / "plots", ["curves", "pr_curves", "confusion_matrix", "detections"])
+    assert (short_run / "plots" / "per_class_ap.csv").read_text().startswith("class,instances,ap50,ap")
 
 
 @pytest.mark.full

@@ -1,0 +1,295 @@
+"""Figures every recipe can draw after an evaluation: training curves from ``metrics.jsonl``, a
+confusion matrix, and small result tables (CSV and fixed-width text).
+
+Pure functions of host values; each figure is written as a PNG and returned as a PIL image (for the
+trackers). matplotlib is imported inside the functions, so that a run that does not plot never pays
+its import time, and figures are drawn on their own Agg canvas, never through pyplot: no global
+backend is set and no figure is left open in the caller's process.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from PIL import Image
+
+DPI = 100  # figure inches * DPI = PNG pixels
+
+# Keys of metrics.jsonl that are bookkeeping, not training dynamics: best-so-far copies, the epoch
+# counter, throughput and timing (images_per_s, data_wait, s_per_step, eta_s) and per-image data counts.
+_SKIP = re.compile(r"^(best|best_step)/|(^|/)(epoch|step)$|per_s$|data_wait|data_time|s_per_step|(^|/)eta(_s)?$"
+                   r"|_per_image$")
+_LINES_PER_PANEL = 6  # more lines than this in one panel and its legend hides the curves
+
+
+def new_figure(width: float, height: float) -> Any:
+    """A ``matplotlib.figure.Figure`` of ``width`` x ``height`` inches (x ``DPI`` pixels) on its own Agg
+    canvas, with constrained layout (labels never clipped)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def save_figure(figure: Any, path: Path) -> Image.Image:
+    """Render ``figure`` at its exact size (no tight bounding box: sizes stay predictable), write it as
+    a PNG at ``path`` (parent folders created) and return it as an RGB PIL image."""
+    figure.canvas.draw()
+    image = Image.fromarray(np.asarray(figure.canvas.buffer_rgba())[..., :3].copy())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return image
+
+
+# --------------------------------------------------------------------------------------------
+# Training curves
+# --------------------------------------------------------------------------------------------
+def read_metrics(metrics_jsonl: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Key -> (steps, values) float64 arrays, in file order, from a run's ``metrics.jsonl`` (one JSON
+    object per line with a ``step``). Non-numeric values are left out; NaN and inf are kept. A line
+    that is not valid JSON (a run killed while writing) is skipped."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    path = Path(metrics_jsonl)
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, (int, float)) or isinstance(step, bool):
+            continue
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                series.setdefault(key, []).append((float(step), float(value)))
+    return {k: (np.array([s for s, _ in v]), np.array([x for _, x in v])) for k, v in series.items()}
+
+
+def _base(key: str) -> str:
+    """``train/loss_ce_3`` -> ``train/loss_ce``: a term and its copies on auxiliary outputs (DETR's decoder
+    layers) share a panel, and so a scale."""
+    return re.sub(r"_\d+$", "", key)
+
+
+def _panels(keys: Sequence[str]) -> list[tuple[str, list[str], bool]]:
+    """(title, keys, evaluation?) per panel: losses (a shared panel when there are at most 4, else the
+    total alone and a panel per term with its auxiliary copies), learning rates, evaluation metrics by
+    prefix (their losses apart: another scale), then every other training value (grad_norm: own scale)."""
+    keys = [k for k in keys if not _SKIP.search(k)]
+    train = [k for k in keys if k.startswith("train/")]
+    losses = sorted((k for k in train if k.split("/", 1)[1].startswith("loss")), key=lambda k: (k != "train/loss", k))
+    rates = sorted(k for k in train if re.fullmatch(r"train/lr(_.*)?", k))
+    panels: list[tuple[str, list[str], bool]] = []
+
+    def add(title: str, group: list[str], evaluation: bool) -> None:
+        size = -(-len(group) // -(-len(group) // _LINES_PER_PANEL)) if group else 1  # 8 lines: 4 + 4, not 6 + 2
+        for start in range(0, len(group), size):
+            panels.append((title if len(group) > 1 else group[0], group[start:start + size], evaluation))
+
+    def by_base(group: list[str]) -> None:
+        for base in dict.fromkeys(map(_base, group)):
+            add(base, [k for k in group if _base(k) == base], False)
+
+    if len(losses) <= 4:
+        add("training loss", losses, False)
+    else:
+        by_base(losses)
+    add("learning rate", rates, False)
+    others = [k for k in keys if not k.startswith("train/")]
+    for prefix in dict.fromkeys(k.split("/", 1)[0] if "/" in k else "" for k in others):
+        group = [k for k in others if (k.split("/", 1)[0] if "/" in k else "") == prefix]
+        add(f"{prefix or 'other'} metrics", [k for k in group if "loss" not in k], True)
+        add(f"{prefix or 'other'} loss", [k for k in group if "loss" in k], True)
+    by_base([k for k in train if k not in losses and k not in rates])
+    return panels
+
+
+def _smooth(values: np.ndarray, weight: float) -> np.ndarray:
+    """Debiased exponential moving average (TensorBoard's smoothing); NaNs are skipped, not spread."""
+    out, mean, total = np.full_like(values, np.nan), 0.0, 0.0
+    for i, v in enumerate(values):
+        if math.isfinite(v):
+            mean, total = weight * mean + (1 - weight) * v, weight * total + (1 - weight)
+            out[i] = mean / total
+    return out
+
+
+def _x(series: Mapping[str, tuple[np.ndarray, np.ndarray]], key: str) -> tuple[np.ndarray, str]:
+    """The x values of ``key``: its steps, or, when a phase logs every value at one step (DETR's
+    backbone pretraining, all at step 0) and has its own ``<prefix>/epoch``, that epoch."""
+    steps = series[key][0]
+    epoch = series.get(key.split("/", 1)[0] + "/epoch", (None, None))[1]
+    if "/" in key and len(steps) > 1 and np.all(steps == steps[0]) and epoch is not None and len(epoch) == len(steps):
+        return epoch, f"{key.split('/', 1)[0]} epoch"
+    return steps, "step"
+
+
+def plot_curves(metrics_jsonl: Path, path: Path) -> Image.Image | None:
+    """Training curves of a run, as one PNG at ``path``: training losses (every ``train/loss*``),
+    learning rate, each evaluation metric (``eval/*``, ``eval_ema/*``, ``knn/*``) against the step with
+    markers (evaluations are sparse), and any other training value (``train/grad_norm``).
+
+    Bookkeeping keys (``best/*``, ``epoch``, throughput, timing, ``eta``) are left out. Long noisy
+    curves get a smoothed line over the raw one; a y axis spanning more than a decade of positive
+    values is logarithmic; non-finite values leave a gap and a dotted red line at their step; a
+    series that is -1 throughout (COCO's "no ground truth of this size") is left out. Returns None
+    when there is nothing to plot."""
+    from matplotlib.ticker import FuncFormatter
+
+    series = {k: v for k, v in read_metrics(metrics_jsonl).items() if not np.all(v[1] == -1)}
+    panels = _panels(list(series))
+    if not panels:
+        return None
+    columns = 1 if len(panels) == 1 else 2 if len(panels) <= 4 else 3 if len(panels) <= 9 else 4
+    rows = -(-len(panels) // columns)
+    figure = new_figure(4.8 * columns, 3.2 * rows + 0.3)
+    figure.suptitle(f"training curves: {Path(metrics_jsonl).parent.name}", fontsize=12)
+    for index, (title, keys, evaluation) in enumerate(panels):
+        ax = figure.add_subplot(rows, columns, index + 1)
+        finite_values, bad_steps = [], set()
+        for key in keys:
+            (steps, xlabel), values = _x(series, key), series[key][1]
+            finite = np.isfinite(values)
+            finite_values.append(values[finite])
+            bad_steps.update(steps[~finite].tolist())
+            label = key.split("/", 1)[-1]
+            if not evaluation and len(values) > 50 and "/lr" not in key:  # noisy: raw faint, smoothed on top
+                (line,) = ax.plot(steps, values, lw=0.8, alpha=0.3)
+                ax.plot(steps, _smooth(values, 0.9 if len(values) > 300 else 0.6), lw=1.8, color=line.get_color(),
+                        label=label)
+            else:
+                ax.plot(steps, values, marker="o" if evaluation or finite.sum() <= 30 else None,
+                        ms=4 if evaluation else 3, lw=1.5, label=label)
+        for step in sorted(bad_steps):
+            ax.axvline(step, color="red", ls=":", lw=1.2, label="non-finite" if step == min(bad_steps) else None)
+        positive = np.concatenate(finite_values)
+        if not evaluation and len(positive) and positive.min() > 0 and positive.max() / positive.min() > 10:
+            ax.set_yscale("log")  # plain numbers on the ticks (200, not 2x10^2); 2s and 5s when under 2 decades
+            few = positive.max() / positive.min() < 100
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if few and f"{v:e}"[0] in "25" else ""))
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.tick_params(labelsize=8, which="both")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1 or bad_steps:
+            ax.legend(fontsize=8, loc="best", framealpha=0.8)
+    return save_figure(figure, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Confusion matrix
+# --------------------------------------------------------------------------------------------
+def _numpy(x: Any) -> np.ndarray:
+    """A tensor (any device) or array-like as a host numpy array."""
+    return np.asarray(x.detach().cpu() if hasattr(x, "detach") else x)
+
+
+def confusion_counts(pred: Any, true: Any, num_classes: int) -> np.ndarray:
+    """Counts [K, K] int64 of (true class, predicted class) pairs: rows true, columns predicted, from
+    class indices ``pred`` and ``true`` [N] (tensors on any device, or arrays) in 0..K-1."""
+    pred, true = _numpy(pred).reshape(-1).astype(np.int64), _numpy(true).reshape(-1).astype(np.int64)
+    if pred.shape != true.shape:
+        raise ValueError(f"pred has {pred.size} values and true {true.size}")
+    for name, x in (("pred", pred), ("true", true)):
+        if x.size and (x.min() < 0 or x.max() >= num_classes):
+            raise ValueError(f"{name} has class indices outside 0..{num_classes - 1}: {x.min()}..{x.max()}")
+    return np.bincount(true * num_classes + pred, minlength=num_classes ** 2).reshape(num_classes, num_classes)
+
+
+def plot_confusion_matrix(matrix: Any, labels: Sequence[str], path: Path,
+                          title: str = "confusion matrix") -> Image.Image:
+    """A confusion matrix as a PNG at ``path``. ``matrix``: counts [K, K], rows true class, columns
+    predicted; ``labels``: the K names (a detector's last one is "background").
+
+    Colours are fractions of each true class (row-normalised; a row without samples stays white).
+    Up to 30 classes every cell with a count shows it and every class is named; beyond, no cell text,
+    an index tick every few classes and a square-root colour scale, so that the faint off-diagonal
+    confusions of 1000 classes still show; the image stays under 1,700 px a side."""
+    from matplotlib.colors import PowerNorm
+
+    counts = _numpy(matrix).astype(np.int64)
+    k = counts.shape[0]
+    if counts.shape != (k, k) or len(labels) != k:
+        raise ValueError(f"matrix {counts.shape} and {len(labels)} labels do not match")
+    totals = counts.sum(1, keepdims=True)
+    fractions = counts / np.maximum(totals, 1)
+    small = k <= 30
+    longest = max((len(str(s)) for s in labels), default=1) if small else 4
+    side = max(4.5, 0.42 * k + 1.5) if small else min(15.0, 9 + 0.01 * k)
+    figure = new_figure(side + 1.2 + 0.07 * min(longest, 24), side + 0.07 * min(longest, 24))
+    ax = figure.add_subplot()
+    image = ax.imshow(fractions, cmap="Blues", norm=PowerNorm(1.0 if small else 0.5, vmin=0, vmax=1),
+                      interpolation="nearest" if small else "antialiased")
+    colorbar = figure.colorbar(image, ax=ax, fraction=0.046, pad=0.02)
+    colorbar.set_label("fraction of the true class (row)", fontsize=9)
+    accuracy = np.trace(counts) / max(counts.sum(), 1)
+    ax.set_title(f"{title}\n{counts.sum():,} samples, {accuracy:.1%} on the diagonal", fontsize=11)
+    ax.set_xlabel("predicted", fontsize=10)
+    ax.set_ylabel("true", fontsize=10)
+    if small:
+        names = [s if len(s) <= 24 else s[:23] + "…" for s in map(str, labels)]
+        ax.set_xticks(range(k), names, rotation=45 if k > 4 else 0, ha="right" if k > 4 else "center",
+                      rotation_mode="anchor", fontsize=9)
+        ax.set_yticks(range(k), names, fontsize=9)
+        size = 9 if k <= 12 else 8
+        for (i, j), n in np.ndenumerate(counts):
+            if n:  # blank cells read faster than a sea of zeros
+                ax.text(j, i, f"{n}", ha="center", va="center", fontsize=size,
+                        color="white" if fractions[i, j] > 0.55 else "black")
+    else:
+        every = next((e for e in (5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 2500, 5000) if k / e <= 20),
+                     k // 20)  # at most ~20 round-numbered ticks
+        ticks = [t for t in range(0, k, every) if k - 1 - t >= every / 2] + [k - 1]
+        names = [str(t) for t in ticks[:-1]] + [str(labels[-1]) if labels[-1] == "background" else str(k - 1)]
+        ax.set_xticks(ticks, names, fontsize=9, rotation=90)
+        ax.set_yticks(ticks, names, fontsize=9)
+        ax.set_xlabel("predicted (class index)", fontsize=11)
+        ax.set_ylabel("true (class index)", fontsize=11)
+    return save_figure(figure, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+def save_table_csv(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """``rows`` as a CSV file with a header: the keys of all rows, in order of first appearance."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.3f}" if abs(value) <= 1 else f"{value:.4g}"  # fractions (AP, accuracy) aligned
+    return str(value)
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, width: int = 120) -> str:
+    """``rows`` as a fixed-width text table within ``width`` characters: a header line, a rule, one line
+    per row; numbers right-aligned (fractions to 3 decimals, other floats to 4 significant digits, NaN as "-"), text left-aligned. Too
+    wide: the widest columns are shortened, with "…"."""
+    columns = list(columns) if columns is not None else list(dict.fromkeys(k for row in rows for k in row))
+    cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    while sum(widths) + 2 * (len(widths) - 1) > width and max(widths, default=0) > 4:
+        widths[widths.index(max(widths))] -= 1
+    numeric = [all(isinstance(row.get(c), (int, float)) for row in rows if c in row) for c in columns]
+
+    def line(values: Sequence[str]) -> str:
+        fitted = [v if len(v) <= w else v[: w - 1] + "…" for v, w in zip(values, widths)]
+        return "  ".join(v.rjust(w) if right else v.ljust(w) for v, w, right in zip(fitted, widths, numeric)).rstrip()
+
+    return "\n".join([line(columns), "  ".join("-" * w for w in widths)] + [line(r) for r in cells])
