@@ -117,6 +117,20 @@ def test_wandb_credentials_are_found_for_any_host(netrc_host, base_url, expected
     assert proc.stdout.strip() == str(expected), proc.stderr[-2000:]
 
 
+def test_tensorboard_gets_the_pictures_as_images(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder = tmp_path / "run"
+    load_recipe("classifier").main(TINY + ["--report_to", "tensorboard", "--output_dir", str(folder)])
+    tags = set()
+    for events in folder.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"images": 0})
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["images"])
+    assert {"plots/curves", "plots/confusion_matrix"} <= tags, tags
+    assert "tracker   tensorboard (tensorboard --logdir <run folder>); metrics.jsonl" in capsys.readouterr().out
+
+
 def test_resume_with_a_changed_model_is_refused_before_anything_changes(wandb_run, capsys):
     folder, _ = wandb_run
     copy = folder.parent / "changed"
