@@ -347,7 +347,10 @@ class DETR(nn.Module):
             tgt = layer(tgt, memory, pos, query_pos, padding)
             hidden.append(self.decoder_norm(tgt))
         hs = torch.stack(hidden)  # [L, B, Q, d]
-        logits, boxes = self.class_embed(hs), self.bbox_embed(hs).sigmoid()
+        logits = self.class_embed(hs)
+        # boxes in fp32 whatever the autocast: a bf16 fraction of the image is off by up to 1/256 of it
+        with torch.autocast(hs.device.type, enabled=False):
+            boxes = self.bbox_embed(hs.float()).sigmoid()
         out = {"pred_logits": logits[-1], "pred_boxes": boxes[-1]}
         if self.aux_loss:
             out["aux_outputs"] = [{"pred_logits": a, "pred_boxes": b} for a, b in zip(logits[:-1], boxes[:-1])]

@@ -33,7 +33,7 @@ import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
     if (_root / "common" / "__init__.py").is_file():
@@ -265,6 +265,11 @@ class TwoStageDetector(nn.Module):
                  roi_heads: RoIHeads) -> None:
         super().__init__()
         self.transform, self.backbone, self.rpn, self.roi_heads = transform, backbone, rpn, roi_heads
+        # The box regressions leave their heads in fp32 whatever the autocast: torchvision's BoxCoder casts
+        # anchors and proposals to the regression's dtype, and bf16 pixel coordinates are multiples of
+        # 2 px from 256, 4 px from 512 and 8 px from 1024 (so bf16 evaluation would round every box).
+        for head in (rpn.head, roi_heads.box_predictor):
+            head.register_forward_hook(_float_outputs)
 
     def forward(self, images: list[torch.Tensor], targets: list[dict] | None = None):
         original_sizes = [tuple(image.shape[-2:]) for image in images]
@@ -277,6 +282,13 @@ class TwoStageDetector(nn.Module):
         if self.training:
             return {LOSS_NAMES[k]: v for k, v in {**rpn_losses, **roi_losses}.items()}
         return self.transform.postprocess(detections, batch.image_sizes, original_sizes)  # back to input px
+
+
+def _float_outputs(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """Forward hook: the module's tensors (alone or in tuples and lists) returned as fp32."""
+    if isinstance(output, torch.Tensor):
+        return output.float()
+    return type(output)(_float_outputs(module, inputs, o) for o in output)
 
 
 def freeze_stages(body: nn.Module, freeze_at: int) -> None:

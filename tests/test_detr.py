@@ -363,3 +363,22 @@ def test_default_config_reaches_map50_050(tmp_path):
     assert [r for r in records if "pretrain/top1" in r][-1]["pretrain/top1"] > 95
     final = [r for r in records if "eval/map_50" in r][-1]
     assert final["eval/map_50"] >= 0.5, final
+
+
+def test_boxes_stay_fp32_under_bf16_autocast():
+    """Evaluation and training run under autocast; the box head must not: a bf16 box coordinate is
+    a multiple of 1/256 of the image (2-4 px on a COCO image), which costs mAP. The boxes under bf16
+    autocast are those of the fp32 box head on the (bf16-computed) decoder output."""
+    cfg = detr.parse_config(detr.Config, [])
+    torch.manual_seed(0)
+    model = detr.create_model(cfg, num_classes=10).eval()
+    hidden = []
+    model.decoder_norm.register_forward_hook(lambda m, i, o: hidden.append(o))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(1, 3, 64, 96), torch.zeros(1, 64, 96, dtype=torch.bool))
+    assert out["pred_logits"].dtype == torch.bfloat16  # the rest of the model does run in bf16
+    assert out["pred_boxes"].dtype == torch.float32
+    assert all(a["pred_boxes"].dtype == torch.float32 for a in out["aux_outputs"])
+    with torch.no_grad():
+        expected = model.bbox_embed(hidden[-1].float()).sigmoid()
+    assert torch.equal(out["pred_boxes"], expected)  # [1, Q, 4]: the last decoder layer's boxes

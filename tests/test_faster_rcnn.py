@@ -173,3 +173,20 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys):
     """As the entry point reports it: one ``error:`` line, exit status 2."""
     args = ["--output_dir", str(tmp_path / "run"), "--report_to", "none", "--data", "/nonexistent/folder"]
     assert "/nonexistent/folder" in error_line(capsys, frcnn.main, args)
+
+
+def test_proposals_and_boxes_stay_fp32_under_bf16_autocast():
+    """torchvision's BoxCoder decodes in the regression's dtype, casting the anchors and proposals to
+    it: under bf16 autocast every box would be rounded to 2-8 px on COCO-sized images. The recipe's
+    heads hand their regressions over in fp32, so proposals and detections stay fp32."""
+    model = frcnn.create_model(frcnn.parse_config(frcnn.Config, ["--min_size", "800", "--max_size", "1333",
+                                                                 "--box_score_thresh", "0"]), num_classes=10).eval()
+    proposals = []
+    model.rpn.register_forward_hook(lambda m, i, o: proposals.append(o[0]))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        (detections,) = model([torch.rand(3, 600, 900)])
+    assert all(p.dtype == torch.float32 for p in proposals[0]) and len(proposals[0][0]) > 0
+    assert detections["boxes"].dtype == torch.float32 and len(detections["boxes"]) > 0
+    # not on the bf16 grid: above 512 px a bf16 coordinate is a multiple of 4
+    large = detections["boxes"][detections["boxes"] > 512]
+    assert len(large) == 0 or bool((large % 4 != 0).any())
