@@ -490,7 +490,10 @@ def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[
     with torch.no_grad():
         expected = wrapper(images)
     batch = torch.export.Dim("batch", min=1, max=1024)
-    program = torch.export.export(wrapper, (images,), dynamic_shapes={"images": {0: batch}})
+    # traced with 2 images whatever was given: from an example batch of 1, torch.export would
+    # specialise the batch dimension to 1 and refuse to keep it dynamic
+    example = images[torch.arange(2) % len(images)]
+    program = torch.export.export(wrapper, (example,), dynamic_shapes={"images": {0: batch}})
     torch.export.save(program, str(folder / "model.pt2"))
     reloaded = torch.export.load(str(folder / "model.pt2")).module()
     with torch.no_grad():
@@ -501,7 +504,7 @@ def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[
     except ImportError:
         return diffs
     # ONNX from the same exported program (torch.onnx's dynamo exporter; needs onnx and onnxscript)
-    torch.onnx.export(program, (images,), str(folder / "model.onnx"), input_names=["images"],
+    torch.onnx.export(program, (example,), str(folder / "model.onnx"), input_names=["images"],
                       output_names=["boxes", "scores"], dynamo=True, verbose=False)
     session = onnxruntime.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     got = session.run(None, {"images": images.numpy()})

@@ -353,3 +353,17 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, capsys):
     """What users see (cli_main turns any UserError into this): one line on stderr, exit status 2."""
     args = ["--output_dir", str(tmp_path / "run"), "--report_to", "none", "--data", "/nonexistent/folder"]
     assert "/nonexistent/folder" in error_line(capsys, yolo.main, args)
+
+
+def test_export_from_a_single_evaluation_image(tmp_path):
+    """An evaluation split of one image gives export one example image: the program is still traced
+    with a dynamic batch (an example batch of 1 made torch.export fail) and checked on that image,
+    then runs on a batch of 3."""
+    model = _model()
+    diffs = yolo.export_and_check(model, torch.rand(1, 3, 96, 96), tmp_path)
+    assert diffs["export/torch_export_max_abs_diff"] < 1e-4 and diffs["export/onnx_max_abs_diff"] < 1e-3
+    images = torch.rand(3, 3, 96, 96)
+    with torch.no_grad():
+        expected = yolo.Exported(model)(images)
+        got = torch.export.load(str(tmp_path / "model.pt2")).module()(images)
+    assert all(torch.allclose(g, e, atol=1e-4) for g, e in zip(got, expected))
