@@ -456,11 +456,16 @@ def pretrain_backbone(cfg: Config, backbone: nn.Module, data: DetectionData, run
     ``pretrain_crops_size``, the window shifted by up to ``pretrain_crops_shift``): AdamW (no weight
     decay on biases and norms), one warmup epoch then cosine, label smoothing 0.1. The crops are split
     across processes like any training set. Top-1 on the evaluation split's boxes is logged after every
-    epoch as ``pretrain/top1`` (at step 0: DETR's steps have not started); returns the last values."""
+    epoch as ``pretrain/top1`` (at step 0: DETR's steps have not started); returns the last values, or
+    None when a stop signal (SIGTERM/SIGINT) ended it. ``max_steps`` caps its steps as it caps DETR's."""
     accelerator = run.accelerator
     train_set = BoxCropDataset(data.train, cfg.pretrain_crops_size, cfg.pretrain_crops_margin,
                                cfg.pretrain_crops_shift, cfg.seed)
     eval_set = BoxCropDataset(data.eval, cfg.pretrain_crops_size, cfg.pretrain_crops_margin)
+    if len(train_set) < cfg.pretrain_crops_batch_size * accelerator.num_processes:
+        raise UserError(f"the training split has {len(train_set)} boxes to pre-train the backbone on, fewer than one "
+                        f"global batch ({cfg.pretrain_crops_batch_size} x {accelerator.num_processes} processes); "
+                        "lower --pretrain_crops_batch_size (or skip the pre-training: --pretrain_crops_epochs 0)")
     train_loader = train_loader_for(train_set, cfg.pretrain_crops_batch_size, cfg.seed, cfg.num_workers,
                                   accelerator.num_processes)
     eval_loader = eval_loader_for(eval_set, 2 * cfg.pretrain_crops_batch_size, cfg.num_workers)
@@ -468,11 +473,15 @@ def pretrain_backbone(cfg: Config, backbone: nn.Module, data: DetectionData, run
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.05), lr=cfg.pretrain_crops_lr)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     total = cfg.pretrain_crops_epochs * len(train_loader)
-    lr_values = schedule("cosine", cfg.pretrain_crops_lr, 0.0, total, len(train_loader))
+    if cfg.max_steps > 0:  # a short run (a smoke test, say) shortens the pre-training too
+        total = min(total, cfg.max_steps)
+    lr_values = schedule("cosine", cfg.pretrain_crops_lr, 0.0, total, min(len(train_loader), total))
     meters = Meters(accelerator.device)
     progress = tqdm(total=total, disable=not accelerator.is_main_process, desc="pretrain backbone", dynamic_ncols=True)
-    step, values = 0, {}
+    step, values, stopped = 0, {}, False
     for epoch in range(cfg.pretrain_crops_epochs):
+        if step >= total or stopped:
+            break
         train_loader.set_epoch(epoch)  # the prepared loader: Accelerate's counter and the sampler
         model.train()
         for images, labels in train_loader:
@@ -486,6 +495,11 @@ def pretrain_backbone(cfg: Config, backbone: nn.Module, data: DetectionData, run
             meters.update(n=len(images), loss=loss)
             step += 1
             progress.update(1)
+            stopped = run.should_stop()  # every process agrees (common/run.py)
+            if stopped or step >= total:
+                break
+        if stopped:
+            break
         model.eval()
         with torch.no_grad():
             for images, labels in eval_loader:
@@ -499,7 +513,7 @@ def pretrain_backbone(cfg: Config, backbone: nn.Module, data: DetectionData, run
     # the classifier, its optimizer and loaders leave Accelerate's lists (and the DDP wrapper its hooks
     # on the backbone): checkpoints hold DETR alone, and DETR's prepare starts afresh
     accelerator.free_memory(model, optimizer, train_loader, eval_loader)
-    return values
+    return None if stopped else values
 
 
 # ============================================================================================
@@ -735,8 +749,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                   else "resuming (the checkpoint holds the weights)" if run.resume_checkpoint() else "")
         if reason:
             run.print(f"backbone pre-training on box crops skipped: {reason}")
-        else:
-            pretrain_backbone(cfg, backbone, data, run)
+        elif pretrain_backbone(cfg, backbone, data, run) is None:  # a stop signal: no checkpoint exists yet
+            run.print("stopped during the backbone pre-training, before DETR's first checkpoint: "
+                      "run the same command again to start over")
+            run.finish()
+            return {}
     model = create_model(cfg, num_classes, backbone)
     criterion = create_criterion(cfg, num_classes).to(accelerator.device)
     weight_dict = criterion.weight_dict  # the total loss: sum of weight x term (auxiliary layers' terms too)

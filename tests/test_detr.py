@@ -382,3 +382,27 @@ def test_boxes_stay_fp32_under_bf16_autocast():
     with torch.no_grad():
         expected = model.bbox_embed(hidden[-1].float()).sigmoid()
     assert torch.equal(out["pred_boxes"], expected)  # [1, Q, 4]: the last decoder layer's boxes
+
+
+def test_max_steps_caps_the_backbone_pretraining_and_its_errors_name_its_flag(tmp_path, monkeypatch, capsys):
+    """--max_steps 3 is a smoke test: the crop pre-training takes 3 steps as well (it took minutes), and
+    a crop batch larger than the boxes names --pretrain_crops_batch_size, not --batch_size."""
+    steps = []
+    forward = detr.CropClassifier.forward
+
+    def counted(self, images):
+        if self.training:
+            steps.append(len(images))
+        return forward(self, images)
+
+    monkeypatch.setattr(detr.CropClassifier, "forward", counted)
+    args = ["--report_to", "none", "--num_workers", "0", "--plot_images", "0"]
+    detr.main(args + ["--max_steps", "3", "--output_dir", str(tmp_path / "run")])
+    assert len(steps) == 3
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["pretrain/epoch"] for r in records if "pretrain/loss" in r] == [0]
+    assert max(r["step"] for r in records) == 3
+    line = error_line(capsys, detr.main, args + ["--pretrain_crops_batch_size", "100000",
+                                                 "--output_dir", str(tmp_path / "big")])
+    assert "boxes to pre-train the backbone on" in line and "lower --pretrain_crops_batch_size" in line
+    assert not (tmp_path / "big").exists()
