@@ -92,6 +92,27 @@ class ClassificationData:
     classes: list[str]
 
 
+def _hold_out(train: Any, label_column: str, fraction: float, seed: int, data: str) -> tuple[Any, Any]:
+    """A seeded evaluation split carved from ``train``: ``fraction`` of it, stratified by class (a
+    ClassLabel column), and at least one image of every class, so that tiny folders (3 images per
+    class) still get one. A class with a single image cannot be both trained on and evaluated: one
+    clear error instead of scikit-learn's."""
+    import datasets
+
+    if not isinstance(train.features[label_column], datasets.ClassLabel):
+        parts = train.train_test_split(test_size=fraction, seed=seed)
+        return parts["train"], parts["test"]
+    counts = np.bincount(np.asarray(train[label_column]), minlength=train.features[label_column].num_classes)
+    names = train.features[label_column].names
+    lonely = [names[i] for i, n in enumerate(counts) if n == 1]
+    if lonely:
+        raise UserError(f"'{data}' has no evaluation split and class {lonely[0]!r} has a single image, too few to "
+                        "hold one out: add images (2 per class at least) or name a split with --eval_split")
+    held_out = max(int(np.ceil(fraction * len(train))), int((counts > 0).sum()))
+    parts = train.train_test_split(test_size=held_out, seed=seed, stratify_by_column=label_column)
+    return parts["train"], parts["test"]
+
+
 def load_classification(
     data: str,
     image_column: str = "",
@@ -122,9 +143,7 @@ def load_classification(
     if eval_split:
         evaluation = source[eval_split]
     else:
-        stratify = label_column if isinstance(train.features[label_column], datasets.ClassLabel) else None
-        parts = train.train_test_split(test_size=eval_fraction, seed=seed, stratify_by_column=stratify)
-        train, evaluation = parts["train"], parts["test"]
+        train, evaluation = _hold_out(train, label_column, eval_fraction, seed, data)
     for name, ds in (("training", train), ("evaluation", evaluation)):
         if len(ds) == 0:
             raise UserError(f"the {name} split of '{data}' is empty")

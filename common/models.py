@@ -55,7 +55,9 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, cfg: Any
 
     path = Path(path)
     tmp = path.with_suffix(".tmp")
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    # torch.compile's wrapper prefixes every key with `_orig_mod.`: saved without it, the weights load
+    # into the plain model (timm, --init_weights) whether or not the run compiled
+    tensors = {k.replace("_orig_mod.", ""): v.detach().cpu().contiguous() for k, v in state_dict.items()}
     meta = {"recipe": recipe, "config": json.dumps(to_dict(cfg)), "classes": json.dumps(list(classes))}
     safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)

@@ -266,3 +266,22 @@ def test_starts_from_a_backbone_weights_file(tmp_path, capsys):
     assert not torch.equal(probed["head.weight"], trained["head.weight"])  # the head learned
     bad = TINY + ["--model", "test_resnet", "--init_weights", str(backbone), "--output_dir", str(tmp_path / "bad")]
     assert "does not fit model" in error_line(capsys, main, bad)
+
+
+def test_weights_of_a_compiled_model_are_saved_with_plain_keys(tmp_path):
+    """--compile wraps the model (keys `_orig_mod.*`); the saved weights must still load into the plain
+    model, through timm and --init_weights alike."""
+    import timm
+
+    from common.models import read_metadata, save_weights
+
+    classifier = load_recipe("classifier")
+    cfg = classifier.parse_config(classifier.Config, TINY)
+    model = timm.create_model("test_vit", num_classes=10, img_size=32)
+    compiled = torch.compile(model)  # lazy: nothing is compiled until it runs
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    save_weights(compiled.state_dict(), tmp_path / "w.safetensors", cfg, [str(i) for i in range(10)], "classifier")
+    assert read_metadata(tmp_path / "w.safetensors")["recipe"] == "classifier"
+    fresh = timm.create_model("test_vit", num_classes=10, img_size=32, checkpoint_path=str(tmp_path / "w.safetensors"))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    classifier.load_init_weights(timm.create_model("test_vit", num_classes=3, img_size=32), str(tmp_path / "w.safetensors"))

@@ -124,3 +124,20 @@ def test_empty_split_and_class_mismatch_are_clear_errors(tmp_path):
     datasets.DatasetDict({"train": d["train"], "test": other}).save_to_disk(str(tmp_path / "mismatch"))
     with pytest.raises(UserError, match="has classes"):
         load_classification(str(tmp_path / "mismatch"))
+
+
+def test_a_tiny_folder_without_evaluation_split_holds_out_one_image_per_class(tmp_path):
+    """3 images per class and no validation split: 10 % would be one image for two classes, which
+    scikit-learn's stratified split refuses; one per class is held out instead. A class of one image
+    is one clear error."""
+    import shutil
+
+    root = _write_imagefolder(tmp_path / "tiny", per_class=3)
+    shutil.rmtree(root / "test")
+    data = load_classification(str(root))
+    assert sorted(data.eval["label"]) == [0, 1] and sorted(data.train["label"]) == [0, 0, 1, 1]
+    for extra in (root / "train" / "dog").glob("*.png"):
+        if extra.name != "0.png":
+            extra.unlink()
+    with pytest.raises(UserError, match="class 'dog' has a single image.*--eval_split"):
+        load_classification(str(root))
