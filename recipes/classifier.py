@@ -22,7 +22,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 # Recipes import the shared `common/` package from the repository root: the nearest parent
 # folder that contains it. This keeps `accelerate launch recipes/x.py` working from any
@@ -79,6 +79,9 @@ class Config:
         # under auto_augment)
     auto_augment: str = ""  # timm AutoAugment / RandAugment policy, e.g. rand-m9-mstd0.5-inc1 (empty: off)
     reprob: float = 0.0  # random erasing probability (0: off; DeiT: 0.25)
+    remode: Literal["pixel", "rand", "const"] = "pixel"  # random erasing fill: per-pixel normal noise (timm and
+        # DeiT's default), one random colour per box, or zeros
+    recount: int = 1  # random erasing boxes per image
     interpolation: Literal["bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"] = "bicubic"  # resampling
         # filter of the training crop and the evaluation resize
     mixup: float = 0.0  # Mixup alpha (0: off; DeiT: 0.8); Mixup and CutMix need an even batch_size
@@ -154,6 +157,18 @@ def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
         model.requires_grad_(False)
         model.get_classifier().requires_grad_(True)
     return model
+
+
+def create_transforms(cfg: Config, model: torch.nn.Module) -> tuple[Callable, Callable]:
+    """timm's training transform (random resized crop, flip, jitter / AutoAugment, random erasing) and
+    evaluation transform (resize to img_size / crop_pct, centre crop), normalised as the model expects."""
+    data_cfg = resolve_data_config({"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct,
+                                    "interpolation": cfg.interpolation}, model=model)
+    train_tf = create_transform(**data_cfg, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
+                                hflip=cfg.hflip, color_jitter=cfg.color_jitter or None,
+                                auto_augment=cfg.auto_augment or None, re_prob=cfg.reprob, re_mode=cfg.remode,
+                                re_count=cfg.recount)
+    return train_tf, create_transform(**data_cfg, is_training=False)
 
 
 def load_init_weights(model: torch.nn.Module, path: str) -> None:
@@ -241,12 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model = create_model(cfg, num_classes)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    data_cfg = resolve_data_config({"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct,
-                                    "interpolation": cfg.interpolation}, model=model)
-    train_tf = create_transform(**data_cfg, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
-                                hflip=cfg.hflip, color_jitter=cfg.color_jitter or None,
-                                auto_augment=cfg.auto_augment or None, re_prob=cfg.reprob)
-    eval_tf = create_transform(**data_cfg, is_training=False)
+    train_tf, eval_tf = create_transforms(cfg, model)
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed)
     eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed)
     train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,

@@ -285,3 +285,16 @@ def test_weights_of_a_compiled_model_are_saved_with_plain_keys(tmp_path):
     fresh = timm.create_model("test_vit", num_classes=10, img_size=32, checkpoint_path=str(tmp_path / "w.safetensors"))
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
     classifier.load_init_weights(timm.create_model("test_vit", num_classes=3, img_size=32), str(tmp_path / "w.safetensors"))
+
+
+@pytest.mark.parametrize("args, mode, count", [(["--reprob", "0.25"], "pixel", 1),
+                                               (["--reprob", "0.25", "--remode", "const", "--recount", "2"], "const", 2)])
+def test_random_erasing_mode_and_count(args, mode, count):
+    """timm and DeiT erase with per-pixel noise by default; mode and count are the user's to set."""
+    from timm.data.random_erasing import RandomErasing
+
+    classifier = load_recipe("classifier")
+    cfg = classifier.parse_config(classifier.Config, TINY + args)
+    train_tf, _ = classifier.create_transforms(cfg, classifier.create_model(cfg, 10))
+    (erasing,) = [t for t in train_tf.transforms if isinstance(t, RandomErasing)]
+    assert (erasing.probability, erasing.mode, erasing.max_count) == (0.25, mode, count)
