@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -355,13 +356,15 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, capsys):
     assert "/nonexistent/folder" in error_line(capsys, yolo.main, args)
 
 
-def test_export_from_a_single_evaluation_image(tmp_path):
+def test_export_from_a_single_evaluation_image(tmp_path, monkeypatch):
     """An evaluation split of one image gives export one example image: the program is still traced
     with a dynamic batch (an example batch of 1 made torch.export fail) and checked on that image,
-    then runs on a batch of 3."""
+    then runs on a batch of 3. (ONNX, converted from the same program, is left out here to save
+    time: without onnxruntime the export stops after torch.export; test_export_round_trip covers it.)"""
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # `import onnxruntime` raises ImportError
     model = _model()
     diffs = yolo.export_and_check(model, torch.rand(1, 3, 96, 96), tmp_path)
-    assert diffs["export/torch_export_max_abs_diff"] < 1e-4 and diffs["export/onnx_max_abs_diff"] < 1e-3
+    assert set(diffs) == {"export/torch_export_max_abs_diff"} and diffs["export/torch_export_max_abs_diff"] < 1e-4
     images = torch.rand(3, 3, 96, 96)
     with torch.no_grad():
         expected = yolo.Exported(model)(images)
