@@ -54,13 +54,14 @@ def plot_pr_curves(precision: Any, classes: Sequence[str], ap50: Any, path: Path
 
 
 def save_evaluation_figures(details: Any, folder: Path, eval_split: Any = None, plot_images: int = 0,
-                            score_threshold: float = 0.3) -> dict[str, Image.Image]:
+                            score_threshold: float = 0.3, wandb_run: Any = None, step: int = 0) -> dict[str, Image.Image]:
     """Every picture of one detection evaluation under ``folder``, replacing the previous evaluation's
     (the trackers keep the history): ``pr_curves.png``, ``confusion_matrix.png`` (with the background
     row and column), ``per_class_ap.csv`` and, with ``eval_split`` (the normalised dataset that was
     evaluated) and ``plot_images`` > 0, ``detections.png``: its first ``plot_images`` images with ground
     truth and the predictions of this same pass (no second forward pass). ``details``:
-    :class:`common.coco_eval.EvalDetails`. Returns the pictures by name for ``Run.log_plots``."""
+    :class:`common.coco_eval.EvalDetails`. With ``wandb_run``, those images also go to W&B at ``step``
+    with their boxes as interactive overlays. Returns the pictures by name for ``Run.log_plots``."""
     from common.coco_eval import CONFUSION_IOU, CONFUSION_SCORE
 
     folder = Path(folder)
@@ -76,7 +77,7 @@ def save_evaluation_figures(details: Any, folder: Path, eval_split: Any = None, 
 
         samples = evaluation_samples(eval_split, details.predictions, plot_images)
         pictures["detections"] = save_detections(*samples, details.classes, folder / "detections.png",
-                                                 score_threshold)
+                                                 score_threshold, wandb_run=wandb_run, step=step)
     return pictures
 
 

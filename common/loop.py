@@ -217,8 +217,8 @@ class Loop:
         from common.console import summary
 
         weights = [Path(w) for w in weights if Path(w).is_file()]  # best.safetensors: only once one improved
-        best = {k.split("/", 1)[1]: (v, self.extra.get(f"best_step/{k.split('/', 1)[1]}", self.step))
-                for k, v in self.extra.items() if k.startswith("best/")}
+        bests = {k.removeprefix("best/"): v for k, v in self.extra.items() if k.startswith("best/")}
+        best = {m: (v, self.extra.get(f"best_step/{m}", self.step)) for m, v in bests.items()}
         self.run.print(summary(str(self.run.dir), time.perf_counter() - self.run.started, results, best,
-                               [Path(w).name for w in weights]))
+                               [w.name for w in weights]))
         self.run.finish(weights)

@@ -5,7 +5,7 @@ A recipe makes one :class:`Run` from its config first thing in ``main()``: it ch
 (mixed precision, gradient accumulation, trackers, the inductor backend with ``compile``) and seeds
 every generator with ``cfg.seed``. Nothing is written before :meth:`Run.begin`, which
 :class:`common.loop.Loop` calls once data and model are built. The recipe then uses
-``run.accelerator``, ``run.log(values, step)``, ``run.log_images``, ``run.guard.observe(step,
+``run.accelerator``, ``run.log(values, step)``, ``run.log_plots``, ``run.guard.observe(step,
 losses)``; the loop uses ``run.resume()``, ``run.save_checkpoint(state)`` and ``run.should_stop()``.
 
 Run folder (``runs/<recipe>/<name>/``): ``config.yaml``, ``metrics.jsonl`` (every logged value,
@@ -160,6 +160,13 @@ class Run:
         pictures["curves"] = plot_curves(self.dir / "metrics.jsonl", self.plots_dir / "curves.png")
         shown = {f"plots/{k}": v for k, v in pictures.items() if v is not None}
         log_images(self.accelerator, self.cfg.report_to, shown, step)
+
+    def wandb_run(self) -> Any:
+        """The W&B run on the main process with ``report_to wandb`` (for media only W&B takes, such as
+        box overlays), else None."""
+        if self.cfg.report_to != "wandb" or not self.accelerator.is_main_process:
+            return None
+        return self.accelerator.get_tracker("wandb", unwrap=True)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, state: TrainState) -> None:

@@ -84,8 +84,9 @@ def init_trackers(accelerator: Any, cfg: Any, recipe: str, run_dir: Path, config
 def _wandb_id(run_dir: Path, accelerator: Any) -> str:
     """The run folder's W&B id: read back on resume, else a new one written for the next resume."""
     path = run_dir / WANDB_ID_FILE
-    if path.is_file() and path.read_text().strip():
-        return path.read_text().strip()
+    saved = path.read_text().strip() if path.is_file() else ""
+    if saved:
+        return saved
     run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's id form
     if accelerator.is_main_process:
         path.write_text(run_id + "\n")

@@ -813,7 +813,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             run.log({**results, "epoch": epoch}, loop.step)
             pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
             if accelerator.is_main_process:
-                pictures = save_evaluation_figures(details, run.plots_dir, data.eval, cfg.plot_images)
+                pictures = save_evaluation_figures(details, run.plots_dir, data.eval, cfg.plot_images,
+                                                   wandb_run=run.wandb_run(), step=loop.step)
             run.log_plots(loop.step, **pictures)  # and the training curves
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:

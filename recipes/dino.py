@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     momentum_values = schedule("cosine", cfg.momentum_teacher, 1.0, total_steps)
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def evaluate(step: int) -> tuple[dict[str, float], dict[str, Image.Image]]:
+    def evaluate() -> tuple[dict[str, float], dict[str, Image.Image]]:
         """Teacher kNN top-1; on the main process also the nearest-neighbour grid and (ViT) attention maps."""
         teacher.eval()
         bank_f, bank_y = extract(teacher.backbone, run.progress(bank_loader, "kNN bank"), accelerator)
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         test_px, test_y = extract(None, eval_loader, accelerator)
         baseline = {"knn/raw_pixels_top1": knn_top1(bank_px, bank_y, test_px, test_y, cfg.knn_k,
                                                     cfg.knn_temperature, len(data.classes))}
-        step0, pictures = evaluate(0)
+        step0, pictures = evaluate()
         baseline["knn/step0_top1"] = step0["knn/teacher_top1"]
         run.log(baseline, 0)
         run.log_plots(0, **pictures)
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation ------------------------------------------------------------------------
         if loop.eval_due():
-            knn, pictures = evaluate(loop.step)
+            knn, pictures = evaluate()
             results = {**loop.extra["baseline"], **knn}
             run.log({**results, "epoch": epoch}, loop.step)
             run.log_plots(loop.step, **pictures)  # and the training curves

@@ -248,6 +248,19 @@ def test_save_evaluation_figures(tmp_path, split):
     assert rows[0].split(",") == ["class", "instances", "ap50", "ap"] and len(rows) == 1 + len(CLASSES)
 
 
+def test_save_evaluation_figures_sends_box_overlays_to_wandb(tmp_path, split):
+    """With a W&B run, the drawn evaluation images also go to W&B with their boxes (interactive overlays)."""
+    class Recording:
+        def log(self, values, step):
+            self.values, self.step = values, step
+
+    _, details = CocoEvaluator(split, CLASSES).evaluate([_predictions()], details=True)
+    wandb_run = Recording()
+    save_evaluation_figures(details, tmp_path, split, plot_images=2, wandb_run=wandb_run, step=40)
+    assert wandb_run.step == 40 and len(wandb_run.values["detections"]) == 2
+    assert all(image._boxes for image in wandb_run.values["detections"])
+
+
 # --------------------------------------------------------------------------------------------
 # Self-supervised pictures
 # --------------------------------------------------------------------------------------------
