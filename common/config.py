@@ -160,8 +160,9 @@ def timm_optimizers() -> list[str]:
     return names + [f"lookahead_{n}" for n in names]
 
 
-def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
-    """Build ``cls`` from its defaults, then ``--config FILE.yaml``, then ``--field value`` flags.
+def parse_config(cls: type[C], argv: Sequence[str] | None = None, base: dict[str, Any] | None = None) -> C:
+    """Build ``cls`` from its defaults, then ``base`` (e.g. the config saved in a weights file), then
+    ``--config FILE.yaml``, then ``--field value`` flags.
 
     A bool flag given alone (``--compile``) means true. ``--help`` prints the fields and exits.
     The YAML file's path is kept in ``cfg.config`` when the dataclass has such a field.
@@ -199,6 +200,8 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
         config_file = cli["config"]
 
     cfg = cls()
+    if base:
+        _apply(cfg, base, hints, "the weights' saved config", from_cli=False)
     if config_file:
         path = Path(config_file)
         if not path.is_file():

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+from accelerate.utils import set_seed
+
 from common.meters import Meters, format_seconds, prefixed
 
 
@@ -73,6 +75,11 @@ class Loop:
         self.train_loader, self.total_steps = train_loader, total_steps
         run.begin()
         self._banner(eval_images, classes)
+        # From here on each process draws its own random numbers (dropout, drop path, Mixup/CutMix),
+        # as timm and DeiT do: seed + process index. Models were initialised under the shared seed
+        # and prepared (DDP broadcasts rank 0's weights); per-sample augmentation stays keyed by
+        # (seed, epoch, index). A resumed run restores every process's generators below.
+        set_seed(self.cfg.seed, device_specific=True)
         self.start = run.resume()
         self.step, self.epoch, self.batches_done = self.start.step, self.start.epoch, self.start.batches_in_epoch
         self.extra: dict[str, Any] = dict(self.start.extra)

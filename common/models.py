@@ -75,3 +75,30 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         raise UserError(f"weights '{path}' could not be read: {type(e).__name__}: {e}") from None
     return {"recipe": meta.get("recipe", ""), "config": json.loads(meta.get("config", "{}")),
             "classes": json.loads(meta.get("classes", "[]"))}
+
+
+def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors (CPU) and metadata (:func:`read_metadata`) of a weights file, for ``--eval_only`` and
+    ``--predict``; a missing or unreadable file is one :class:`UserError`."""
+    import safetensors.torch
+
+    if not Path(path).is_file():
+        raise UserError(f"weights '{path}' does not exist")
+    meta = read_metadata(path)
+    return safetensors.torch.load_file(str(path)), meta
+
+
+def config_with_weights(cls: type, argv: Sequence[str] | None, fields: Sequence[str]) -> Any:
+    """Parse ``cls`` from ``argv`` (:func:`common.config.parse_config`); when it names ``--weights``, the
+    ``fields`` that define the model (name, size, classes...) default to the values saved in that file's
+    metadata, so ``--eval_only --weights W`` rebuilds the trained model without repeating its flags.
+    A config file and flags still override them."""
+    from common.config import parse_config
+
+    cfg = parse_config(cls, argv)
+    if not getattr(cfg, "weights", ""):
+        return cfg
+    if not Path(cfg.weights).is_file():
+        raise UserError(f"weights '{cfg.weights}' does not exist")
+    saved = read_metadata(cfg.weights)["config"]
+    return parse_config(cls, argv, base={k: saved[k] for k in fields if k in saved})

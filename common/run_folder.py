@@ -28,7 +28,7 @@ from common.config import to_dict
 MAY_CHANGE_ON_RESUME = frozenset({
     "config", "output_dir", "resume", "epochs", "max_steps", "log_every", "eval_every", "checkpoint_every",
     "keep_checkpoints", "num_workers", "report_to", "project", "run_name", "log_weights", "plot_images",
-    "eval_batch_size", "mixed_precision", "compile",
+    "eval_batch_size", "mixed_precision", "compile", "tf32",
 })
 
 

@@ -127,6 +127,8 @@ class Config:
     ema_decay: float = 0.0  # >0: keep a model EMA and evaluate it too (e.g. 0.9998)
     ema_warmup: bool = True  # the EMA decay ramps as min(ema_decay, (1 + step) / (10 + step)), so the init fades fast
     mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
+    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
+        # full fp32 precision and a fixed convolution algorithm)
     # run
     output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation and initialisation

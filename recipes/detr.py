@@ -155,6 +155,8 @@ class Config:
         # (DETR: 200 of 300)
     clip_grad: float = 0.1  # clip the global gradient norm to this (0: off; DETR: 0.1)
     mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
+    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
+        # full fp32 precision and a fixed convolution algorithm)
     compile: bool = False  # torch.compile the model through Accelerate (inductor); the matcher stays eager
     # evaluation
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)

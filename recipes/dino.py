@@ -120,6 +120,8 @@ class Config:
     momentum_teacher: float = 0.95  # teacher EMA momentum, cosine to 1 (0.996 on ImageNet: 0.95 lets the demo's
         # 360-step teacher move)
     mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
+    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
+        # full fp32 precision and a fixed convolution algorithm)
     compile: bool = False  # torch.compile the student through Accelerate (inductor)
     # evaluation
     knn_k: int = 20  # neighbours that vote in the weighted kNN evaluation (reference: 20)

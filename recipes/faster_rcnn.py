@@ -146,6 +146,8 @@ class Config:
     poly_power: float = 0.9  # lr = lr x (1 - progress) ** this after warmup, for sched=poly (seamseg: 0.9)
     clip_grad: float = 10.0  # clip the global gradient norm to this (0: off)
     mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
+    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
+        # full fp32 precision and a fixed convolution algorithm)
     compile: bool = False  # torch.compile the whole model through Accelerate (inductor); graph breaks at NMS and
         # sampling
     # evaluation

@@ -128,6 +128,8 @@ class Config:
     clip_grad: float = 10.0  # clip the global gradient norm to this (0: off)
     ema_decay: float = 0.999  # model EMA decay (0: off); the EMA is what is evaluated, kept and exported
     mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
+    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
+        # full fp32 precision and a fixed convolution algorithm)
     compile: bool = False  # torch.compile through Accelerate (inductor); the first steps are slow while it compiles
     # evaluation and export
     conf_threshold: float = 0.01  # scores below are dropped before NMS
