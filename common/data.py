@@ -168,6 +168,25 @@ def load_classification(
     return ClassificationData(train, evaluation, image_column, label_column, classes)
 
 
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif")
+
+
+def image_files(path: str | Path) -> list[Path]:
+    """The images ``--predict`` names: one image file, or every image under a folder (recursively,
+    sorted). Nothing to read is one :class:`UserError`."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix.lower() not in IMAGE_SUFFIXES:
+            raise UserError(f"predict: '{path}' is not an image ({', '.join(IMAGE_SUFFIXES)})")
+        return [path]
+    if not path.is_dir():
+        raise UserError(f"predict: '{path}' does not exist")
+    found = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not found:
+        raise UserError(f"predict: no images ({', '.join(IMAGE_SUFFIXES)}) under '{path}'")
+    return found
+
+
 # --------------------------------------------------------------------------------------------
 # Decoding and per-sample seeding
 # --------------------------------------------------------------------------------------------
