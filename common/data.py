@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from PIL import Image
 
 from common import UserError
 from common.builtin import CLASSIFICATION
+from common.images import decode_image
 
 EVAL_SPLITS = ("validation", "val", "valid", "test")
 
@@ -64,7 +63,9 @@ def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
         raise UserError(f"{what} '{data}' could not be loaded ({first}); expected {expected}") from None
 
 
-def _detect_columns(ds, image_column: str, label_column: str) -> tuple[str, str]:
+def _detect_columns(ds, image_column: str, label_column: str, labels: bool = True) -> tuple[str, str]:
+    """The image and label columns, given or detected; with ``labels=False`` a dataset without a label
+    column gives an empty label column name instead of an error."""
     import datasets
 
     cols = ds.features
@@ -75,9 +76,9 @@ def _detect_columns(ds, image_column: str, label_column: str) -> tuple[str, str]
     if not label_column:
         label_column = next((k for k, f in cols.items() if isinstance(f, datasets.ClassLabel)), "")
         label_column = label_column or next((k for k in ("label", "labels", "fine_label") if k in cols), "")
-        if not label_column:
+        if not label_column and labels:
             raise UserError(f"no label column found among {list(cols)}; set --label_column")
-    for name in (image_column, label_column):
+    for name in (image_column, label_column) if label_column else (image_column,):
         if name not in cols:
             raise UserError(f"column '{name}' not in the dataset; it has {list(cols)}")
     return image_column, label_column
@@ -86,7 +87,7 @@ def _detect_columns(ds, image_column: str, label_column: str) -> tuple[str, str]
 @dataclasses.dataclass
 class ClassificationData:
     train: Any  # datasets.Dataset, images left undecoded
-    eval: Any
+    eval: Any  # None for a dataset without labels (load_classification(labels=False))
     image_column: str
     label_column: str
     classes: list[str]
@@ -121,12 +122,16 @@ def load_classification(
     eval_split: str = "",
     eval_fraction: float = 0.1,
     seed: int = 0,
+    labels: bool = True,
 ) -> ClassificationData:
     """Load train and evaluation splits of an image-classification dataset.
 
     ``eval_split`` empty: the first of validation/val/valid/test that exists, else a seeded
     ``eval_fraction`` of the training split. Images stay undecoded (bytes or a path) until a
     DataLoader worker decodes them, so an unreadable file is reported by name.
+    ``labels=False`` (self-supervised training) also accepts images without labels (a folder of plain
+    image files, a dataset without a label column): then ``label_column`` is empty, ``classes`` is
+    empty, ``eval`` is None and the whole training split is kept.
     """
     import datasets
 
@@ -139,7 +144,12 @@ def load_classification(
     eval_split = eval_split or next((s for s in EVAL_SPLITS if s in source and s != train_split), "")
     if eval_split and eval_split not in source:
         raise UserError(f"dataset '{data}' has no split '{eval_split}'; it has {list(source)}")
-    image_column, label_column = _detect_columns(train, image_column, label_column)
+    image_column, label_column = _detect_columns(train, image_column, label_column, labels)
+    if not label_column:
+        if len(train) == 0:
+            raise UserError(f"the training split of '{data}' is empty")
+        return ClassificationData(train.cast_column(image_column, datasets.Image(decode=False)), None,
+                                  image_column, "", [])
     if eval_split:
         evaluation = source[eval_split]
     else:
@@ -168,41 +178,9 @@ def load_classification(
     return ClassificationData(train, evaluation, image_column, label_column, classes)
 
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif")
-
-
-def image_files(path: str | Path) -> list[Path]:
-    """The images ``--predict`` names: one image file, or every image under a folder (recursively,
-    sorted). Nothing to read is one :class:`UserError`."""
-    path = Path(path)
-    if path.is_file():
-        if path.suffix.lower() not in IMAGE_SUFFIXES:
-            raise UserError(f"predict: '{path}' is not an image ({', '.join(IMAGE_SUFFIXES)})")
-        return [path]
-    if not path.is_dir():
-        raise UserError(f"predict: '{path}' does not exist")
-    found = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-    if not found:
-        raise UserError(f"predict: no images ({', '.join(IMAGE_SUFFIXES)}) under '{path}'")
-    return found
-
-
 # --------------------------------------------------------------------------------------------
-# Decoding and per-sample seeding
+# Per-sample seeding
 # --------------------------------------------------------------------------------------------
-def decode_image(value: dict[str, Any] | Image.Image, name: str) -> Image.Image:
-    """An RGB PIL image from a ``datasets.Image(decode=False)`` value; UserError naming the file."""
-    if isinstance(value, Image.Image):
-        return value.convert("RGB")
-    path = value.get("path") or name
-    try:
-        image = Image.open(io.BytesIO(value["bytes"])) if value.get("bytes") else Image.open(value["path"])
-        image.load()
-        return image.convert("RGB")
-    except Exception as e:
-        raise UserError(f"cannot read image '{path}': {type(e).__name__}: {e}") from None
-
-
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """A 63-bit seed unique to (run seed, epoch, sample index); index -1 seeds the epoch's order."""
     high, low = np.random.SeedSequence([seed, epoch, index + 1]).generate_state(2)
@@ -247,8 +225,8 @@ class ClassificationDataset(torch.utils.data.Dataset):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         row = self.ds[int(index)]
         image = decode_image(row[self.image_column], f"row {index} of column '{self.image_column}'")
-        with seeded(sample_seed(self.seed, epoch, index)):
-            return self.transform(image), int(row[self.label_column])
+        with seeded(sample_seed(self.seed, epoch, index)):  # label -1: a dataset without labels
+            return self.transform(image), int(row[self.label_column]) if self.label_column else -1
 
 
 # --------------------------------------------------------------------------------------------

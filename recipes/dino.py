@@ -51,13 +51,13 @@ from torch import nn
 from torchvision import transforms as T
 
 from common import UserError
-from common.config import parse_config
 from common.console import cli_main
 from common.data import ClassificationDataset, eval_loader_for, load_classification, train_loader_for
 from common.ema import ema_update_
+from common.knn import extract, knn_accuracy, knn_predict, shard
 from common.feature_figures import attention_overlay, neighbour_grid
 from common.loop import Loop, steps_total
-from common.models import create_timm_model, save_weights, sync_batchnorm
+from common.models import config_with_weights, create_timm_model, load_weights, save_weights, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
 
@@ -71,12 +71,15 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 class Config:
     config: str = ""  # the YAML file this run was read from (set by --config)
     # data
-    data: str = "digits_ssl"  # built-in name, local folder or hub name; labels only used by kNN
+    data: str = "digits_ssl"  # built-in name, local folder or hub name; labels are optional (a folder of plain
+        # image files trains), used only by the kNN evaluation
     image_column: str = ""  # the column holding the images; empty: detected (the first Image column)
     label_column: str = ""  # the column holding the labels, used by the kNN evaluation only; empty: detected
     train_split: str = "train"  # the split to train on, also the kNN memory bank
     eval_split: str = ""  # the split the kNN evaluation classifies; empty: validation/val/valid/test, else a seeded
         # 10 % of train
+    knn_data: str = ""  # a labelled set for the kNN evaluation (any source the classifier takes; its training split
+        # is the bank, its evaluation split the queries); empty: data itself when it has labels, else no kNN
     global_size: int = 32  # global crop size in pixels (224 for ImageNet)
     local_size: int = 16  # local crop size in pixels (96 for ImageNet)
     local_crops: int = 6  # number of local crops per image (10 for ImageNet; 0: the 2 global crops only)
@@ -124,9 +127,16 @@ class Config:
         # full fp32 precision and a fixed convolution algorithm)
     compile: bool = False  # torch.compile the student through Accelerate (inductor)
     # evaluation
-    knn_k: int = 20  # neighbours that vote in the weighted kNN evaluation (reference: 20)
+    knn_k: list[int] = field(default_factory=lambda: [20])  # neighbours that vote in the weighted kNN evaluation:
+        # the first gives knn/teacher_top1, the others knn/teacher_top1_k<k> (reference eval_knn: 10, 20, 100, 200)
     knn_temperature: float = 0.07  # the kNN votes weigh exp(cosine similarity / this) (reference: 0.07)
     knn_train_limit: int = 0  # >0: at most this many memory-bank images (seeded subset)
+    knn_resize: int = 0  # kNN images: shorter side resized to this, then centre-cropped to global_size (reference:
+        # 256 for 224); 0: resized straight to global_size
+    knn_pixel_size: int = 32  # the raw-pixel kNN baseline compares images area-resized to this side, px
+    knn_pixel_limit: int = 20000  # the raw-pixel baseline's bank: at most this many images (seeded); 0: no baseline
+    weights: str = ""  # with eval_only: a backbone this recipe saved (teacher_backbone.safetensors)
+    eval_only: bool = False  # the kNN evaluation of --weights on the labelled data, no training (metrics.jsonl only)
     plot_images: int = 4  # evaluation images drawn under plots/ at each evaluation: their nearest neighbours in the
         # kNN bank, and for ViTs the [CLS] attention over them (0: none)
     # run
@@ -191,10 +201,9 @@ class MultiCrop:
         return [self.global1(img), self.global2(img)] + [self.local(img) for _ in range(self.local_crops)]
 
 
-def eval_transform(size: int) -> T.Compose:
-    # The reference resizes to 256/224 of the crop then centre-crops; our built-in images are
-    # already framed, so resize to the crop size directly (same thing at crop_pct 1).
-    return T.Compose([T.Resize(size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(size),
+def eval_transform(size: int, resize: int = 0) -> T.Compose:
+    """Shorter side to ``resize`` (the reference: 256 for a 224 crop; 0: to ``size``), centre crop ``size``."""
+    return T.Compose([T.Resize(resize or size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(size),
                       T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
@@ -317,38 +326,14 @@ def clip_gradients_per_param(params: list[nn.Parameter], clip: float) -> torch.T
 # ============================================================================================
 # Evaluation: weighted kNN on teacher backbone features, attention maps
 # ============================================================================================
-@torch.no_grad()
-def extract(backbone: nn.Module | None, loader, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2-normalised features ([N, D]) and labels of a whole split, gathered from all processes.
-    ``backbone=None`` gives raw pixels."""
-    feats, labels = [], []
-    for images, targets in loader:
-        if backbone is None:
-            f = images.flatten(1).float()
-        else:
-            with accelerator.autocast():
-                f = backbone(images).float()
-        f, targets = accelerator.gather_for_metrics((F.normalize(f, dim=1), targets))
-        feats.append(f)
-        labels.append(targets)
-    return torch.cat(feats), torch.cat(labels)
-
-
-@torch.no_grad()
 def knn_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor, test_y: torch.Tensor,
              k: int = 20, temperature: float = 0.07, num_classes: int | None = None) -> float:
-    """Weighted kNN (DINO's eval_knn): each of the k most cosine-similar training features votes
-    for its class with weight exp(similarity / temperature). Returns top-1 in percent."""
+    """Weighted kNN (DINO's eval_knn) on whole feature sets in one process: each of the k most
+    cosine-similar training features votes for its class with weight exp(similarity / temperature).
+    Returns top-1 in percent. (The recipe runs the same through common.knn on sharded banks.)"""
     num_classes = num_classes or int(max(train_y.max(), test_y.max())) + 1
-    k = min(k, len(train_f))
-    correct = 0.0
-    for start in range(0, len(test_f), 512):  # chunks keep the [queries, bank] matrix small
-        sim = test_f[start:start + 512] @ train_f.T
-        top_sim, top_idx = sim.topk(k, dim=1)
-        votes = torch.zeros(len(sim), num_classes, device=sim.device)
-        votes.scatter_add_(1, train_y[top_idx], (top_sim / temperature).exp())
-        correct += (votes.argmax(dim=1) == test_y[start:start + 512]).sum()
-    return float(correct * 100.0 / len(test_f))
+    sims, labels, queries = knn_predict(train_f, train_y, test_f, test_y, k)
+    return knn_accuracy(sims, labels, queries, [min(k, len(train_f))], temperature, num_classes)[min(k, len(train_f))]
 
 
 @torch.no_grad()
@@ -384,37 +369,54 @@ def unnormalise(images: torch.Tensor) -> torch.Tensor:
 # ============================================================================================
 # Training
 # ============================================================================================
+MODEL_FIELDS = ("model", "model_kwargs", "global_size")  # what --weights restores from the file's saved config
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    cfg = parse_config(Config, argv)
+    cfg = config_with_weights(Config, argv, MODEL_FIELDS)
     if cfg.local_crops < 0 or cfg.global_size < cfg.local_size:
         raise UserError("need local_crops >= 0 and global_size >= local_size")
+    if cfg.eval_only and not cfg.weights:
+        raise UserError("eval_only needs --weights (a teacher_backbone.safetensors this recipe saved)")
+    if not cfg.knn_k or min(cfg.knn_k) < 1:
+        raise UserError(f"knn_k needs one or more neighbour counts >= 1, got {cfg.knn_k}")
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
+    if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):  # before anything is written
+        raise UserError(f"DINO's teacher is an EMA of the whole student and needs its full weights on every "
+                        f"process; {accelerator.distributed_type.name} shards them: launch with plain data "
+                        "parallelism (configs/accelerate/multi_gpu_bf16.yaml)")
 
-    # ---- data ------------------------------------------------------------------------------
+    # ---- data: unlabelled images train; a labelled set (data itself, or knn_data) evaluates ---------
     with accelerator.main_process_first():
         data = load_classification(cfg.data, cfg.image_column, cfg.label_column, cfg.train_split,
-                                   cfg.eval_split, seed=cfg.seed)
+                                   cfg.eval_split, seed=cfg.seed, labels=False)
+        knn_set = load_classification(cfg.knn_data, seed=cfg.seed) if cfg.knn_data else data
+    if not knn_set.classes:
+        knn_set = None
+        if cfg.eval_only:
+            raise UserError(f"eval_only needs labels: '{cfg.data}' has none; name a labelled set with --knn_data")
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, MultiCrop(cfg), cfg.seed)
     train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
                                   accelerator.num_processes)
-    bank = data.train
-    if 0 < cfg.knn_train_limit < len(bank):
-        bank = bank.shuffle(seed=cfg.seed).select(range(cfg.knn_train_limit))
-    bank_loader = eval_loader_for(ClassificationDataset(bank, data.image_column, data.label_column,
-                                                        eval_transform(cfg.global_size)), 2 * cfg.batch_size, cfg.num_workers)
-    eval_loader = eval_loader_for(ClassificationDataset(data.eval, data.image_column, data.label_column,
-                                                        eval_transform(cfg.global_size)), 2 * cfg.batch_size, cfg.num_workers)
+    if knn_set is not None:  # each process reads its own share of the bank and of the queries
+        bank = knn_set.train
+        if 0 < cfg.knn_train_limit < len(bank):
+            bank = bank.shuffle(seed=cfg.seed).select(range(cfg.knn_train_limit))
+        knn_tf = eval_transform(cfg.global_size, cfg.knn_resize)
+        bank_set = ClassificationDataset(bank, knn_set.image_column, knn_set.label_column, knn_tf)
+        query_set = ClassificationDataset(knn_set.eval, knn_set.image_column, knn_set.label_column, knn_tf)
+        here = (accelerator.process_index, accelerator.num_processes)
+        bank_loader = eval_loader_for(shard(bank_set, *here), 2 * cfg.batch_size, cfg.num_workers)
+        query_loader = eval_loader_for(shard(query_set, *here), 2 * cfg.batch_size, cfg.num_workers)
+        pixel_bank = (bank_set if len(bank_set) <= cfg.knn_pixel_limit else  # the raw-pixel baseline's capped bank
+                      torch.utils.data.Subset(bank_set, torch.randperm(len(bank_set), generator=torch.Generator()
+                                                                       .manual_seed(cfg.seed))[:cfg.knn_pixel_limit].tolist()))
+        pixel_loader = eval_loader_for(shard(pixel_bank, *here), 2 * cfg.batch_size, cfg.num_workers)
 
-    # ---- model: student and teacher (an exact copy, never trained by gradients) -------------
+    # ---- model: the student; the teacher is copied from it once prepared (the same on every process) --
     student = create_student(cfg)
     student = sync_batchnorm(student, accelerator)  # several GPUs: BN statistics over the global batch
-    teacher = copy.deepcopy(student).requires_grad_(False)
-    for m in teacher.modules():  # the reference builds its teacher without drop path or dropout
-        if hasattr(m, "drop_prob"):
-            m.drop_prob = 0.0
-        elif isinstance(m, nn.Dropout):
-            m.p = 0.0
 
     # ---- loss ----------------------------------------------------------------------------------
     ncrops = 2 + cfg.local_crops
@@ -426,13 +428,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     groups = weight_decay_groups(student, cfg.weight_decay)  # lr and decay: per step; none for biases and norms
     optimizer = (torch.optim.AdamW(groups, lr=cfg.lr, **fused) if cfg.opt == "adamw"
                  else torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, **fused))
-    student, optimizer, train_loader, bank_loader, eval_loader = accelerator.prepare(
-        student, optimizer, train_loader, bank_loader, eval_loader)
-    teacher.to(accelerator.device)
+    student, optimizer, train_loader = accelerator.prepare(student, optimizer, train_loader)
+    unwrapped = accelerator.unwrap_model(student)
+    # The teacher: an exact copy of the prepared student (DDP has broadcast process 0's weights), never
+    # trained by gradients; the reference builds it without drop path or dropout.
+    teacher = copy.deepcopy(unwrapped).requires_grad_(False)
+    for m in teacher.modules():
+        if hasattr(m, "drop_prob"):
+            m.drop_prob = 0.0
+        elif isinstance(m, nn.Dropout):
+            m.p = 0.0
     dino_loss.to(accelerator.device)
     accelerator.register_for_checkpointing(teacher)
     accelerator.register_for_checkpointing(dino_loss)  # the centre is training state
-    unwrapped = accelerator.unwrap_model(student)
     student_params = list(unwrapped.parameters())
     teacher_params = list(teacher.parameters())
     last_layer_params = list(unwrapped.head.last_layer.parameters())
@@ -445,44 +453,77 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     wd_values = schedule("cosine", cfg.weight_decay, cfg.weight_decay_end, total_steps)
     momentum_values = schedule("cosine", cfg.momentum_teacher, 1.0, total_steps)
 
-    # ---- evaluation ----------------------------------------------------------------------------
-    def evaluate() -> tuple[dict[str, float], dict[str, Image.Image]]:
+    # ---- evaluation: weighted kNN on fp32 features, the bank sharded over the processes -------------
+    def knn_metrics(backbone: nn.Module | None, name: str) -> tuple[dict[str, float], torch.Tensor]:
+        """knn/<name>_top1 (the first of knn_k) and knn/<name>_top1_k<k>, and this process's bank features;
+        ``backbone=None``: raw pixels."""
+        device = accelerator.device
+        bank_f, bank_y = extract(backbone, run.progress(pixel_loader if backbone is None else bank_loader,
+                                                        f"kNN bank ({name})"), device, cfg.knn_pixel_size)
+        test_f, test_y = extract(backbone, run.progress(query_loader, f"kNN queries ({name})"), device,
+                                 cfg.knn_pixel_size)
+        sims, labels, queries = knn_predict(bank_f, bank_y, test_f, test_y, max(cfg.knn_k))
+        scores = knn_accuracy(sims, labels, queries, [min(k, sims.shape[1]) for k in cfg.knn_k],
+                              cfg.knn_temperature, len(knn_set.classes))
+        out = {f"knn/{name}_top1": scores[min(cfg.knn_k[0], sims.shape[1])]}
+        out.update({f"knn/{name}_top1_k{k}": scores[min(k, sims.shape[1])] for k in cfg.knn_k[1:]})
+        return out, bank_f
+
+    def evaluate(backbone: nn.Module) -> tuple[dict[str, float], dict[str, Image.Image]]:
         """Teacher kNN top-1; on the main process also the nearest-neighbour grid and (ViT) attention maps."""
-        teacher.eval()
-        bank_f, bank_y = extract(teacher.backbone, run.progress(bank_loader, "kNN bank"), accelerator)
-        test_f, test_y = extract(teacher.backbone, run.progress(eval_loader, "kNN queries"), accelerator)
-        result = {"knn/teacher_top1": knn_top1(bank_f, bank_y, test_f, test_y, cfg.knn_k, cfg.knn_temperature,
-                                               len(data.classes))}
+        backbone.eval()
+        result, bank_f = knn_metrics(backbone, "teacher")
         pictures = {}
-        if cfg.plot_images > 0 and accelerator.is_main_process:
-            # the first evaluation images and their nearest bank images (cosine similarity of teacher features)
-            count = min(cfg.plot_images, len(test_f))
-            images = torch.stack([eval_loader.dataset[i][0] for i in range(count)])
-            similarity, index = (test_f[:count] @ bank_f.T).topk(min(5, len(bank_f)), dim=1)
-            neighbours = torch.stack([torch.stack([bank_loader.dataset[j][0] for j in row]) for row in index.tolist()])
-            names = [data.classes[int(y)] for y in bank_y.tolist()]
-            pictures["neighbours"] = neighbour_grid(
-                unnormalise(images), unnormalise(neighbours), run.plots_dir / "neighbours.png",
-                [data.classes[int(y)] for y in test_y[:count].tolist()],
-                [[names[j] for j in row] for row in index.tolist()], similarity.cpu())
-            maps = attention_maps(teacher.backbone, images.to(accelerator.device))
-            if maps is not None:  # ViTs: where the [CLS] token looks
-                pictures["attention"] = attention_overlay(unnormalise(images), maps, run.plots_dir / "attention.png")
-        teacher.train()  # the reference's teacher runs in train mode (batch statistics) while training
+        if cfg.plot_images > 0:  # every process searches its bank shard for the first queries' neighbours
+            count = min(cfg.plot_images, len(query_set))
+            images = torch.stack([query_set[i][0] for i in range(count)])
+            plot_f, _ = extract(backbone, [(images, [0] * count)], accelerator.device)
+            bank_index = torch.arange(accelerator.process_index, len(bank_set), accelerator.num_processes,
+                                      device=accelerator.device)  # this shard's rows in the whole bank
+            similarity, index, _ = knn_predict(bank_f, bank_index, plot_f, bank_index[:count], 5)
+            similarity, index = similarity[:count], index[:count]  # every process asked the same queries
+            if accelerator.is_main_process:
+                neighbours = [[bank_set[j] for j in row] for row in index.tolist()]  # (image, label) pairs
+                pictures["neighbours"] = neighbour_grid(
+                    unnormalise(images), unnormalise(torch.stack([torch.stack([x for x, _ in r]) for r in neighbours])),
+                    run.plots_dir / "neighbours.png", [knn_set.classes[query_set[i][1]] for i in range(count)],
+                    [[knn_set.classes[y] for _, y in r] for r in neighbours], similarity.cpu())
+                maps = attention_maps(backbone, images.to(accelerator.device))
+                if maps is not None:  # ViTs: where the [CLS] token looks
+                    pictures["attention"] = attention_overlay(unnormalise(images), maps,
+                                                              run.plots_dir / "attention.png")
+        backbone.train()  # the reference's teacher runs in train mode (batch statistics) while training
         return result, pictures
 
-    # ---- resume, or the step-0 baselines ---------------------------------------------------------
-    loop = Loop(run, train_loader, total_steps, len(data.eval), data.classes)
-    meters = loop.meters
-    if "baseline" not in loop.extra:  # kept in every checkpoint, so a resumed run does not redo them
-        bank_px, bank_y = extract(None, bank_loader, accelerator)
-        test_px, test_y = extract(None, eval_loader, accelerator)
-        baseline = {"knn/raw_pixels_top1": knn_top1(bank_px, bank_y, test_px, test_y, cfg.knn_k,
-                                                    cfg.knn_temperature, len(data.classes))}
-        step0, pictures = evaluate()
-        baseline["knn/step0_top1"] = step0["knn/teacher_top1"]
-        run.log(baseline, 0)
+    # ---- evaluation only: the kNN of a saved backbone --------------------------------------------
+    if cfg.eval_only:
+        state, meta = load_weights(cfg.weights)
+        missing, unexpected = teacher.backbone.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise UserError(f"weights '{cfg.weights}' do not fit model '{cfg.model}': missing {missing[:5]}, "
+                            f"unexpected {unexpected[:5]}")
+        run.begin()
+        results, pictures = evaluate(teacher.backbone)
+        run.log(results, 0)
         run.log_plots(0, **pictures)
+        run.finish()
+        return results
+
+    # ---- resume, or the step-0 baselines ---------------------------------------------------------
+    loop = Loop(run, train_loader, total_steps, len(query_set) if knn_set else None,
+                knn_set.classes if knn_set else None)
+    meters = loop.meters
+    if knn_set is None and "baseline" not in loop.extra:
+        run.print(f"no kNN evaluation: '{cfg.data}' has no labels; name a labelled set with --knn_data")
+    if "baseline" not in loop.extra:  # kept in every checkpoint, so a resumed run does not redo them
+        baseline: dict[str, float] = {}
+        if knn_set is not None:
+            if cfg.knn_pixel_limit > 0:
+                baseline.update(knn_metrics(None, "raw_pixels")[0])
+            step0, pictures = evaluate(teacher.backbone)
+            baseline.update({k.replace("teacher", "step0"): v for k, v in step0.items()})
+            run.log(baseline, 0)
+            run.log_plots(0, **pictures)
         loop.extra["baseline"] = baseline
     results: dict[str, float] = dict(loop.extra["baseline"])
 
@@ -522,8 +563,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                teacher_temp=dino_loss.teacher_temp_schedule[min(epoch, cfg.epochs - 1)])
 
         # ---- evaluation ------------------------------------------------------------------------
-        if loop.eval_due():
-            knn, pictures = evaluate()
+        if loop.eval_due() and knn_set is not None:
+            knn, pictures = evaluate(teacher.backbone)
             results = {**loop.extra["baseline"], **knn}
             run.log({**results, "epoch": epoch}, loop.step)
             run.log_plots(loop.step, **pictures)  # and the training curves

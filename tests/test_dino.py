@@ -12,6 +12,7 @@ import timm
 import torch
 import yaml
 
+from common.config import parse_config
 from common.schedules import schedule
 from conftest import assert_pictures, check, load_recipe, run_recipe
 
@@ -110,7 +111,7 @@ def test_knn_weighted_vote_by_hand():
 
 @pytest.mark.parametrize("kwargs", [{}, {"pos_embed": "none", "class_token": False, "global_pool": "avg"}])
 def test_attention_maps_with_and_without_a_class_token(tmp_path, kwargs):
-    cfg = dino.parse_config(dino.Config, ["--model", "vit_tiny_patch16_224", "--model_kwargs",
+    cfg = parse_config(dino.Config, ["--model", "vit_tiny_patch16_224", "--model_kwargs",
                                           str({"patch_size": 4, "embed_dim": 96, "depth": 2, "num_heads": 3, **kwargs})])
     backbone = dino.create_backbone(cfg).eval()
     images = torch.randn(3, 3, 32, 32)
@@ -120,7 +121,7 @@ def test_attention_maps_with_and_without_a_class_token(tmp_path, kwargs):
     if kwargs == {}:
         assert torch.all(maps.flatten(1).sum(1) <= 1 + 1e-5)
     assert backbone.blocks[-1].attn.fused_attn == timm.layers.use_fused_attn()  # restored after the hook
-    resnet = dino.create_backbone(dino.parse_config(dino.Config, []))  # the demo's ResNet: nothing to draw
+    resnet = dino.create_backbone(parse_config(dino.Config, []))  # the demo's ResNet: nothing to draw
     assert dino.attention_maps(resnet, torch.randn(1, 3, 32, 32)) is None
     assert dino.unnormalise(images).min() >= 0 and dino.unnormalise(images).max() <= 1
 
@@ -202,3 +203,61 @@ def test_two_processes_match_one_process(one_process, tmp_path):
     t1, t2 = _teacher(_checkpoint(one, 3)), _teacher(_checkpoint(two, 3))
     assert all(torch.allclose(t1[k], t2[k], atol=1e-5) for k in t1)
     assert m1[-1]["knn/teacher_top1"] == pytest.approx(m2[-1]["knn/teacher_top1"])
+
+
+def test_knn_over_shards_equals_the_whole_bank():
+    """common.knn: the top k of a bank scored in query chunks equals a plain top k; the votes for several
+    k come from one search."""
+    from common.knn import knn_accuracy, knn_predict
+
+    g = torch.Generator().manual_seed(0)
+    bank = torch.nn.functional.normalize(torch.randn(300, 16, generator=g), dim=1)
+    bank_y, queries = torch.randint(0, 5, (300,), generator=g), torch.nn.functional.normalize(torch.randn(70, 16, generator=g), dim=1)
+    query_y = torch.randint(0, 5, (70,), generator=g)
+    sims, labels, got_y = knn_predict(bank, bank_y, queries, query_y, k=20, chunk=16)
+    top, index = (queries @ bank.T).topk(20, dim=1)
+    assert torch.allclose(sims, top) and torch.equal(labels, bank_y[index]) and torch.equal(got_y, query_y)
+    scores = knn_accuracy(sims, labels, got_y, [5, 20], 0.07, 5)
+    for k in (5, 20):
+        assert scores[k] == pytest.approx(dino.knn_top1(bank, bank_y, queries, query_y, k, 0.07, 5))
+
+
+def test_unlabelled_folder_trains_and_knn_data_evaluates(tmp_path, capsys):
+    """A folder of plain image files (no class folders) trains; without labels the kNN evaluation is
+    skipped with one notice line, with --knn_data it runs on that labelled set."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    from PIL import Image
+
+    for i in range(40):
+        Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(folder / f"img_{i}.jpg")
+    args = FAST + ["--data", str(folder), "--max_steps", "2", "--batch_size", "16"]
+    out = dino.main(args + ["--output_dir", str(tmp_path / "plain")])
+    assert out == {} and "no kNN evaluation" in capsys.readouterr().out
+    assert (tmp_path / "plain" / "teacher_backbone.safetensors").is_file()
+    out = dino.main(args + ["--knn_data", "digits", "--knn_k", "[5, 10]", "--output_dir", str(tmp_path / "knn")])
+    assert 0 <= out["knn/teacher_top1"] <= 100 and "knn/teacher_top1_k10" in out and "knn/raw_pixels_top1" in out
+
+
+def test_eval_only_scores_a_saved_backbone(one_process, tmp_path):
+    """--eval_only --weights: the kNN of the file's backbone (model rebuilt from its saved config), metrics.jsonl
+    and no checkpoints; the same score as the training run's last evaluation."""
+    weights = one_process / "teacher_backbone.safetensors"
+    out = dino.main(["--eval_only", "--weights", str(weights), "--data", "digits", "--knn_train_limit", "200",
+                     "--report_to", "none", "--num_workers", "0", "--plot_images", "0", "--output_dir", str(tmp_path)])
+    trained = [json.loads(x) for x in (one_process / "metrics.jsonl").read_text().splitlines()][-1]
+    assert out["knn/teacher_top1"] == pytest.approx(trained["knn/teacher_top1"])
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["knn/teacher_top1"] == out["knn/teacher_top1"]
+    assert not list((tmp_path / "checkpoints").glob("step_*"))
+
+
+def test_sharded_strategies_are_refused_before_anything_is_written(monkeypatch, capsys, tmp_path):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from conftest import error_line
+
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.FSDP))
+    line = error_line(capsys, dino.main, FAST + ["--output_dir", str(tmp_path / "run")])
+    assert "FSDP" in line and not (tmp_path / "run").exists()
