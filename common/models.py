@@ -102,3 +102,18 @@ def config_with_weights(cls: type, argv: Sequence[str] | None, fields: Sequence[
         raise UserError(f"weights '{cfg.weights}' does not exist")
     saved = read_metadata(cfg.weights)["config"]
     return parse_config(cls, argv, base={k: saved[k] for k in fields if k in saved})
+
+
+@torch.no_grad()
+def average_bn_statistics(model: nn.Module, accelerator: Any) -> None:
+    """Average every batch-norm layer's running mean and variance over the processes, in place (timm's
+    ``distribute_bn`` "reduce"): each process's statistics have seen only its own batches, and a model
+    EMA's buffers follow each process's own model. Call on every process before evaluating; one process
+    or SyncBatchNorm (statistics already global): nothing to do."""
+    if accelerator.num_processes == 1:
+        return
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm) \
+                and m.track_running_stats:
+            for buf in (m.running_mean, m.running_var):
+                buf.copy_(accelerator.reduce(buf, reduction="mean"))

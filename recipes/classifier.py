@@ -43,17 +43,19 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from timm.data import Mixup, create_transform, resolve_data_config
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 
 from common import UserError
-from common.config import parse_config, timm_optimizers
+from common.config import timm_optimizers
 from common.console import cli_main
 from common.data import ClassificationDataset, eval_loader_for, load_classification, train_loader_for
 from common.ema import ModelEma
-from common.figures import plot_confusion_matrix
+from common.figures import format_table, plot_confusion_matrix, save_table_csv
+from common.images import decode_image, image_files
 from common.loop import Loop, steps_total
-from common.models import create_timm_model, save_weights
+from common.models import (average_bn_statistics, config_with_weights, create_timm_model, load_weights, save_weights,
+                           sync_batchnorm)
 from common.run import Run
 from common.schedules import schedule, set_group_values
 
@@ -89,6 +91,9 @@ class Config:
     mixup_prob: float = 1.0  # probability that a batch is mixed at all (when mixup or cutmix is on)
     mixup_switch_prob: float = 0.5  # probability of CutMix rather than Mixup for a batch when both are on
     smoothing: float = 0.1  # label smoothing: the target's weight spread over the other classes (0: off)
+    bce_loss: bool = False  # binary cross-entropy per class (timm's BinaryCrossEntropy; ResNet strikes back, DeiT III)
+        # instead of softmax cross-entropy; Mixup/CutMix and smoothing targets as with cross-entropy
+    bce_target_thresh: float = 0.0  # >0: BCE targets binarised at this threshold (timm's --bce-target-thresh)
     num_workers: int = 2  # DataLoader worker processes per training process (0: load in the main process)
     # model
     model: str = "resnet18"  # any timm model name (timm.list_models())
@@ -101,6 +106,8 @@ class Config:
     bn_momentum: float = 0.0  # 0: the model's default (PyTorch convention: weight of the new batch)
     bn_momentum_end: float = 0.0  # >0: anneal bn_momentum to this by epochs (cosine)
     channels_last: bool = False  # channels_last memory format: faster convnets on GPUs with tensor cores
+    sync_bn: bool = False  # several CUDA processes: batch-norm statistics over the global batch (SyncBatchNorm);
+        # otherwise each process's running statistics are averaged over the processes before every evaluation
     compile: bool = False  # torch.compile through Accelerate (inductor); the first steps are slow while it compiles
     # optimization
     epochs: int = 12  # training epochs
@@ -112,9 +119,10 @@ class Config:
     grad_accum_steps_after_switch: int = 0  # grad_accum_steps from grad_accum_switch_epoch on (0: no switch)
     opt: str = field(default="adamw", metadata={"choices": timm_optimizers})  # any timm optimizer name:
         # sgd, adamw, lamb, lars, ... (biases and norms get no weight decay)
-    lr: float = 2e-3  # peak learning rate (not scaled by batch size)
-    min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules
-    warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to lr over warmup_epochs
+    lr: float = 8e-3  # peak learning rate per 256 images: the run peaks at lr x global batch / 256 (global batch =
+        # batch_size x processes x grad_accum_steps), so it follows the number of GPUs
+    min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules (not scaled)
+    warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to the peak over warmup_epochs (not scaled)
     warmup_epochs: float = 2.0  # linear warmup length in epochs (fractions allowed)
     sched: Literal["cosine", "linear", "step", "poly", "constant"] = "cosine"  # learning rate after warmup:
         # to min_lr (cosine, linear; poly = linear here), x decay_rate at decay_milestones (step), or constant
@@ -142,6 +150,11 @@ class Config:
     project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
     run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
     log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
+    # evaluation and prediction with saved weights (the model fields default to the file's saved config)
+    weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
+    eval_only: bool = False  # evaluate --weights on the evaluation split (top-1/top-5, per-class accuracy), no training
+    predict: str = ""  # an image or a folder of images: with --weights, write predictions.csv (top-5 class names and
+        # probabilities per image); no dataset needed
 
 
 # ============================================================================================
@@ -237,16 +250,77 @@ def evaluate(model: torch.nn.Module, eval_loader, accelerator, num_classes: int,
     return metrics, confusion.view(num_classes, num_classes).cpu()
 
 
+def per_class_accuracy(confusion: torch.Tensor, classes: list[str]) -> list[dict]:
+    """Rows of (class, images, accuracy %) from a confusion matrix [true, predicted]."""
+    totals = confusion.sum(dim=1)
+    return [{"class": name, "images": int(n), "accuracy": float(confusion[i, i] * 100 / n) if n else float("nan")}
+            for i, (name, n) in enumerate(zip(classes, totals.tolist()))]
+
+
+# ============================================================================================
+# Saved weights: the trained model, and prediction on new images
+# ============================================================================================
+MODEL_FIELDS = ("model", "model_kwargs", "img_size", "crop_pct", "interpolation")  # what --weights restores
+
+
+def trained_model(cfg: Config) -> tuple[torch.nn.Module, list[str]]:
+    """The model of ``cfg.weights`` and its class names (the file's metadata)."""
+    state, meta = load_weights(cfg.weights)
+    if not meta["classes"]:
+        raise UserError(f"weights '{cfg.weights}' carry no class names: not a classifier.py weights file")
+    model = create_timm_model(cfg.model, {"img_size": cfg.img_size}, num_classes=len(meta["classes"]), **cfg.model_kwargs)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise UserError(f"weights '{cfg.weights}' do not fit model '{cfg.model}': {str(e).splitlines()[0]}") from None
+    return model, meta["classes"]
+
+
+@torch.no_grad()
+def predict(cfg: Config, run: Run) -> dict[str, float]:
+    """``predictions.csv`` in the run folder: per image its path and the top-5 class names and probabilities."""
+    files = image_files(cfg.predict)
+    model, classes = trained_model(cfg)
+    _, eval_tf = create_transforms(cfg, model)
+    accelerator = run.accelerator
+    model = model.to(accelerator.device).eval()
+    run.begin()
+    rows, k = [], min(5, len(classes))
+    if accelerator.is_main_process:  # a handful of files: one process reads them all
+        for start in run.progress(range(0, len(files), 64), "predict"):
+            batch = files[start:start + 64]
+            images = torch.stack([eval_tf(decode_image({"path": str(f)}, str(f))) for f in batch])
+            with accelerator.autocast():
+                logits = model(images.to(accelerator.device))
+            probs, index = logits.float().softmax(dim=1).topk(k, dim=1)
+            for f, p, i in zip(batch, probs.tolist(), index.tolist()):
+                row = {"path": str(f)}
+                for rank, (pi, ii) in enumerate(zip(p, i), 1):
+                    row.update({f"class_{rank}": classes[ii], f"prob_{rank}": round(pi, 6)})
+                rows.append(row)
+        save_table_csv(rows, run.dir / "predictions.csv")
+        run.print(format_table(rows[:10], ["path", "class_1", "prob_1", "class_2", "prob_2"]))
+        run.print(f"{len(rows)} predictions: {run.dir / 'predictions.csv'}")
+    run.finish()
+    return {"images": float(len(files))}
+
+
 # ============================================================================================
 # Training
 # ============================================================================================
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    cfg = parse_config(Config, argv)
+    cfg = config_with_weights(Config, argv, MODEL_FIELDS)
     if cfg.bn_momentum_end > 0 and (cfg.bn_momentum <= 0 or cfg.compile):
         raise UserError("bn_momentum_end needs bn_momentum > 0, and cannot be combined with compile "
                         "(each new momentum value would force torch.compile to recompile)")
+    if (cfg.eval_only or cfg.predict) and not cfg.weights:
+        raise UserError("eval_only and predict need --weights (a best.safetensors this recipe saved)")
+    if cfg.epochs < 1 and not cfg.eval_only:
+        raise UserError(f"epochs must be at least 1, got {cfg.epochs}; to evaluate saved weights: --eval_only --weights W")
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
+    if cfg.predict:
+        return predict(cfg, run)
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():  # the main process fills the datasets cache first
@@ -255,7 +329,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     num_classes = len(data.classes)
 
     # ---- model -----------------------------------------------------------------------------
-    model = create_model(cfg, num_classes)
+    if cfg.eval_only:
+        model, trained_classes = trained_model(cfg)
+        if trained_classes != data.classes:
+            raise UserError(f"weights '{cfg.weights}' were trained on classes {trained_classes[:5]}... "
+                            f"({len(trained_classes)}); '{cfg.data}' has {data.classes[:5]}... ({num_classes})")
+    else:
+        model = create_model(cfg, num_classes)
+    if cfg.sync_bn:
+        model = sync_batchnorm(model, accelerator)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     train_tf, eval_tf = create_transforms(cfg, model)
@@ -265,6 +347,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                   accelerator.num_processes)
     eval_loader = eval_loader_for(eval_set, cfg.eval_batch_size or 2 * cfg.batch_size, cfg.num_workers)
 
+    # ---- evaluation only: the saved weights on the evaluation split -------------------------------
+    if cfg.eval_only:
+        model, eval_loader = accelerator.prepare(model, eval_loader)
+        run.begin()
+        metrics, confusion = evaluate(model, run.progress(eval_loader, "eval"), accelerator, num_classes,
+                                      cfg.channels_last)
+        results = {f"eval/{k}": v for k, v in metrics.items()}
+        run.log(results, 0)
+        picture = None
+        if accelerator.is_main_process:
+            rows = per_class_accuracy(confusion, data.classes)
+            save_table_csv(rows, run.dir / "per_class_accuracy.csv")
+            run.print(format_table(rows))
+            picture = plot_confusion_matrix(confusion.numpy(), data.classes, run.plots_dir / "confusion_matrix.png",
+                                            f"{Path(cfg.weights).name}: top-1 {results['eval/top1']:.2f} %")
+        run.log_plots(0, confusion_matrix=picture)
+        run.finish()
+        return results
+
     # ---- loss --------------------------------------------------------------------------------
     mixup_fn = None
     if cfg.mixup > 0 or cfg.cutmix > 0:
@@ -272,6 +373,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             raise UserError("Mixup/CutMix pair samples within a batch: batch_size must be even")
         mixup_fn = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
                          switch_prob=cfg.mixup_switch_prob, label_smoothing=cfg.smoothing, num_classes=num_classes)
+    if cfg.bce_loss:  # one sigmoid per class, on hard targets or Mixup's soft ones (already smoothed)
+        criterion = BinaryCrossEntropy(smoothing=0.0 if mixup_fn else cfg.smoothing,
+                                       target_threshold=cfg.bce_target_thresh or None)
+    elif mixup_fn is not None:
         criterion = SoftTargetCrossEntropy()  # Mixup already smoothed the targets
     elif cfg.smoothing > 0:
         criterion = LabelSmoothingCrossEntropy(cfg.smoothing)
@@ -286,13 +391,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                     momentum=cfg.momentum, layer_decay=cfg.layer_decay or None, **fused)
     if cfg.ema_decay > 0 and accelerator.distributed_type.name == "FSDP":
         raise UserError("model EMA keeps a full replica and cannot follow FSDP's sharded weights; set --ema_decay 0")
-    ema = ModelEma(model, cfg.ema_decay, cfg.ema_warmup) if cfg.ema_decay > 0 else None
 
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    if ema is not None:
-        ema.module.to(accelerator.device)
-        accelerator.register_for_checkpointing(ema)
     unwrapped = accelerator.unwrap_model(model)
+    ema = None
+    if cfg.ema_decay > 0:  # copied from the prepared model: DDP has broadcast process 0's weights to all
+        ema = ModelEma(unwrapped, cfg.ema_decay, cfg.ema_warmup)
+        accelerator.register_for_checkpointing(ema)
 
     def accum_steps(epoch: int) -> int:
         switched = 0 < cfg.grad_accum_switch_epoch <= epoch and cfg.grad_accum_steps_after_switch > 0
@@ -303,7 +408,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     total_steps = steps_total(cfg.epochs, steps_in_epoch, cfg.max_steps)
     milestones = [sum(steps_in_epoch(e) for e in range(m)) for m in cfg.decay_milestones]
-    lr_values = schedule(cfg.sched, cfg.lr, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_in_epoch(0)),
+    peak_lr = cfg.lr * cfg.batch_size * accelerator.num_processes * cfg.grad_accum_steps / 256  # lr is per 256 images
+    lr_values = schedule(cfg.sched, peak_lr, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_in_epoch(0)),
                          cfg.warmup_lr, milestones, cfg.decay_rate)
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
@@ -348,6 +454,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation and best weights (raw or EMA, by top-1) ----------------------------------
         if loop.eval_due():
+            if not cfg.sync_bn:  # each process's BN statistics saw its own batches: evaluate their mean
+                average_bn_statistics(unwrapped, accelerator)
+                if ema is not None:
+                    average_bn_statistics(ema.module, accelerator)
             metrics, confusion = evaluate(model, run.progress(eval_loader, "eval"), accelerator, num_classes,
                                           cfg.channels_last)
             results = {f"eval/{k}": v for k, v in metrics.items()}

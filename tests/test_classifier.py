@@ -21,7 +21,7 @@ from conftest import ROOT, assert_pictures, check, error_line, load_recipe, reci
 # test no process-level behaviour (signals, exit codes, several processes) call main() in-process:
 # a subprocess costs seconds of imports.
 TINY = ["--model", "test_vit", "--img_size", "32", "--report_to", "none", "--num_workers", "0",
-        "--opt", "sgd", "--lr", "0.05", "--warmup_epochs", "0", "--smoothing", "0", "--log_every", "1"]
+        "--opt", "sgd", "--lr", "0.4", "--warmup_epochs", "0", "--smoothing", "0", "--log_every", "1"]  # lr per 256: 0.05 at 32
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -298,3 +298,118 @@ def test_random_erasing_mode_and_count(args, mode, count):
     train_tf, _ = classifier.create_transforms(cfg, classifier.create_model(cfg, 10))
     (erasing,) = [t for t in train_tf.transforms if isinstance(t, RandomErasing)]
     assert (erasing.probability, erasing.mode, erasing.max_count) == (0.25, mode, count)
+
+
+classifier = load_recipe("classifier")
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """Two steps of the tiny model on digits (in-process): a best.safetensors to evaluate and predict with."""
+    run = tmp_path_factory.mktemp("classifier") / "trained"
+    classifier.main(TINY + ["--batch_size", "16", "--max_steps", "2", "--output_dir", str(run)])
+    return run
+
+
+def test_lr_is_per_256_images(trained):
+    """The peak learning rate is lr x global batch / 256 (no warmup: the first step's rate is the peak)."""
+    first = next(m for m in metrics(trained) if "train/lr" in m)
+    assert first["train/lr"] == pytest.approx(0.4 * 16 / 256)
+
+
+def test_eval_only_reproduces_the_trained_score(trained, tmp_path):
+    """--eval_only --weights: the model is rebuilt from the file's saved config (test_vit at 32 px, not the
+    defaults), top-1 equals the training run's last evaluation, per-class accuracy is written, no
+    checkpoints."""
+    out = classifier.main(["--eval_only", "--weights", str(trained / "best.safetensors"), "--report_to", "none",
+                "--num_workers", "0", "--output_dir", str(tmp_path / "eval")])
+    final = [m for m in metrics(trained) if "eval/top1" in m][-1]
+    assert out["eval/top1"] == pytest.approx(final["eval/top1"]) and out["eval/top5"] == pytest.approx(final["eval/top5"])
+    rows = (tmp_path / "eval" / "per_class_accuracy.csv").read_text().splitlines()
+    assert rows[0] == "class,images,accuracy" and len(rows) == 11
+    assert not list((tmp_path / "eval" / "checkpoints").glob("step_*"))
+    assert_pictures(tmp_path / "eval" / "plots", ["confusion_matrix"])
+
+
+def test_predict_writes_top5_per_image(trained, tmp_path, capsys):
+    """--predict FOLDER --weights: one CSV row per image, top-5 class names (from the weights) and
+    probabilities in descending order; no dataset is read."""
+    from common.builtin import CLASSIFICATION
+
+    folder = tmp_path / "new_images" / "nested"
+    folder.mkdir(parents=True)
+    digits = CLASSIFICATION["digits"]()["test"]
+    for i in range(3):
+        digits[i]["image"].save(folder / f"digit_{i}.png")
+    classifier.main(["--predict", str(tmp_path / "new_images"), "--weights", str(trained / "best.safetensors"),
+          "--data", "no/such-dataset", "--report_to", "none", "--output_dir", str(tmp_path / "pred")])
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "pred" / "predictions.csv")))
+    assert [Path(r["path"]).name for r in rows] == ["digit_0.png", "digit_1.png", "digit_2.png"]
+    for r in rows:
+        probs = [float(r[f"prob_{k}"]) for k in range(1, 6)]
+        assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-5
+        assert {r[f"class_{k}"] for k in range(1, 6)} <= {str(d) for d in range(10)} | set(digits.features["label"].names)
+    assert "3 predictions" in capsys.readouterr().out
+
+
+def test_weights_of_other_classes_are_refused_for_eval(trained, tmp_path, capsys):
+    folder = tmp_path / "two_classes"
+    for split in ("train", "validation"):
+        for name in ("cat", "dog"):
+            (folder / split / name).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (32, 32), (i * 90, 30, 60)).save(folder / split / name / f"{i}.png")
+    from common.data import load_classification
+
+    load_classification(str(folder))  # datasets reports building its cache once, on stderr: not the error line
+    line = error_line(capsys, classifier.main, ["--eval_only", "--weights", str(trained / "best.safetensors"), "--data",
+                                     str(folder), "--output_dir", str(tmp_path / "run")])
+    assert "trained on classes" in line and not (tmp_path / "run").exists()
+    assert "--eval_only" in error_line(capsys, classifier.main, ["--epochs", "0"])
+
+
+def test_bce_loss_is_per_class_sigmoids(tmp_path):
+    """--bce_loss (with Mixup): the first loss is a mean of 10 per-class binary cross-entropies near log 2
+    for an untrained model, where softmax cross-entropy starts near log 10."""
+    bce = classifier.main(TINY + ["--batch_size", "16", "--max_steps", "1", "--bce_loss", "--mixup", "0.8",
+                       "--output_dir", str(tmp_path / "bce")])
+    ce = classifier.main(TINY + ["--batch_size", "16", "--max_steps", "1", "--output_dir", str(tmp_path / "ce")])
+    first = [next(m for m in metrics(tmp_path / name) if "train/loss" in m)["train/loss"] for name in ("bce", "ce")]
+    assert first[0] < 1.0 < 2.0 < first[1] and bce and ce
+
+
+def _bn_worker(rank: int, port: int, out: Path) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from common.models import average_bn_statistics
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    bn = torch.nn.BatchNorm2d(3)
+    bn.running_mean.fill_(float(rank) * 2)  # process 0: 0, process 1: 2
+    bn.running_var.fill_(1.0 + rank)
+
+    class Acc:  # what average_bn_statistics uses of the Accelerator
+        num_processes = 2
+
+        @staticmethod
+        def reduce(t, reduction):
+            t = t.clone()
+            dist.all_reduce(t)
+            return t / 2
+
+    average_bn_statistics(torch.nn.Sequential(bn), Acc())
+    torch.save({"mean": bn.running_mean, "var": bn.running_var}, out / f"bn_{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_bn_statistics_are_averaged_over_processes(tmp_path):
+    from conftest import free_port
+
+    torch.multiprocessing.spawn(_bn_worker, args=(free_port(), tmp_path), nprocs=2)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"bn_{rank}.pt", weights_only=True)
+        assert torch.allclose(got["mean"], torch.ones(3)) and torch.allclose(got["var"], torch.full((3,), 1.5))
