@@ -312,14 +312,21 @@ class DINOLoss(nn.Module):
 # ============================================================================================
 @torch.no_grad()
 def clip_gradients_per_param(params: list[nn.Parameter], clip: float) -> torch.Tensor:
-    """Scale each parameter's gradient to norm <= clip, separately (the reference's clip_gradients),
-    with two foreach kernels instead of a Python loop with a host sync per parameter. Returns the
-    largest gradient norm before clipping (a device scalar, for logging)."""
+    """Scale each parameter's gradient to norm <= clip, separately (the reference's clip_gradients), with
+    no host sync. Returns the largest gradient norm before clipping (a device scalar, for logging).
+
+    CUDA's fused foreach multiply needs operands of equal shapes: a list of 0-dim scales would send
+    ``_foreach_mul_`` down its one-kernel-per-tensor path. So each parameter's scale is expanded to its
+    gradient's shape in one flat buffer (one concatenation; memory: one more copy of the gradients),
+    and the multiply runs as one foreach call over same-shaped pairs."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norms = torch.stack(torch._foreach_norm(grads))
-    torch._foreach_mul_(grads, list((clip / (norms + 1e-6)).clamp_(max=1.0).unbind()))
+    norms = torch.stack(torch._foreach_norm(grads))  # [P]
+    scale = (clip / (norms + 1e-6)).clamp_(max=1.0).to(grads[0].dtype)
+    sizes = [g.numel() for g in grads]  # host ints: no synchronisation
+    flat = torch.cat([s.expand(n) for s, n in zip(scale.unbind(), sizes)])  # [sum of numels]
+    torch._foreach_mul_(grads, [f.view_as(g) for f, g in zip(flat.split(sizes), grads)])
     return norms.max()
 
 

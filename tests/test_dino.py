@@ -82,6 +82,23 @@ def test_per_parameter_clipping():
     assert torch.allclose(b.grad, torch.tensor([0.0, 0.6, 0.8]))  # under the threshold: untouched
 
 
+def test_per_parameter_clipping_is_one_same_shape_foreach_call(monkeypatch):
+    """CUDA's fused foreach multiply runs only on operands of equal shapes and strides: the clipping hands
+    _foreach_mul_ one scale tensor shaped like each gradient, in one call, and matches a per-parameter loop."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in [(4, 3, 3, 3), (7,), (5, 6), ()]]
+    for p in params:
+        p.grad = torch.randn(p.shape) * 3
+    expected = [p.grad * (2.0 / (p.grad.norm() + 1e-6)).clamp(max=1.0) for p in params]
+    calls, real = [], torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda a, b: (calls.append((a, b)), real(a, b))[1])
+    dino.clip_gradients_per_param(params, clip=2.0)
+    assert len(calls) == 1
+    grads, scales = calls[0]
+    assert all(isinstance(s, torch.Tensor) and s.shape == g.shape and s.stride() == g.stride() for g, s in zip(grads, scales))
+    assert all(torch.allclose(p.grad, e, atol=1e-6) for p, e in zip(params, expected))
+
+
 def test_head_shapes_and_fixed_last_layer_norm():
     head = dino.DINOHead(32, 100, hidden_dim=64, bottleneck_dim=16, norm_last_layer=True)
     out = head(torch.randn(5, 32))
