@@ -18,6 +18,7 @@ Expected: the default run (resnet18 at 32 px, 12 epochs) reaches about 98-99 % t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field
@@ -101,6 +102,9 @@ class Config:
     pretrained: bool = False  # timm's hub weights (needs network)
     init_weights: str = ""  # safetensors to start from, e.g. a DINO backbone; the head is re-initialised
     linear_probe: bool = False  # train only the classifier head; the backbone stays frozen, in eval mode
+    probe_blocks: int = 0  # with linear_probe on a ViT, DINO's linear evaluation: the head reads the [CLS] tokens of the
+        # last this many blocks, concatenated (DINO: 4 for ViT-S/16, 1 with probe_avgpool for ViT-B); 0: pooled features
+    probe_avgpool: bool = False  # with probe_blocks: also the last block's mean patch token (DINO's avgpool_patchtokens)
     drop_rate: float = 0.0  # dropout before the classifier head
     drop_path_rate: float = 0.0  # stochastic depth rate (DeiT-S: 0.1; 0 for small convnets)
     bn_momentum: float = 0.0  # 0: the model's default (PyTorch convention: weight of the new batch)
@@ -160,12 +164,45 @@ class Config:
 # ============================================================================================
 # Model
 # ============================================================================================
+class BlockProbe(torch.nn.Module):
+    """DINO's linear evaluation head on a frozen timm ViT (eval_linear.py): the [CLS] token of each of the last
+    ``blocks`` blocks, after the final norm, concatenated (with ``avgpool`` also the last block's mean patch
+    token) into one linear layer initialised with std 0.01 and zero bias."""
+
+    def __init__(self, backbone: torch.nn.Module, blocks: int, avgpool: bool, num_classes: int) -> None:
+        super().__init__()
+        if not hasattr(backbone, "forward_intermediates") or not hasattr(backbone, "blocks"):
+            raise UserError(f"probe_blocks needs a timm ViT (blocks and a [CLS] token); '{type(backbone).__name__}' "
+                            "is not one: set --probe_blocks 0 for pooled features")
+        self.backbone, self.blocks, self.avgpool = backbone, blocks, avgpool
+        self.pretrained_cfg = backbone.pretrained_cfg  # the transforms resolve as for the ViT itself
+        self.head = torch.nn.Linear(backbone.embed_dim * (blocks + int(avgpool)), num_classes)
+        torch.nn.init.normal_(self.head.weight, std=0.01)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def get_classifier(self) -> torch.nn.Module:
+        return self.head
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        levels = self.backbone.forward_intermediates(images, indices=self.blocks, norm=True, output_fmt="NLC",
+                                                     intermediates_only=True, return_prefix_tokens=True)
+        features = [prefix[:, 0] for _, prefix in levels]  # [B, D] per block
+        if self.avgpool:
+            features.append(levels[-1][0].mean(dim=1))  # the last block's patch tokens, averaged
+        return self.head(torch.cat(features, dim=-1))  # [B, D x (blocks + avgpool)] -> [B, K]
+
+
 def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
+    if cfg.probe_blocks > 0 and not cfg.linear_probe:
+        raise UserError("probe_blocks is DINO's linear evaluation: it needs --linear_probe")
     # transformers build their position embeddings for img_size; convnets take no such argument
-    model = create_timm_model(cfg.model, {"img_size": cfg.img_size}, pretrained=cfg.pretrained, num_classes=num_classes,
-                              drop_rate=cfg.drop_rate, drop_path_rate=cfg.drop_path_rate, **cfg.model_kwargs)
+    model = create_timm_model(cfg.model, {"img_size": cfg.img_size}, pretrained=cfg.pretrained,
+                              num_classes=0 if cfg.probe_blocks else num_classes, drop_rate=cfg.drop_rate,
+                              drop_path_rate=cfg.drop_path_rate, **cfg.model_kwargs)
     if cfg.init_weights:
         load_init_weights(model, cfg.init_weights)
+    if cfg.probe_blocks > 0:
+        model = BlockProbe(model, cfg.probe_blocks, cfg.probe_avgpool, num_classes)
     if cfg.bn_momentum > 0:
         set_bn_momentum(model, cfg.bn_momentum)
     if cfg.linear_probe:  # timm's optimizer factory leaves parameters without gradients out
@@ -260,7 +297,8 @@ def per_class_accuracy(confusion: torch.Tensor, classes: list[str]) -> list[dict
 # ============================================================================================
 # Saved weights: the trained model, and prediction on new images
 # ============================================================================================
-MODEL_FIELDS = ("model", "model_kwargs", "img_size", "crop_pct", "interpolation")  # what --weights restores
+MODEL_FIELDS = ("model", "model_kwargs", "img_size", "crop_pct", "interpolation", "linear_probe", "probe_blocks",
+                "probe_avgpool")  # what --weights restores from the file's saved config
 
 
 def trained_model(cfg: Config) -> tuple[torch.nn.Module, list[str]]:
@@ -268,7 +306,7 @@ def trained_model(cfg: Config) -> tuple[torch.nn.Module, list[str]]:
     state, meta = load_weights(cfg.weights)
     if not meta["classes"]:
         raise UserError(f"weights '{cfg.weights}' carry no class names: not a classifier.py weights file")
-    model = create_timm_model(cfg.model, {"img_size": cfg.img_size}, num_classes=len(meta["classes"]), **cfg.model_kwargs)
+    model = create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), len(meta["classes"]))
     try:
         model.load_state_dict(state)
     except RuntimeError as e:

@@ -413,3 +413,28 @@ def test_bn_statistics_are_averaged_over_processes(tmp_path):
     for rank in (0, 1):
         got = torch.load(tmp_path / f"bn_{rank}.pt", weights_only=True)
         assert torch.allclose(got["mean"], torch.ones(3)) and torch.allclose(got["var"], torch.full((3,), 1.5))
+
+
+def test_dino_linear_evaluation_probes_the_last_blocks(trained, tmp_path):
+    """--linear_probe --probe_blocks 2: the head reads the [CLS] tokens of the last 2 blocks (2 x 64 features),
+    only the head trains, the backbone keeps the --init_weights values, and --eval_only rebuilds the probe
+    from the saved config."""
+    run = tmp_path / "probe"
+    classifier.main(TINY + ["--batch_size", "16", "--max_steps", "2", "--linear_probe", "--probe_blocks", "2",
+                            "--init_weights", str(trained / "best.safetensors"), "--output_dir", str(run)])
+    init, final = weights(trained / "best.safetensors"), weights(run / "final.safetensors")
+    assert final["head.weight"].shape == (10, 2 * 64)
+    backbone = {k.removeprefix("backbone."): v for k, v in final.items() if k.startswith("backbone.")}
+    assert backbone and all(torch.equal(v, init[k]) for k, v in backbone.items())
+    from common.config import parse_config
+
+    model = classifier.create_model(parse_config(classifier.Config, TINY + ["--linear_probe", "--probe_blocks", "2"]), 10)
+    model.load_state_dict(final)
+    images = torch.randn(3, 3, 32, 32)
+    levels = model.backbone.forward_intermediates(images, indices=2, norm=True, output_fmt="NLC",
+                                                  intermediates_only=True, return_prefix_tokens=True)
+    features = torch.cat([levels[0][1][:, 0], levels[1][1][:, 0]], dim=1)
+    assert torch.allclose(model.eval()(images), model.head(features), atol=1e-5)
+    out = classifier.main(["--eval_only", "--weights", str(run / "final.safetensors"), "--report_to", "none",
+                           "--num_workers", "0", "--output_dir", str(tmp_path / "eval")])
+    assert out["eval/top1"] == pytest.approx([m for m in metrics(run) if "eval/top1" in m][-1]["eval/top1"])
