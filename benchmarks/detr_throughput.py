@@ -29,7 +29,7 @@ import torch
 def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.data import train_loader_for
+    from common.loaders import train_loader_for
     from common.detection import DetectionDataset, load_detection
 
     device = torch.device(args.device)

@@ -44,7 +44,8 @@ def clip_gradients(model: torch.nn.Module, clip: float) -> None:  # the referenc
 def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.data import ClassificationDataset, load_classification, train_loader_for
+    from common.data import ClassificationDataset, load_classification
+    from common.loaders import train_loader_for
     from common.schedules import schedule
 
     device = torch.device(args.device)

@@ -28,7 +28,7 @@ import torch
 def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.data import loader_kwargs
+    from common.loaders import loader_kwargs
     from common.detection import DetectionDataset, load_detection
 
     device = torch.device(args.device)

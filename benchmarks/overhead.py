@@ -29,7 +29,8 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from timm.data import create_transform, resolve_data_config
     from timm.optim import param_groups_weight_decay
 
-    from common.data import ClassificationDataset, load_classification, train_loader_for
+    from common.data import ClassificationDataset, load_classification
+    from common.loaders import train_loader_for
 
     device = torch.device(args.device)
     data = load_classification(cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split,

@@ -26,7 +26,7 @@ import torch
 def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.data import train_loader_for
+    from common.loaders import train_loader_for
     from common.detection import DetectionDataset, load_detection
     from common.ema import ModelEma
 

@@ -12,11 +12,9 @@ batches, crops and flips the uninterrupted run would have seen.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import random
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -24,6 +22,7 @@ import torch
 from common import UserError
 from common.builtin import CLASSIFICATION
 from common.images import decode_image
+from common.loaders import sample_seed, seeded
 
 EVAL_SPLITS = ("validation", "val", "valid", "test")
 
@@ -179,39 +178,13 @@ def load_classification(
 
 
 # --------------------------------------------------------------------------------------------
-# Per-sample seeding
+# Datasets
 # --------------------------------------------------------------------------------------------
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 63-bit seed unique to (run seed, epoch, sample index); index -1 seeds the epoch's order."""
-    high, low = np.random.SeedSequence([seed, epoch, index + 1]).generate_state(2)
-    return (int(high) >> 1) << 32 | int(low)
-
-
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Seed torch, numpy and random for one sample's augmentations.
-
-    In a worker process the global generators belong to that sample alone. In the main process
-    (``num_workers=0``) their state is restored afterwards so the training loop's own random
-    stream (dropout, mixup) does not depend on how the data was loaded.
-    """
-    in_main = torch.utils.data.get_worker_info() is None
-    saved = (random.getstate(), np.random.get_state()) if in_main else None
-    with torch.random.fork_rng(devices=[], enabled=in_main):
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed % (1 << 32))
-        yield
-    if saved is not None:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-
-
 class ClassificationDataset(torch.utils.data.Dataset):
     """``(image tensor, label)`` pairs from a hub-style dataset, transformed reproducibly.
 
-    Indexed by ``(epoch, index)`` (what :class:`EpochBatchSampler` yields) or by a plain index
-    (epoch 0, for evaluation).
+    Indexed by ``(epoch, index)`` or ``(epoch, index, repeat)`` (what :class:`common.loaders.EpochBatchSampler`
+    yields) or by a plain index (epoch 0, for evaluation).
     """
 
     def __init__(self, ds: Any, image_column: str, label_column: str, transform: Callable, seed: int = 0) -> None:
@@ -222,75 +195,8 @@ class ClassificationDataset(torch.utils.data.Dataset):
         return len(self.ds)
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
-        epoch, index = key if isinstance(key, tuple) else (0, key)
+        epoch, index, repeat = (tuple(key) + (0,))[:3] if isinstance(key, tuple) else (0, key, 0)
         row = self.ds[int(index)]
         image = decode_image(row[self.image_column], f"row {index} of column '{self.image_column}'")
-        with seeded(sample_seed(self.seed, epoch, index)):  # label -1: a dataset without labels
+        with seeded(sample_seed(self.seed, epoch, index, repeat)):  # label -1: a dataset without labels
             return self.transform(image), int(row[self.label_column]) if self.label_column else -1
-
-
-# --------------------------------------------------------------------------------------------
-# Loaders
-# --------------------------------------------------------------------------------------------
-class EpochBatchSampler(torch.utils.data.Sampler):
-    """Batches of ``(epoch, index)`` pairs; the order depends only on ``(seed, epoch)``.
-
-    ``batch_size`` is per process: Accelerate hands process ``r`` of ``W`` the batches
-    ``r, r + W, ...``, so one optimizer step of W processes covers the same samples as one
-    step of a single process with batch ``W * batch_size``. With ``drop_last`` the epoch ends
-    at the last complete round of ``W`` batches, which is again what the single process does.
-    """
-
-    def __init__(self, size: int, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = True, num_processes: int = 1) -> None:
-        if drop_last and size < batch_size * num_processes:
-            raise UserError(
-                f"the training split has {size} images, fewer than one global batch "
-                f"({batch_size} x {num_processes} processes); lower --batch_size"
-            )
-        self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
-        self.drop_last, self.num_processes = drop_last, num_processes
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        if self.drop_last:
-            return self.size // (self.batch_size * self.num_processes) * self.num_processes
-        return -(-self.size // self.batch_size)
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        if self.shuffle:
-            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1)))
-        else:
-            order = torch.arange(self.size)
-        order = order.tolist()
-        for b in range(len(self)):
-            yield [(self.epoch, i) for i in order[b * self.batch_size : (b + 1) * self.batch_size]]
-
-
-def loader_kwargs(num_workers: int) -> dict[str, Any]:
-    """DataLoader settings of the performance contract: workers, pinned memory, persistent workers,
-    and a private generator so creating an iterator never draws from the global torch RNG."""
-    kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": torch.cuda.is_available(),
-                              "generator": torch.Generator()}
-    if num_workers > 0:
-        kwargs.update(persistent_workers=True, prefetch_factor=4)
-    return kwargs
-
-
-def train_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, seed: int, num_workers: int,
-                     num_processes: int, collate_fn: Callable | None = None):
-    """A shuffling, drop-last training DataLoader over an :class:`EpochBatchSampler` (its
-    ``batch_sampler``). Once prepared by Accelerate, call the loader's ``set_epoch`` before each epoch
-    (:class:`common.loop.Loop` does): Accelerate re-applies its own epoch counter when iteration starts."""
-    sampler = EpochBatchSampler(len(dataset), batch_size, True, seed, True, num_processes)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs(num_workers))
-
-
-def eval_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int,
-                    collate_fn: Callable | None = None):
-    """A sequential evaluation DataLoader; Accelerate pads the last round, ``gather_for_metrics`` un-pads."""
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False,
-                                       collate_fn=collate_fn, **loader_kwargs(num_workers))

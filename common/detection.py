@@ -26,7 +26,8 @@ from torchvision.transforms.v2 import functional as F
 
 from common import UserError
 from common.builtin import DETECTION
-from common.data import EVAL_SPLITS, decode_image, load_saved_or_hub, sample_seed, seeded
+from common.data import EVAL_SPLITS, decode_image, load_saved_or_hub
+from common.loaders import sample_seed, seeded
 from common.detection_sources import coco_splits, load_coco_split, normalise
 
 # Per-channel RGB mean and std (0..1) that ImageNet-pretrained backbones expect; the detection
@@ -112,7 +113,7 @@ def load_detection(data: str, train_split: str = "train", eval_split: str = "", 
 class DetectionDataset(torch.utils.data.Dataset):
     """``(image, target)`` pairs from a normalised detection dataset, transformed reproducibly.
 
-    Indexed by ``(epoch, index)`` (what :class:`common.data.EpochBatchSampler` yields) or a plain
+    Indexed by ``(epoch, index)`` (what :class:`common.loaders.EpochBatchSampler` yields) or a plain
     index (epoch 0, for evaluation). ``target``: ``boxes`` (BoundingBoxes XYXY float32 [N, 4], pixels
     of the transformed image), ``labels`` (int64 [N]), ``image_id`` (int), ``orig_size`` (h, w of the
     original), ``size`` (h, w of the picture in the transformed image, padding excluded), and

@@ -63,7 +63,7 @@ class Loop:
     """Epochs and batches of one training run (see the module docstring for the loop it serves).
 
     ``train_loader`` is the prepared loader; its batch sampler must have ``set_epoch`` (as
-    :class:`common.data.EpochBatchSampler`). ``total_steps`` is the run's optimizer-step count
+    :class:`common.loaders.EpochBatchSampler`). ``total_steps`` is the run's optimizer-step count
     (:func:`steps_total`). ``eval_images`` and ``classes`` describe the data in the start banner.
     Here the run folder is created (``run.begin()``), the banner printed, and the state to continue
     from read with ``run.resume()``.

@@ -50,7 +50,8 @@ from timm.optim import create_optimizer_v2
 from common import UserError
 from common.config import timm_optimizers
 from common.console import cli_main
-from common.data import ClassificationDataset, eval_loader_for, load_classification, train_loader_for
+from common.data import ClassificationDataset, load_classification
+from common.loaders import eval_loader_for, train_loader_for
 from common.ema import ModelEma
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.images import decode_image, image_files
@@ -87,6 +88,8 @@ class Config:
     recount: int = 1  # random erasing boxes per image
     interpolation: Literal["bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"] = "bicubic"  # resampling
         # filter of the training crop and the evaluation resize
+    aug_repeats: int = 1  # repeated augmentation (DeiT: 3): each image this many times per epoch, differently augmented,
+        # on different processes; the epoch keeps its length (1: off)
     mixup: float = 0.0  # Mixup alpha (0: off; DeiT: 0.8); Mixup and CutMix need an even batch_size
     cutmix: float = 0.0  # CutMix alpha (0: off; DeiT: 1.0)
     mixup_prob: float = 1.0  # probability that a batch is mixed at all (when mixup or cutmix is on)
@@ -382,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed)
     eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed)
     train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
-                                  accelerator.num_processes)
+                                  accelerator.num_processes, repeats=cfg.aug_repeats)
     eval_loader = eval_loader_for(eval_set, cfg.eval_batch_size or 2 * cfg.batch_size, cfg.num_workers)
 
     # ---- evaluation only: the saved weights on the evaluation split -------------------------------

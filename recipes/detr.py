@@ -72,7 +72,8 @@ from common.boxes import crop_box
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import parse_config
 from common.console import cli_main
-from common.data import decode_image, eval_loader_for, sample_seed, train_loader_for
+from common.data import decode_image
+from common.loaders import eval_loader_for, sample_seed, train_loader_for
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionData, DetectionDataset, collate, load_detection
 from common.detection_figures import per_class_text, save_evaluation_figures
 from common.loop import Loop, steps_total

@@ -52,7 +52,8 @@ from torchvision import transforms as T
 
 from common import UserError
 from common.console import cli_main
-from common.data import ClassificationDataset, eval_loader_for, load_classification, train_loader_for
+from common.data import ClassificationDataset, load_classification
+from common.loaders import eval_loader_for, train_loader_for
 from common.ema import ema_update_
 from common.knn import extract, knn_accuracy, knn_predict, shard
 from common.feature_figures import attention_overlay, neighbour_grid

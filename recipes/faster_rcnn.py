@@ -66,7 +66,7 @@ from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import parse_config
 from common.console import cli_main
-from common.data import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
+from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
 from common.detection_figures import per_class_text, save_evaluation_figures
 from common.loop import Loop, steps_total

@@ -59,7 +59,7 @@ from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import parse_config
 from common.console import cli_main
-from common.data import eval_loader_for, sample_seed, train_loader_for
+from common.loaders import eval_loader_for, sample_seed, train_loader_for
 from common.detection import DetectionDataset, collate, load_detection
 from common.detection_figures import per_class_text, save_evaluation_figures
 from common.ema import ModelEma

@@ -10,7 +10,8 @@ from PIL import Image
 
 from common import UserError
 from common.builtin import digits_dataset
-from common.data import ClassificationDataset, EpochBatchSampler, decode_image, load_classification
+from common.data import ClassificationDataset, decode_image, load_classification
+from common.loaders import EpochBatchSampler
 
 
 def _write_imagefolder(root, per_class=6, size=12):
@@ -141,3 +142,28 @@ def test_a_tiny_folder_without_evaluation_split_holds_out_one_image_per_class(tm
             extra.unlink()
     with pytest.raises(UserError, match="class 'dog' has a single image.*--eval_split"):
         load_classification(str(root))
+
+
+def test_repeated_augmentation_spreads_the_copies_over_processes():
+    """aug_repeats 3 over 2 processes: the epoch keeps its length, every image in it comes 3 times (the last
+    one's copies may be cut), the copies of an image go to both processes, each copy with its own seed;
+    the same epoch gives the same batches, another epoch others."""
+    from common.loaders import sample_seed
+
+    sampler = EpochBatchSampler(60, 5, seed=0, num_processes=2, repeats=3)
+    sampler.set_epoch(1)
+    batches = list(sampler)
+    assert len(batches) == len(EpochBatchSampler(60, 5, seed=0, num_processes=2)) == 12
+    items = [item for batch in batches for item in batch]
+    assert len(items) == 60 and all(epoch == 1 for epoch, _, _ in items)
+    by_image: dict[int, list[tuple[int, int]]] = {}
+    for b, batch in enumerate(batches):
+        for _, index, repeat in batch:
+            by_image.setdefault(index, []).append((b % 2, repeat))  # (process, repeat)
+    full = [copies for copies in by_image.values() if len(copies) == 3]
+    assert len(full) >= len(by_image) - 1 and all(len(c) <= 3 for c in by_image.values())
+    assert all({p for p, _ in c} == {0, 1} and sorted(r for _, r in c) == [0, 1, 2] for c in full)
+    assert list(sampler) == batches
+    sampler.set_epoch(2)
+    assert list(sampler) != batches
+    assert len({sample_seed(0, 1, 7, r) for r in range(3)}) == 3 and sample_seed(0, 1, 7, 0) == sample_seed(0, 1, 7)

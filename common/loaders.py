@@ -1,0 +1,128 @@
+"""Reproducible loading: per-sample seeds, the epoch batch sampler and the DataLoaders every recipe uses.
+
+The training order is a function of ``(seed, epoch)`` only, and every sample's augmentation randomness
+is seeded from ``(seed, epoch, index)`` (and the repeat, with repeated augmentation). A batch is
+therefore the same whatever the number of workers or processes, and a run resumed mid-epoch sees
+exactly the batches, crops and flips the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from common import UserError
+
+
+def sample_seed(seed: int, epoch: int, index: int, repeat: int = 0) -> int:
+    """A 63-bit seed unique to (run seed, epoch, sample index, repeat); index -1 seeds the epoch's order.
+    Repeat 0 (no repeated augmentation) gives the seed of (seed, epoch, index) alone."""
+    high, low = np.random.SeedSequence([seed, epoch, index + 1] + ([repeat] if repeat else [])).generate_state(2)
+    return (int(high) >> 1) << 32 | int(low)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Seed torch, numpy and random for one sample's augmentations.
+
+    In a worker process the global generators belong to that sample alone. In the main process
+    (``num_workers=0``) their state is restored afterwards so the training loop's own random
+    stream (dropout, mixup) does not depend on how the data was loaded.
+    """
+    in_main = torch.utils.data.get_worker_info() is None
+    saved = (random.getstate(), np.random.get_state()) if in_main else None
+    with torch.random.fork_rng(devices=[], enabled=in_main):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+        yield
+    if saved is not None:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+
+
+# --------------------------------------------------------------------------------------------
+# Loaders
+# --------------------------------------------------------------------------------------------
+class EpochBatchSampler(torch.utils.data.Sampler):
+    """Batches of ``(epoch, index)`` pairs; the order depends only on ``(seed, epoch)``.
+
+    ``batch_size`` is per process: Accelerate hands process ``r`` of ``W`` the batches
+    ``r, r + W, ...``, so one optimizer step of W processes covers the same samples as one
+    step of a single process with batch ``W * batch_size``. With ``drop_last`` the epoch ends
+    at the last complete round of ``W`` batches, which is again what the single process does.
+
+    ``repeats`` > 1 is repeated augmentation (DeiT's RASampler, timm's RepeatAugSampler): the shuffled
+    order with every index ``repeats`` times in a row is dealt to the processes in turn, so the copies
+    of an image go to different processes (all into one batch with one process); the epoch keeps its
+    length, so it sees about ``size / repeats`` distinct images. Items are then ``(epoch, index,
+    repeat)``, each repeat augmented with its own seed.
+    """
+
+    def __init__(self, size: int, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True, num_processes: int = 1, repeats: int = 1) -> None:
+        if repeats < 1:
+            raise UserError(f"aug_repeats must be at least 1, got {repeats}")
+        self.repeats = repeats
+        if drop_last and size < batch_size * num_processes:
+            raise UserError(
+                f"the training split has {size} images, fewer than one global batch "
+                f"({batch_size} x {num_processes} processes); lower --batch_size"
+            )
+        self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
+        self.drop_last, self.num_processes = drop_last, num_processes
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.size // (self.batch_size * self.num_processes) * self.num_processes
+        return -(-self.size // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1)))
+        else:
+            order = torch.arange(self.size)
+        order = order.tolist()
+        if self.repeats == 1:
+            for b in range(len(self)):
+                yield [(self.epoch, i) for i in order[b * self.batch_size : (b + 1) * self.batch_size]]
+            return
+        copies = [(self.epoch, i, r) for i in order for r in range(self.repeats)]
+        streams = [copies[p :: self.num_processes] for p in range(self.num_processes)]  # process p's items
+        for b in range(len(self)):  # global batch b is process b % W's (b // W)-th batch
+            stream, j = streams[b % self.num_processes], b // self.num_processes
+            yield stream[j * self.batch_size : (j + 1) * self.batch_size]
+
+
+def loader_kwargs(num_workers: int) -> dict[str, Any]:
+    """DataLoader settings of the performance contract: workers, pinned memory, persistent workers,
+    and a private generator so creating an iterator never draws from the global torch RNG."""
+    kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": torch.cuda.is_available(),
+                              "generator": torch.Generator()}
+    if num_workers > 0:
+        kwargs.update(persistent_workers=True, prefetch_factor=4)
+    return kwargs
+
+
+def train_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, seed: int, num_workers: int,
+                     num_processes: int, collate_fn: Callable | None = None, repeats: int = 1):
+    """A shuffling, drop-last training DataLoader over an :class:`EpochBatchSampler` (its
+    ``batch_sampler``). Once prepared by Accelerate, call the loader's ``set_epoch`` before each epoch
+    (:class:`common.loop.Loop` does): Accelerate re-applies its own epoch counter when iteration starts."""
+    sampler = EpochBatchSampler(len(dataset), batch_size, True, seed, True, num_processes, repeats)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs(num_workers))
+
+
+def eval_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int,
+                    collate_fn: Callable | None = None):
+    """A sequential evaluation DataLoader; Accelerate pads the last round, ``gather_for_metrics`` un-pads."""
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False,
+                                       collate_fn=collate_fn, **loader_kwargs(num_workers))
