@@ -12,12 +12,27 @@ The same is measured for the whole-image pixel bank that the raw-pixel baseline 
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _status(field: str) -> float:
+    """A /proc/self/status memory field in MiB (Linux)."""
+    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def reset_peak() -> float:
+    """Reset the kernel's peak-RSS mark of this process (Linux clear_refs 5); returns the resident MiB now."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def peak() -> float:
+    return _status("VmHWM")
 
 
 def make_images(folder: Path, count: int) -> None:
@@ -56,7 +71,7 @@ def measure(folder: str, bank_images: int, mode: str) -> float:
     queries = ClassificationDataset(table.select(range(bank_images, total)), "image", "label", tf)
     model = timm.create_model("vit_tiny_patch16_224", num_classes=0).eval()
     device = torch.device("cpu")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before = reset_peak()
     with torch.no_grad():
         if mode == "knn":
             for backbone, size in ((None, 32), (model, 0)):  # raw pixels at 32 px, then the backbone
@@ -67,7 +82,7 @@ def measure(folder: str, bank_images: int, mode: str) -> float:
             bank_px = torch.cat([x.flatten(1) for x, _ in eval_loader_for(bank, 64, 0)])
             test_px = torch.cat([x.flatten(1) for x, _ in eval_loader_for(queries, 64, 0)])
             (test_px @ bank_px.T).topk(20, dim=1)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    return peak() - before
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 from PIL import Image
 
+from common.config import parse_config
 from conftest import ROOT, assert_pictures, check, error_line, load_recipe, recipe_cmd, recipe_env, run_recipe
 
 # A small transformer without batch norm: weights can be compared across batch splittings. Runs that
@@ -276,7 +277,7 @@ def test_weights_of_a_compiled_model_are_saved_with_plain_keys(tmp_path):
     from common.models import read_metadata, save_weights
 
     classifier = load_recipe("classifier")
-    cfg = classifier.parse_config(classifier.Config, TINY)
+    cfg = parse_config(classifier.Config, TINY)
     model = timm.create_model("test_vit", num_classes=10, img_size=32)
     compiled = torch.compile(model)  # lazy: nothing is compiled until it runs
     assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
@@ -294,7 +295,7 @@ def test_random_erasing_mode_and_count(args, mode, count):
     from timm.data.random_erasing import RandomErasing
 
     classifier = load_recipe("classifier")
-    cfg = classifier.parse_config(classifier.Config, TINY + args)
+    cfg = parse_config(classifier.Config, TINY + args)
     train_tf, _ = classifier.create_transforms(cfg, classifier.create_model(cfg, 10))
     (erasing,) = [t for t in train_tf.transforms if isinstance(t, RandomErasing)]
     assert (erasing.probability, erasing.mode, erasing.max_count) == (0.25, mode, count)
@@ -426,8 +427,6 @@ def test_dino_linear_evaluation_probes_the_last_blocks(trained, tmp_path):
     assert final["head.weight"].shape == (10, 2 * 64)
     backbone = {k.removeprefix("backbone."): v for k, v in final.items() if k.startswith("backbone.")}
     assert backbone and all(torch.equal(v, init[k]) for k, v in backbone.items())
-    from common.config import parse_config
-
     model = classifier.create_model(parse_config(classifier.Config, TINY + ["--linear_probe", "--probe_blocks", "2"]), 10)
     model.load_state_dict(final)
     images = torch.randn(3, 3, 32, 32)
