@@ -89,13 +89,12 @@ class Run:
             dataloader_config=DataLoaderConfiguration(non_blocking=True),
         )
         set_seed(cfg.seed)  # the same on every process: model initialisation agrees before prepare()
-        if torch.cuda.is_available():
-            # TF32 tensor-core matmuls and convolutions, and cuDNN's autotuned convolution algorithms
-            # (fixed input sizes); cfg.tf32 false: full fp32 precision and a fixed algorithm choice.
-            fast = bool(getattr(cfg, "tf32", True))
-            torch.backends.cuda.matmul.allow_tf32 = fast
-            torch.backends.cudnn.allow_tf32 = fast
-            torch.backends.cudnn.benchmark = fast
+        # CUDA: TF32 tensor-core matmuls and convolutions, and cuDNN's autotuned convolution algorithms
+        # (fixed input sizes); cfg.tf32 false: full fp32 precision and a fixed algorithm choice. The
+        # flags change nothing on a CPU.
+        fast = bool(getattr(cfg, "tf32", True))
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = fast
+        torch.backends.cudnn.benchmark = fast
         self.begun = False
         self.guard = NonFiniteGuard(self.accelerator.device)
         self.last_checkpoint = ""
