@@ -161,6 +161,8 @@ class Config:
     compile: bool = False  # torch.compile the model through Accelerate (inductor); the matcher stays eager
     # evaluation
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
+    best_metric: Literal["map_50", "map"] = "map_50"  # what best.safetensors follows: mAP@0.5, or COCO's
+        # mAP@[.5:.95] (map; the COCO and VOC configs)
     # run
     output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation and initialisation
@@ -811,8 +813,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if loop.eval_due():
             metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
             results = {f"eval/{k}": v for k, v in metrics.items()}
-            improved = loop.improved("map_50", results["eval/map_50"])
-            results["best/map_50"] = loop.best("map_50")
+            improved = loop.improved(cfg.best_metric, results[f"eval/{cfg.best_metric}"])
+            results[f"best/{cfg.best_metric}"] = loop.best(cfg.best_metric)
             run.log({**results, "epoch": epoch}, loop.step)
             pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
             if accelerator.is_main_process:

@@ -136,6 +136,8 @@ class Config:
     nms_iou: float = 0.45  # NMS drops a box overlapping a higher-scoring one of its class above this IoU
     max_detections: int = 100  # detections kept per image after NMS
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
+    best_metric: Literal["map_50", "map"] = "map_50"  # what best.safetensors follows: mAP@0.5, or COCO's
+        # mAP@[.5:.95] (map; the COCO and VOC configs)
     export: bool = True  # torch.export (.pt2) and ONNX of the final model, each checked against eager
     # run
     output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
@@ -611,8 +613,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             net = ema.module if ema is not None else model
             metrics, details = evaluate(net, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
             results = {f"eval/{k}": v for k, v in metrics.items()}
-            improved = loop.improved("map_50", results["eval/map_50"])
-            results["best/map_50"] = loop.best("map_50")
+            improved = loop.improved(cfg.best_metric, results[f"eval/{cfg.best_metric}"])
+            results[f"best/{cfg.best_metric}"] = loop.best(cfg.best_metric)
             run.log({**results, "epoch": epoch}, loop.step)
             pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
             if accelerator.is_main_process:

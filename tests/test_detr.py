@@ -397,11 +397,15 @@ def test_max_steps_caps_the_backbone_pretraining_and_its_errors_name_its_flag(tm
 
     monkeypatch.setattr(detr.CropClassifier, "forward", counted)
     args = ["--report_to", "none", "--num_workers", "0", "--plot_images", "0"]
-    detr.main(args + ["--max_steps", "3", "--output_dir", str(tmp_path / "run")])
+    detr.main(args + ["--max_steps", "3", "--best_metric", "map", "--output_dir", str(tmp_path / "run")])
     assert len(steps) == 3
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["pretrain/epoch"] for r in records if "pretrain/loss" in r] == [0]
     assert max(r["step"] for r in records) == 3
+    # --best_metric map: best.safetensors follows mAP@[.5:.95]
+    final = records[-1]
+    assert final["best/map"] == final["eval/map"] and "best/map_50" not in final
+    assert (tmp_path / "run" / "best.safetensors").is_file()
     line = error_line(capsys, detr.main, args + ["--pretrain_crops_batch_size", "100000",
                                                  "--output_dir", str(tmp_path / "big")])
     assert "boxes to pre-train the backbone on" in line and "lower --pretrain_crops_batch_size" in line
