@@ -417,9 +417,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         here = (accelerator.process_index, accelerator.num_processes)
         bank_loader = eval_loader_for(shard(bank_set, *here), 2 * cfg.batch_size, cfg.num_workers)
         query_loader = eval_loader_for(shard(query_set, *here), 2 * cfg.batch_size, cfg.num_workers)
-        pixel_bank = (bank_set if len(bank_set) <= cfg.knn_pixel_limit else  # the raw-pixel baseline's capped bank
-                      torch.utils.data.Subset(bank_set, torch.randperm(len(bank_set), generator=torch.Generator()
-                                                                       .manual_seed(cfg.seed))[:cfg.knn_pixel_limit].tolist()))
+        pixel_bank = bank_set  # the raw-pixel baseline's bank: at most knn_pixel_limit images, a seeded subset
+        if len(bank_set) > cfg.knn_pixel_limit:
+            chosen = torch.randperm(len(bank_set), generator=torch.Generator().manual_seed(cfg.seed))
+            pixel_bank = torch.utils.data.Subset(bank_set, chosen[:cfg.knn_pixel_limit].tolist())
         pixel_loader = eval_loader_for(shard(pixel_bank, *here), 2 * cfg.batch_size, cfg.num_workers)
 
     # ---- model: the student; the teacher is copied from it once prepared (the same on every process) --
