@@ -38,6 +38,18 @@ class EvalDetails:
     # image_id -> the predictions scored for it: boxes [N, 4] float32 XYXY in original pixels,
     # scores [N] float32, labels [N] int64 (class indices)
     predictions: dict[int, dict[str, np.ndarray]]
+    # image_id -> exactly the rows that were scored, [N, 6] float64: x, y, w, h (original pixels),
+    # score, class index
+    rows: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def coco_results(self, category_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """The scored predictions in the COCO results format (``image_id``, ``category_id``, ``bbox``
+        [x, y, w, h] in original pixels, ``score``), images by id, with class index i written as
+        ``category_ids[i]`` (the dataset's own ids; the class indices when None). pycocotools scoring
+        this list against the split's original json gives the metrics of this pass."""
+        ids = list(range(len(self.classes))) if category_ids is None else [int(i) for i in category_ids]
+        return [{"image_id": image_id, "category_id": ids[int(row[5])], "bbox": [float(v) for v in row[:4]],
+                 "score": float(row[4])} for image_id in sorted(self.rows) for row in self.rows[image_id]]
 
     def table(self) -> list[dict[str, Any]]:
         """One row per class (class, instances, ap50, ap), for :func:`common.figures.format_table`."""
@@ -165,7 +177,8 @@ class CocoEvaluator:
             gt = np.array([a["bbox"] + [a["category_id"], a["iscrowd"]] for a in annotations], np.float64).reshape(-1, 6)
             gt[:, 2:4] += gt[:, :2]  # COCO xywh -> XYXY
             confusion += detection_confusion(boxes, rows[:, 4], rows[:, 5], gt[:, :4], gt[:, 4], k, gt[:, 5] > 0)
-        return EvalDetails([c["name"] for c in categories], ap, ap50, instances, precision, confusion, predictions)
+        return EvalDetails([c["name"] for c in categories], ap, ap50, instances, precision, confusion, predictions,
+                           dict(merged))
 
 
 def detection_confusion(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, gt_boxes: np.ndarray,

@@ -41,14 +41,17 @@ class DetectionData:
     train: Any  # datasets.Dataset in the normalised schema, images undecoded
     eval: Any
     classes: list[str]
+    # the dataset's own id of each class (index = class index): COCO category ids, a ClassLabel's
+    # index, or the distinct raw category values; what predictions.json and the weights carry
+    category_ids: list[int]
 
 
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
-def _sources(data: str) -> tuple[dict[str, Callable[[], tuple[Any, list[str] | None]]], str]:
-    """Split name -> a function loading it (normalised dataset, class names or None); and a
-    description of where the splits were looked for, for error messages."""
+def _sources(data: str) -> tuple[dict[str, Callable[[], tuple[Any, list[str] | None, list[int] | None]]], str]:
+    """Split name -> a function loading it (normalised dataset, class names or None, category ids or
+    None); and a description of where the splits were looked for, for error messages."""
     path = Path(data)
     if data in DETECTION:
         path = DETECTION[data]()
@@ -62,7 +65,11 @@ def _sources(data: str) -> tuple[dict[str, Callable[[], tuple[Any, list[str] | N
                               "dataset, or a hub dataset name (with network, or already in the cache)")
     if not hasattr(table, "keys"):  # a single Dataset: the training split
         table = {"train": table}
-    return {split: (lambda split=split: normalise(table[split], data, split)) for split in table}, f"'{data}'"
+    def hub(split: str) -> tuple[Any, list[str] | None, list[int] | None]:
+        ds, names = normalise(table[split], data, split)
+        return ds, names, None if names is None else list(range(len(names)))  # a ClassLabel's index is its id
+
+    return {split: (lambda split=split: hub(split)) for split in table}, f"'{data}'"
 
 
 def load_detection(data: str, train_split: str = "train", eval_split: str = "", seed: int = 0,
@@ -72,7 +79,9 @@ def load_detection(data: str, train_split: str = "train", eval_split: str = "", 
     ``data``: ``digits_det``, a COCO-json folder, a ``save_to_disk`` folder, a local copy of a hub
     repository, or a hub name (``org/name`` or ``org/name:config``). ``eval_split`` empty: the first of
     validation/val/valid/test that exists, else a seeded ``eval_fraction`` of the training split.
-    Classes: the COCO categories sorted by id, else the ClassLabel names, else '0'..'C-1'.
+    Classes: the COCO categories sorted by id, else the ClassLabel names; else the distinct category
+    values of both splits, sorted, each named by its value and renumbered 0..C-1. ``category_ids``
+    keeps each class's own id, so predictions can be written in the dataset's ids.
     Crowd annotations stay in the rows (``objects.iscrowd``) for the evaluator; :class:`DetectionDataset`
     never makes them training targets. Images without objects stay: they are negatives.
     """
@@ -82,10 +91,10 @@ def load_detection(data: str, train_split: str = "train", eval_split: str = "", 
     eval_split = eval_split or next((s for s in EVAL_SPLITS if s in sources and s != train_split), "")
     if eval_split and eval_split not in sources:
         raise UserError(f"{where} has no split '{eval_split}'; it has {sorted(sources)}")
-    train, names = sources[train_split]()
+    train, names, ids = sources[train_split]()
     if eval_split:
-        evaluation, eval_names = sources[eval_split]()
-        if names is not None and eval_names is not None and eval_names != names:
+        evaluation, eval_names, eval_ids = sources[eval_split]()
+        if names is not None and eval_names is not None and (eval_names, eval_ids) != (names, ids):
             raise UserError(f"the evaluation split of '{data}' has classes {eval_names[:5]}... but the training "
                             f"split has {names[:5]}... ({len(eval_names)} vs {len(names)})")
     else:
@@ -97,14 +106,21 @@ def load_detection(data: str, train_split: str = "train", eval_split: str = "", 
     for name, ds in (("training", train), ("evaluation", evaluation)):
         if len(ds) == 0:
             raise UserError(f"the {name} split of '{data}' is empty")
+    if names is None:  # plain integer categories: the distinct values are the classes
+        ids = sorted({c for ds in (train, evaluation) for o in ds["objects"] for c in o["category"]})
+        names = [str(i) for i in ids]
+        if ids != list(range(len(ids))):
+            index = {c: i for i, c in enumerate(ids)}
+            def renumber(row: dict[str, Any]) -> dict[str, Any]:
+                return {"objects": {**row["objects"], "category": [index[c] for c in row["objects"]["category"]]}}
+
+            train, evaluation = (ds.map(renumber, features=ds.features) for ds in (train, evaluation))
     top = max((max(o["category"], default=-1) for ds in (train, evaluation) for o in ds["objects"]), default=-1)
-    if names is None:
-        names = [str(i) for i in range(top + 1)]
     if top >= len(names):
         raise UserError(f"'{data}' has category {top}, but only {len(names)} classes")
     if not names:
         raise UserError(f"'{data}' has no categories and no objects")
-    return DetectionData(train, evaluation, names)
+    return DetectionData(train, evaluation, names, list(ids if ids is not None else range(len(names))))
 
 
 # --------------------------------------------------------------------------------------------

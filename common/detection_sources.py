@@ -19,7 +19,7 @@ import io
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from PIL import Image
 
@@ -75,8 +75,9 @@ def coco_splits(folder: Path) -> dict[str, tuple[Path, list[Path]]]:
     return splits
 
 
-def load_coco_split(json_path: Path, image_dirs: list[Path], data: str) -> tuple[Any, list[str]]:
-    """One COCO-json split as a normalised ``datasets.Dataset`` and its class names (categories by id)."""
+def load_coco_split(json_path: Path, image_dirs: list[Path], data: str) -> tuple[Any, list[str], list[int]]:
+    """One COCO-json split as a normalised ``datasets.Dataset``, its class names and their COCO
+    category ids (categories sorted by id: class index i is ``categories[i]``)."""
     import datasets
 
     try:
@@ -89,6 +90,8 @@ def load_coco_split(json_path: Path, image_dirs: list[Path], data: str) -> tuple
     categories = sorted(coco.get("categories") or [], key=lambda c: c["id"])
     index = {c["id"]: i for i, c in enumerate(categories)}  # COCO category id -> contiguous class index
     classes = [str(c.get("name", c["id"])) for c in categories]
+    if len(index) != len(categories):
+        raise UserError(f"annotation file '{json_path}' repeats a category id in its 'categories'")
 
     images = coco["images"]
     folder = next((d for d in image_dirs if images and (d / images[0]["file_name"]).exists()), None)
@@ -122,7 +125,8 @@ def load_coco_split(json_path: Path, image_dirs: list[Path], data: str) -> tuple
         "height": [h for _, h in sizes],
         "objects": list(rows.values()),
     }
-    return datasets.Dataset.from_dict(table, features=features()), classes
+    check_box_format(table, f"'{json_path}'")
+    return datasets.Dataset.from_dict(table, features=features()), classes, [int(c["id"]) for c in categories]
 
 
 _BOX_KEYS = ("bbox", "bboxes", "boxes")
@@ -176,9 +180,49 @@ def normalise(ds: Any, data: str, split: str) -> tuple[Any, list[str] | None]:
             w, h = _image_size(value, f"row {i} of split '{split}' of '{data}'")
             table["width"].append(w)
             table["height"].append(h)
+    check_box_format(table, f"split '{split}' of '{data}'")
     schema = features()
     meta_features = datasets.Features({k: v for k, v in schema.items() if k != "image"})
     meta_ds = datasets.Dataset.from_dict(table, features=meta_features)
     if image_column != "image":
         images = images.rename_column(image_column, "image")
     return datasets.concatenate_datasets([images, meta_ds], axis=1), names
+
+
+def check_box_format(table: dict[str, list], where: str) -> None:
+    """Refuse boxes that are plainly not COCO ``[x, y, w, h]`` in pixels, as one :class:`UserError`
+    naming ``where``: every coordinate within 0..1.5 on images larger than 4 px (normalised boxes),
+    or more than a tenth of the boxes reaching past their image when read as x, y, w, h while as
+    x0, y0, x1, y1 every one is a well-formed box inside it (corner boxes). Such data loads without a
+    complaint otherwise and scores a meaningless mAP. ``table``: ``width``, ``height`` and ``objects``
+    columns of the normalised schema (module docstring)."""
+    import numpy as np
+
+    boxes = [(b, w, h) for objects, w, h in zip(table["objects"], table["width"], table["height"])
+             for b in objects["bbox"]]
+    if not boxes:
+        return
+    xywh = np.array([b for b, _, _ in boxes], np.float64)  # [N, 4]
+    size = np.array([[w, h] for _, w, h in boxes], np.float64)  # [N, 2] image width, height
+    if np.abs(xywh).max() <= 1.5 and np.median(size) > 4:
+        raise UserError(f"the boxes of {where} are all within 0..1 ({len(xywh)} boxes): they look normalised; "
+                        "detection data needs COCO [x, y, w, h] boxes in pixels of the original image")
+    slack = 0.02 * size + 1.0  # annotation tools round and overshoot edges by a pixel or so
+    past = ((xywh[:, :2] + xywh[:, 2:]) > size + slack).any(1)
+    corners = (xywh[:, 2:] > xywh[:, :2]).all(1) & (xywh[:, 2:] <= size + slack).all(1) & (xywh[:, :2] >= -slack).all(1)
+    if past.mean() > 0.1 and corners.all():
+        raise UserError(f"{past.sum()} of the {len(xywh)} boxes of {where} reach past their image when read as "
+                        "[x, y, w, h], and every one is a box inside it as [x0, y0, x1, y1]: they look like corner "
+                        "boxes; detection data needs COCO [x, y, w, h] boxes in pixels (w = x1 - x0, h = y1 - y0)")
+
+
+def image_table(files: Sequence[Path]) -> Any:
+    """Image files (``common.images.image_files``) as a normalised split without objects, for a
+    detector's ``--predict``: ``image_id`` is the file's position; sizes come from the headers."""
+    import datasets
+
+    sizes = [_image_size({"path": str(f)}, str(f)) for f in files]
+    table = {"image": [{"path": str(f), "bytes": None} for f in files], "image_id": list(range(len(files))),
+             "width": [w for w, _ in sizes], "height": [h for _, h in sizes],
+             "objects": [{"bbox": [], "category": [], "area": [], "iscrowd": []} for _ in files]}
+    return datasets.Dataset.from_dict(table, features=features())

@@ -2,8 +2,10 @@
 
 Every weights file a recipe writes has the same metadata schema (all values strings, as
 safetensors requires): ``recipe`` (the script's name), ``config`` (the resolved config as JSON:
-enough to rebuild the model with the recipe's own ``create_model``) and ``classes`` (JSON list of
-class names, index = the model's class index). :func:`read_metadata` returns them decoded.
+enough to rebuild the model with the recipe's own ``create_model``), ``classes`` (JSON list of
+class names, index = the model's class index) and, from the detectors, ``category_ids`` (JSON list:
+the dataset's own id of each class, as its COCO json numbers them). :func:`read_metadata` returns
+them decoded.
 """
 
 from __future__ import annotations
@@ -47,8 +49,26 @@ def sync_batchnorm(model: nn.Module, accelerator: Any) -> nn.Module:
     return model
 
 
+def freeze_stages(body: nn.Module, freeze_at: int) -> None:
+    """Freeze a timm features_only backbone's modules up to and including the one that gives
+    feature level ``freeze_at - 1`` of all its levels (level 0 is the stem of a resnet; Detectron2's
+    convention: 2 = the stem and the first stage): their weights get no gradient and stay out of the
+    optimizer (their batch norm statistics still move unless the batch norm is frozen too)."""
+    if freeze_at <= 0:
+        return
+    levels = body.feature_info.info  # every level, not only out_indices
+    if freeze_at > len(levels):
+        raise UserError(f"freeze_at {freeze_at}: model has only {len(levels)} stages")
+    last = levels[freeze_at - 1]["module"].split(".")[0]
+    for name, child in body.named_children():
+        for p in child.parameters():
+            p.requires_grad_(False)
+        if name == last:
+            return
+
+
 def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, cfg: Any, classes: Sequence[str] = (),
-                 recipe: str = "") -> None:
+                 recipe: str = "", category_ids: Sequence[int] | None = None) -> None:
     """Write ``state_dict`` as safetensors with the metadata schema of the module docstring; written
     to a temporary file and renamed, so a kill never leaves half a file. Call on the main process."""
     import safetensors.torch
@@ -59,13 +79,16 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, cfg: Any
     # into the plain model (timm, --init_weights) whether or not the run compiled
     tensors = {k.replace("_orig_mod.", ""): v.detach().cpu().contiguous() for k, v in state_dict.items()}
     meta = {"recipe": recipe, "config": json.dumps(to_dict(cfg)), "classes": json.dumps(list(classes))}
+    if category_ids is not None:
+        meta["category_ids"] = json.dumps([int(i) for i in category_ids])
     safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The metadata of a weights file written by :func:`save_weights`: ``recipe`` (str), ``config``
-    (dict) and ``classes`` (list); an unreadable file is one :class:`UserError`."""
+    (dict), ``classes`` (list) and ``category_ids`` (list; the class indices where the file has none);
+    an unreadable file is one :class:`UserError`."""
     import safetensors
 
     try:
@@ -73,8 +96,9 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
             meta = f.metadata() or {}
     except Exception as e:
         raise UserError(f"weights '{path}' could not be read: {type(e).__name__}: {e}") from None
-    return {"recipe": meta.get("recipe", ""), "config": json.loads(meta.get("config", "{}")),
-            "classes": json.loads(meta.get("classes", "[]"))}
+    classes = json.loads(meta.get("classes", "[]"))
+    return {"recipe": meta.get("recipe", ""), "config": json.loads(meta.get("config", "{}")), "classes": classes,
+            "category_ids": json.loads(meta.get("category_ids", "null")) or list(range(len(classes)))}
 
 
 def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -92,16 +116,33 @@ def config_with_weights(cls: type, argv: Sequence[str] | None, fields: Sequence[
     """Parse ``cls`` from ``argv`` (:func:`common.config.parse_config`); when it names ``--weights``, the
     ``fields`` that define the model (name, size, classes...) default to the values saved in that file's
     metadata, so ``--eval_only --weights W`` rebuilds the trained model without repeating its flags.
-    A config file and flags still override them."""
+    A config file and flags still override them. ``eval_only`` or ``predict`` without ``weights`` is
+    one :class:`UserError`."""
     from common.config import parse_config
 
     cfg = parse_config(cls, argv)
+    if (getattr(cfg, "eval_only", False) or getattr(cfg, "predict", "")) and not getattr(cfg, "weights", ""):
+        mode = "eval_only" if getattr(cfg, "eval_only", False) else "predict"
+        raise UserError(f"{mode} needs --weights (a weights file this recipe saved)")
     if not getattr(cfg, "weights", ""):
         return cfg
     if not Path(cfg.weights).is_file():
         raise UserError(f"weights '{cfg.weights}' does not exist")
     saved = read_metadata(cfg.weights)["config"]
     return parse_config(cls, argv, base={k: saved[k] for k in fields if k in saved})
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor], path: str | Path, recipe: str = "") -> nn.Module:
+    """``model`` with ``state`` loaded strictly (the tensors of the weights file ``path``, saved by
+    ``recipe``); weights of another architecture or size are one :class:`UserError` naming the first
+    difference."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])
+        by = f" (saved by {recipe})" if recipe else ""
+        raise UserError(f"weights '{path}'{by} do not fit this model: {detail[:300]}") from None
+    return model
 
 
 @torch.no_grad()

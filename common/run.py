@@ -116,8 +116,7 @@ class Run:
         self.begun = True
         acc, cfg = self.accelerator, self.cfg
         if acc.is_main_process:
-            for d in (self.dir, self.checkpoint_dir, self.plots_dir):
-                d.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(parents=True, exist_ok=True)  # checkpoints/ and plots/ appear with their first file
             # ``resume`` is an action, not a setting: `--config <run>/config.yaml` alone starts a new run
             save_config(dataclasses.replace(cfg, resume=""), self.dir / "config.yaml")
         acc.wait_for_everyone()
@@ -156,14 +155,15 @@ class Run:
             self.print(textwrap.fill(line, 120, subsequent_indent="    ", break_long_words=False))
 
     def log_plots(self, step: int, **pictures: Image.Image | None) -> None:
-        """After an evaluation (every process calls it): redraw ``plots/curves.png`` from metrics.jsonl,
-        and send it and ``pictures`` (drawn and saved under ``plots/`` by the recipe on the main
+        """After an evaluation (every process calls it): redraw ``plots/curves.png`` from metrics.jsonl (not
+        for ``--eval_only``) and send it and ``pictures`` (saved under ``plots/`` by the recipe on the main
         process; None elsewhere) to the tracker as images keyed ``plots/<name>``."""
         if not self.accelerator.is_main_process:
             return
         from common.figures import plot_curves
 
-        pictures["curves"] = plot_curves(self.dir / "metrics.jsonl", self.plots_dir / "curves.png")
+        if not getattr(self.cfg, "eval_only", False):
+            pictures["curves"] = plot_curves(self.dir / "metrics.jsonl", self.plots_dir / "curves.png")
         shown = {f"plots/{k}": v for k, v in pictures.items() if v is not None}
         log_images(self.accelerator, self.cfg.report_to, shown, step)
 
@@ -187,8 +187,10 @@ class Run:
         self.guard.check(acc, self.last_checkpoint)
         final = self.checkpoint_dir / f"step_{state.step:08d}"
         tmp = self.checkpoint_dir / f".tmp-step_{state.step:08d}"
-        if acc.is_main_process and tmp.exists():
-            shutil.rmtree(tmp)
+        if acc.is_main_process:
+            self.checkpoint_dir.mkdir(exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
         acc.wait_for_everyone()
         acc.save_state(str(tmp))
         acc.wait_for_everyone()

@@ -354,8 +354,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.bn_momentum_end > 0 and (cfg.bn_momentum <= 0 or cfg.compile):
         raise UserError("bn_momentum_end needs bn_momentum > 0, and cannot be combined with compile "
                         "(each new momentum value would force torch.compile to recompile)")
-    if (cfg.eval_only or cfg.predict) and not cfg.weights:
-        raise UserError("eval_only and predict need --weights (a best.safetensors this recipe saved)")
     if cfg.epochs < 1 and not cfg.eval_only:
         raise UserError(f"epochs must be at least 1, got {cfg.epochs}; to evaluate saved weights: --eval_only --weights W")
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)

@@ -384,8 +384,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = config_with_weights(Config, argv, MODEL_FIELDS)
     if cfg.local_crops < 0 or cfg.global_size < cfg.local_size:
         raise UserError("need local_crops >= 0 and global_size >= local_size")
-    if cfg.eval_only and not cfg.weights:
-        raise UserError("eval_only needs --weights (a teacher_backbone.safetensors this recipe saved)")
     if not cfg.knn_k or min(cfg.knn_k) < 1:
         raise UserError(f"knn_k needs one or more neighbour counts >= 1, got {cfg.knn_k}")
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)

@@ -144,6 +144,48 @@ def test_coco_folders_and_hub_dataset_load_to_the_same_rows(tmp_path):
     assert list(loaded["coco"].eval["image_id"]) == [10, 11]
 
 
+def test_every_source_keeps_the_datasets_category_ids(tmp_path):
+    """COCO: the json's ids by rank; a ClassLabel: its index; plain integer categories (a hub table
+    without a ClassLabel, say 0, 3, 7): the distinct values of both splits, renumbered 0..C-1."""
+    import datasets
+
+    splits = _scenes()
+    splits["train"][0]["category"], splits["train"][1]["category"] = [0, 1], [2, 2]  # every class present
+    assert load_detection(str(_write_coco(tmp_path / "coco", "coco", splits))).category_ids == CATEGORY_IDS
+    hub = _hubdetection_table(splits)
+    hub.save_to_disk(str(tmp_path / "labels"))
+    assert load_detection(str(tmp_path / "labels")).category_ids == [0, 1, 2]
+    raw = {name: ds.cast_column("objects", {**ds.features["objects"],
+                                            "category": datasets.Sequence(datasets.Value("int64"))})
+           .map(lambda row: {"objects": {**row["objects"], "category": [[0, 3, 7][c] for c in row["objects"]["category"]]}})
+           for name, ds in hub.items()}
+    datasets.DatasetDict(raw).save_to_disk(str(tmp_path / "raw"))
+    data = load_detection(str(tmp_path / "raw"))
+    assert data.classes == ["0", "3", "7"] and data.category_ids == [0, 3, 7]
+    assert [o["category"] for o in data.train["objects"]] == [r["category"] for r in splits["train"]]
+
+
+@pytest.mark.parametrize("convert, message", [
+    (lambda b, w, h: [b[0] / w, b[1] / h, b[2] / w, b[3] / h], "look normalised"),
+    (lambda b, w, h: [b[0], b[1], b[0] + b[2], b[1] + b[3]], "look like corner boxes"),
+])
+def test_boxes_that_are_not_coco_pixels_are_one_clear_error(tmp_path, convert, message):
+    """Normalised or [x0, y0, x1, y1] boxes in a hub table (or a COCO json) are refused, naming the data."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for image_id in range(12):
+        w, h = 64, 48
+        boxes = [[float(rng.integers(10, 40)), float(rng.integers(10, 30)), 20.0, 16.0] for _ in range(2)]
+        rows.append({"image_id": image_id, "pixels": rng.integers(0, 255, (h, w, 3), dtype=np.uint8), "area": [320.0] * 2,
+                     "bbox": [convert(b, w, h) for b in boxes], "category": [0, 1]})
+    _hubdetection_table({"train": rows[:8], "val": rows[8:]}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(UserError, match=f"boxes of split 'train' of '{tmp_path / 'saved'}'.*{message}"):
+        load_detection(str(tmp_path / "saved"))
+    coco = _write_coco(tmp_path / "coco", "coco", {"train": rows[:8], "val": rows[8:]})
+    with pytest.raises(UserError, match=f"instances_train.json'.*{message}"):
+        load_detection(str(coco))
+
+
 def test_crowd_regions_are_kept_for_evaluation_but_never_targets(tmp_path):
     splits = _scenes()
     crowd = {"id": 999, "image_id": 4, "bbox": [1.0, 1.0, 20.0, 20.0], "area": 300.0, "category_id": 3, "iscrowd": 1}
