@@ -35,11 +35,12 @@ Expected (defaults, measured): see the README's recipe table (mAP@0.5 on the 400
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
     if (_root / "common" / "__init__.py").is_file():
@@ -70,17 +71,21 @@ from tqdm.auto import tqdm
 from common import UserError
 from common.boxes import crop_box
 from common.coco_eval import CocoEvaluator, EvalDetails
-from common.config import parse_config
 from common.console import cli_main
 from common.data import decode_image
-from common.loaders import eval_loader_for, sample_seed, train_loader_for
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionData, DetectionDataset, collate, load_detection
-from common.detection_figures import per_class_text, save_evaluation_figures
+from common.detection_figures import per_class_text
+from common.detection_outputs import check_classes, report_evaluation, save_predictions
+from common.detection_sources import image_table
+from common.images import image_files
+from common.loaders import eval_loader_for, on_device, sample_seed, train_loader_for
 from common.loop import Loop, steps_total
 from common.meters import Meters, prefixed
-from common.models import create_timm_model, save_weights, sync_batchnorm
+from common.models import (config_with_weights, create_timm_model, freeze_stages, load_state, load_weights,
+                           save_weights, sync_batchnorm)
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
+from recipes.detr_checkpoint import load_init_weights  # DETR's checkpoint reader, beside this file
 
 # The three weighted loss terms, in the order of loss_weights (and, for the costs, of matcher_costs).
 LOSS_TERMS = ("loss_ce", "loss_bbox", "loss_giou")
@@ -115,10 +120,17 @@ class Config:
     out_index: int = 3  # the backbone level the transformer reads (timm's feature index; -1 = the last)
     pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
     frozen_bn: bool = False  # backbone batch norm as fixed affine layers (DETR does so with pretrained weights)
+    freeze_at: int = 0  # backbone levels whose weights never train: 0 none, 1 the stem, 2 the stem and the first
+        # stage (DETR: 2, its resnet50 trains layer2-4 only); frozen weights stay out of the optimizer
     init_backbone: str = ""  # safetensors of the same timm model (e.g. classifier.py's best.safetensors) for the
         # backbone; keys it does not use (head, later stages) are ignored
+    init_weights: str = ""  # the whole detector from a DETR checkpoint: the reference's COCO-trained .pth
+        # (detr-r50-e632da11.pth), transformers' facebook/detr-resnet-50 model.safetensors, or this recipe's own
+        # safetensors; the model fields must match it (DETR-R50: resnet50, out_index -1, d_model 256, 6 + 6
+        # layers, 8 heads, dim_feedforward 2048, 100 queries). The class head is kept for COCO classes (the rows
+        # of their ids) and for the file's own classes, else made anew (docs/detr.md)
     # backbone pre-training on the training set's own boxes, before DETR: what stands in for ImageNet weights
-    # without network (skipped with pretrained or init_backbone weights, and when resuming)
+    # without network (skipped with pretrained, init_backbone or init_weights weights, and when resuming)
     pretrain_crops_epochs: int = 6  # epochs of classifying every ground-truth box, cut out, with backbone + linear
         # head (0: off)
     pretrain_crops_size: int = 32  # crop side, px (digits_det's digits are 12-47 px tall)
@@ -163,6 +175,14 @@ class Config:
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
     best_metric: Literal["map_50", "map"] = "map_50"  # what best.safetensors follows: mAP@0.5, or COCO's
         # mAP@[.5:.95] (map; the COCO and VOC configs)
+    # evaluation and prediction with saved weights (the model fields default to the file's saved config)
+    weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
+    eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
+        # dataset's category ids), no training
+    predict: str = ""  # an image or a folder of images: with --weights, write predictions.json and the images with
+        # their boxes drawn (predictions/) in the run folder; no dataset needed
+    predict_score: float = 0.5  # predict: detections scoring below this are neither written nor drawn (DETR's
+        # 100 queries each answer, most with a low score)
     # run
     output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation and initialisation
@@ -364,8 +384,10 @@ class DETR(nn.Module):
 
 def create_model(cfg: Config, num_classes: int, backbone: nn.Module | None = None) -> DETR:
     """DETR for ``num_classes`` object classes (no-object is one more), around ``backbone`` (default:
-    a new :func:`create_backbone`); ``frozen_bn`` freezes its batch norm here, after any pre-training."""
+    a new :func:`create_backbone`); ``freeze_at`` and ``frozen_bn`` freeze its first stages and its batch
+    norm here, after any pre-training."""
     backbone = create_backbone(cfg) if backbone is None else backbone
+    freeze_stages(backbone, cfg.freeze_at)
     if cfg.frozen_bn:
         backbone = timm.layers.freeze_batch_norm_2d(backbone)  # BatchNorm2d -> FrozenBatchNorm2d
     return DETR(backbone, num_classes, cfg)
@@ -687,23 +709,51 @@ def postprocess(outputs: dict, orig_sizes: torch.Tensor) -> list[dict[str, torch
     return [{"scores": s, "labels": l, "boxes": b} for s, l, b in zip(scores, labels, boxes)]
 
 
-@torch.no_grad()
+def detect(model: nn.Module, loader, accelerator) -> Iterator[list[dict[str, Any]]]:
+    """Per batch of ``loader``, per image: ``image_id`` and the detections (``boxes`` XYXY in the original
+    image's pixels, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode."""
+    for images, mask, targets in loader:
+        with torch.no_grad(), accelerator.autocast():
+            outputs = model(images, mask)
+        orig = torch.tensor([t["orig_size"] for t in targets])
+        yield [{"image_id": t["image_id"], **d} for d, t in zip(postprocess(outputs, orig), targets)]
+
+
 def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator) -> tuple[dict[str, float], EvalDetails]:
     """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
     predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training
     model.eval()
-
-    def batches():  # consumed by the evaluator as the loader yields
-        for images, mask, targets in eval_loader:
-            with accelerator.autocast():
-                outputs = model(images, mask)
-            orig = torch.tensor([t["orig_size"] for t in targets])
-            yield [{"image_id": t["image_id"], **d} for d, t in zip(postprocess(outputs, orig), targets)]
-
-    results = evaluator.evaluate(batches(), accelerator, details=True)
+    results = evaluator.evaluate(detect(model, eval_loader, accelerator), accelerator, details=True)
     model.train(was_training)
     return results
+
+
+# the fields that define the model: --weights restores them from the file's saved config
+MODEL_FIELDS = ("model", "model_kwargs", "out_index", "frozen_bn", "scales", "max_size", "d_model", "nheads",
+                "enc_layers", "dec_layers", "dim_feedforward", "num_queries", "aux_loss")
+
+
+def trained_model(cfg: Config, data: DetectionData | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """The DETR of ``cfg.weights`` (eval mode) and the file's metadata (classes, category ids), which
+    must be those of ``data`` when given."""
+    state, meta = load_weights(cfg.weights)
+    if not meta["classes"]:
+        raise UserError(f"weights '{cfg.weights}' carry no class names: not a detector's weights file")
+    check_classes(cfg.weights, meta, data)
+    plain = dataclasses.replace(cfg, pretrained=False, init_backbone="")
+    return load_state(create_model(plain, len(meta["classes"])), state, cfg.weights, meta["recipe"]).eval(), meta
+
+
+def predict(cfg: Config, run: Run) -> dict[str, float]:
+    """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
+    model, meta = trained_model(cfg)
+    table = image_table(image_files(cfg.predict))
+    loader = eval_loader_for(DetectionDataset(table, data_transforms(cfg, False)), 2 * cfg.batch_size,
+                             cfg.num_workers, collate_fn=detr_collate)
+    model = model.to(run.accelerator.device)
+    batches = detect(model, on_device(run.progress(loader, "predict"), run.accelerator.device), run.accelerator)
+    return save_predictions(run, batches, table, meta["classes"], meta["category_ids"], cfg.predict_score, cfg.predict)
 
 
 # ============================================================================================
@@ -728,29 +778,38 @@ def check_config(cfg: Config) -> None:
         raise UserError("enc_layers >= 0, dec_layers >= 1 and num_queries >= 1 are needed")
     if not 0 <= cfg.eos_coef <= 1:
         raise UserError(f"eos_coef must be in 0..1, got {cfg.eos_coef}")
+    if cfg.init_weights and cfg.init_backbone:
+        raise UserError("init_weights and init_backbone both give the backbone's weights: set one of them")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    cfg = parse_config(Config, argv)
+    cfg = config_with_weights(Config, argv, MODEL_FIELDS)
     check_config(cfg)
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
+    if cfg.predict:
+        return predict(cfg, run)
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     num_classes = len(data.classes)
-    train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed)
     eval_set = DetectionDataset(data.eval, data_transforms(cfg, False), cfg.seed)
-    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
-                                  accelerator.num_processes, collate_fn=detr_collate)
     eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=detr_collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
+    if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
+        model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)
+        metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
+        return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
+    train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed)
+    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
+                                  accelerator.num_processes, collate_fn=detr_collate)
 
     # ---- model and loss (the backbone pre-trained on the box crops first, unless its weights come from elsewhere) ----
     backbone = create_backbone(cfg)
     if cfg.pretrain_crops_epochs > 0:
         reason = ("pretrained" if cfg.pretrained else "init_backbone" if cfg.init_backbone
+                  else "init_weights" if cfg.init_weights
                   else "resuming (the checkpoint holds the weights)" if run.resume_checkpoint() else "")
         if reason:
             run.print(f"backbone pre-training on box crops skipped: {reason}")
@@ -760,6 +819,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             run.finish()
             return {}
     model = create_model(cfg, num_classes, backbone)
+    if cfg.init_weights:  # the whole detector from a DETR checkpoint (a resumed run's checkpoint overrides it)
+        run.print(load_init_weights(model, cfg.init_weights, data.classes, data.category_ids))
     criterion = create_criterion(cfg, num_classes).to(accelerator.device)
     weight_dict = criterion.weight_dict  # the total loss: sum of weight x term (auxiliary layers' terms too)
     model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch
@@ -812,25 +873,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # ---- evaluation and best weights ---------------------------------------------------------
         if loop.eval_due():
             metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
-            results = {f"eval/{k}": v for k, v in metrics.items()}
-            improved = loop.improved(cfg.best_metric, results[f"eval/{cfg.best_metric}"])
-            results[f"best/{cfg.best_metric}"] = loop.best(cfg.best_metric)
-            run.log({**results, "epoch": epoch}, loop.step)
-            pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
-            if accelerator.is_main_process:
-                pictures = save_evaluation_figures(details, run.plots_dir, data.eval, cfg.plot_images,
-                                                   wandb_run=run.wandb_run(), step=loop.step)
-            run.log_plots(loop.step, **pictures)  # and the training curves
+            improved = loop.improved(cfg.best_metric, metrics[cfg.best_metric])
+            # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
+            results = report_evaluation(run, metrics, details, data, cfg.plot_images, loop.step,
+                                        {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)}, epoch)
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
-                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe)
+                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe, data.category_ids)
     if loop.stopped:
         return results
 
     # ---- saving -----------------------------------------------------------------------------------
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe)
+        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe, data.category_ids)
     if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
         run.print(per_class_text(details))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary

@@ -12,15 +12,16 @@ this file wires the blocks and trains them.
 
 Training as torchvision's and seamseg's references train it: SGD with momentum and weight decay
 (none on biases and norms), linear warmup, then step drops at epoch milestones or poly decay, per
-step; batches grouped by aspect ratio; optional frozen early backbone stages and frozen batch
-norm; fp16/bf16 and gradient clipping through Accelerate. Evaluation is COCO mAP
-(common/coco_eval.py); the best weights by mAP@0.5 are kept.
+step; batches grouped by aspect ratio (torchvision's 8 groups); training images without boxes left
+out; optional frozen early backbone stages and frozen batch norm; fp16/bf16 and gradient clipping
+through Accelerate. Evaluation is COCO mAP (common/coco_eval.py); the best weights by mAP@0.5 are
+kept.
 
 Launch (defaults = the built-in ``digits_det`` scenes, a thin resnet10t from scratch at 96 px):
 
     accelerate launch recipes/faster_rcnn.py
     accelerate launch --config_file configs/accelerate/multi_gpu_bf16.yaml recipes/faster_rcnn.py \\
-        --config configs/faster_rcnn/coco_r50_fpn_1x.yaml
+        --config configs/faster_rcnn/coco_r50_fpn_26ep.yaml
 
 Expected (defaults, measured): mAP@0.5 0.937 (mAP 0.678) on the 400 held-out scenes after 2 epochs,
 about 2 minutes wall on one CPU core; the README's recipe table has the details.
@@ -28,9 +29,11 @@ about 2 minutes wall on one CPU core; the README's recipe table has the details.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
@@ -53,6 +56,7 @@ import timm
 import torch
 import torchvision
 from torch import nn
+from torchvision.models import MobileNet_V3_Large_Weights, ResNet50_Weights
 from torchvision.models.detection.faster_rcnn import FasterRCNN, FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.rpn import AnchorGenerator, RegionProposalNetwork, RPNHead
@@ -64,19 +68,35 @@ from torchvision.transforms import v2
 from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
-from common.config import parse_config
 from common.console import cli_main
-from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
-from common.detection_figures import per_class_text, save_evaluation_figures
+from common.detection_figures import per_class_text
+from common.detection_outputs import check_classes, report_evaluation, save_predictions
+from common.detection_sources import image_table
+from common.images import image_files
+from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, on_device, sample_seed
 from common.loop import Loop, steps_total
-from common.models import create_timm_model, save_weights, sync_batchnorm
+from common.models import (config_with_weights, create_timm_model, freeze_stages, load_state, load_weights,
+                           save_weights, sync_batchnorm)
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
 
-# torchvision's Faster R-CNN presets (model = one of these names), each built by its own function.
-PRESETS = ("fasterrcnn_resnet50_fpn", "fasterrcnn_resnet50_fpn_v2", "fasterrcnn_mobilenet_v3_large_fpn",
-           "fasterrcnn_mobilenet_v3_large_320_fpn")
+# torchvision's Faster R-CNN presets (model = one of these names, each built by its own function) -> the ImageNet
+# weights --pretrained_backbone gives the preset's backbone: IMAGENET1K_V1, which torchvision's reference trained the
+# resnet50 and mobilenet presets' COCO weights from (references/detection/README.md, --weights-backbone; 37.0 box AP
+# for fasterrcnn_resnet50_fpn), not "DEFAULT", now the later, stronger V2 classifiers. fasterrcnn_resnet50_fpn_v2's
+# COCO weights were trained from random init (400 epochs, large-scale jitter); V1 is what torchvision's own
+# pretrained_backbone=True gives it.
+PRESETS = {"fasterrcnn_resnet50_fpn": ResNet50_Weights.IMAGENET1K_V1,
+           "fasterrcnn_resnet50_fpn_v2": ResNet50_Weights.IMAGENET1K_V1,
+           "fasterrcnn_mobilenet_v3_large_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
+           "fasterrcnn_mobilenet_v3_large_320_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1}
+# The RPN and RoI sampling budgets of a timm backbone whose fields are left empty / 0: the demo's, sized for at most
+# 6 objects per 96 px scene. A preset left so keeps torchvision's own (FasterRCNN's defaults: 2000 / 1000 proposals
+# per level before NMS and per image after it, [train, eval]; 256 anchors and 512 proposals sampled per image;
+# the 320 preset evaluates with 150 / 150).
+TIMM_BUDGETS = {"rpn_pre_nms_top_n": [200, 200], "rpn_post_nms_top_n": [100, 100], "rpn_batch_size_per_image": 128,
+                "box_batch_size_per_image": 32}
 # The four losses as torchvision names them -> as this recipe names and logs them; loss_weights
 # follow this order. Each is already a mean: RPN objectness BCE over the sampled anchors, RPN box
 # smooth-L1 (beta 1/9) summed over positive anchors / sampled anchors, RoI cross-entropy over the
@@ -98,6 +118,11 @@ class Config:
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     color_jitter: bool = False  # torchvision's photometric distortion (SSD), p = 0.5
     num_workers: int = 1  # DataLoader worker processes per training process (0: load in the main process)
+    aspect_ratio_group_factor: int = 3  # k: batches of one aspect-ratio group, width / height cut at
+        # 2 ** linspace(-1, 1, 2k + 1) into 2k + 2 groups (torchvision's --aspect-ratio-group-factor; 3: 8 groups);
+        # 0: landscape or portrait; -1: no grouping
+    keep_empty: bool = False  # keep training images without boxes as negatives; false drops them, as torchvision's
+        # reference does: no box, or only boxes at most 1 px wide or high, or only crowd regions (never targets)
     # model: backbone -> FPN -> RPN -> RoIAlign -> box head
     model: str = "resnet10t"  # a timm model (features_only), or a torchvision preset (PRESETS)
     model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256], "stem_width": 16})  # extra
@@ -113,15 +138,19 @@ class Config:
     min_size: list[int] = field(default_factory=lambda: [96])  # shorter side, px; several: one drawn per training
         # image, eval at the last
     max_size: int = 96  # longer side at most, px
-    rpn_pre_nms_top_n: list[int] = field(default_factory=lambda: [200, 200])  # proposals per level before NMS,
-        # [train, eval] (torchvision: 2000, 1000)
-    rpn_post_nms_top_n: list[int] = field(default_factory=lambda: [100, 100])  # proposals per image after NMS,
-        # [train, eval] (torchvision: 2000, 1000)
-    rpn_batch_size_per_image: int = 128  # anchors sampled for the RPN losses (torchvision: 256)
-    roi_size: int = 7  # RoIAlign output side, cells (torchvision: 7)
-    roi_sampling_ratio: int = 1  # bilinear samples per cell side (torchvision: 2; the CPU backward is slow)
-    box_head_dim: int = 256  # the two-layer MLP head's width (torchvision: 1024)
-    box_batch_size_per_image: int = 32  # proposals sampled for the RoI losses (torchvision: 512)
+    rpn_pre_nms_top_n: list[int] = field(default_factory=list)  # proposals per level before NMS, [train, eval];
+        # empty: the model's own: a preset's torchvision values (2000, 1000), a timm backbone's 200, 200 (the demo's)
+    rpn_post_nms_top_n: list[int] = field(default_factory=list)  # proposals per image after NMS, [train, eval];
+        # empty: the model's own: a preset's torchvision values (2000, 1000; the 320 preset evaluates with 150), a
+        # timm backbone's 100, 100 (the demo's)
+    rpn_batch_size_per_image: int = 0  # anchors sampled per image for the RPN losses; 0: the model's own: a preset's
+        # torchvision value (256), a timm backbone's 128 (the demo's)
+    roi_size: int = 7  # RoIAlign output side, cells (timm backbones; the presets keep torchvision's 7)
+    roi_sampling_ratio: int = 1  # bilinear samples per cell side (timm backbones; the presets keep torchvision's 2;
+        # the CPU backward is slow)
+    box_head_dim: int = 256  # the two-layer MLP head's width (timm backbones; the presets keep torchvision's 1024)
+    box_batch_size_per_image: int = 0  # proposals sampled per image for the RoI losses; 0: the model's own: a
+        # preset's torchvision value (512), a timm backbone's 32 (the demo's)
     box_score_thresh: float = 0.05  # detections scoring below this are dropped (torchvision: 0.05)
     box_nms_thresh: float = 0.5  # per-class NMS IoU of the final detections (torchvision: 0.5)
     box_detections_per_img: int = 100  # detections kept per image (torchvision: 100)
@@ -154,6 +183,13 @@ class Config:
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
     best_metric: Literal["map_50", "map"] = "map_50"  # what best.safetensors follows: mAP@0.5, or COCO's
         # mAP@[.5:.95] (map; the COCO and VOC configs)
+    # evaluation and prediction with saved weights (the model fields default to the file's saved config)
+    weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
+    eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
+        # dataset's category ids), no training
+    predict: str = ""  # an image or a folder of images: with --weights, write predictions.json and the images with
+        # their boxes drawn (predictions/) in the run folder; no dataset needed
+    predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
     # run
     output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation and initialisation
@@ -197,40 +233,59 @@ def list_collate(batch):
     return images, targets
 
 
+def has_boxes(objects: dict[str, list]) -> bool:
+    """Whether an image (its row's ``objects``) has a box to learn: one that is not a crowd region and is
+    more than 1 px wide and high. torchvision's reference trains only on such images (coco_utils.py,
+    ``_coco_remove_images_without_annotations``) except that it keeps crowd-only ones; here those go too:
+    crowd regions never become targets, so such an image is as empty as one without boxes."""
+    return any(w > 1 and h > 1 and not crowd for (_, _, w, h), crowd in zip(objects["bbox"], objects["iscrowd"]))
+
+
 class AspectRatioBatchSampler(EpochBatchSampler):
-    """EpochBatchSampler whose batches hold only landscape (width >= height) or only portrait images,
-    so that a batch padded to its largest image wastes little (torchvision's group_by_aspect_ratio).
+    """EpochBatchSampler whose batches each hold images of one aspect-ratio group, so that a batch padded
+    to its largest image wastes little (torchvision's group_by_aspect_ratio.py).
+
+    Groups (``group_factor`` k, torchvision's ``--aspect-ratio-group-factor``): width / height cut at the
+    2k + 1 edges ``2 ** linspace(-1, 1, 2k + 1)`` (k = 3: 0.5, 0.63, 0.79, 1, 1.26, 1.59, 2), 2k + 2
+    groups, the outermost two open-ended; k = 0: portrait or landscape (the edge 1 alone); k < 0: one
+    group. torchvision cuts height / width at the same edges (they are symmetric about 1), so only an
+    image exactly on an edge lands in the neighbouring group there: a square one goes with the
+    landscape ones here, with the portrait ones there.
 
     Each epoch: one seeded permutation of all indices (a function of ``(seed, epoch)`` only), split
-    by orientation keeping that order, cut into batches per group, and the batches of both groups
-    shuffled together with the same generator. With ``drop_last`` every group's incomplete batch is
-    dropped and the epoch ends at the last complete round of ``num_processes`` batches, so Accelerate
-    hands every process the same number of full batches (process ``r`` of ``W``: batches ``r, r + W,
-    ...``) and ``skip_first_batches`` resumes exactly. Without ``drop_last`` (one process) every
-    index comes exactly once per epoch, the groups' last batches being smaller.
+    by group keeping that order, cut into batches per group, and the batches of all groups shuffled
+    together with the same generator (torchvision's GroupedBatchSampler instead streams the
+    permutation into per-group buffers and tops the last batches up with repeats). With ``drop_last``
+    every group's incomplete batch is dropped and the epoch ends at the last complete round of
+    ``num_processes`` batches, so Accelerate hands every process the same number of full batches
+    (process ``r`` of ``W``: batches ``r, r + W, ...``) and ``skip_first_batches`` resumes exactly.
+    Without ``drop_last`` (one process) every index comes exactly once per epoch, the groups' last
+    batches being smaller.
     """
 
     def __init__(self, aspect_ratios: Sequence[float], batch_size: int, seed: int = 0, drop_last: bool = True,
-                 num_processes: int = 1) -> None:
+                 num_processes: int = 1, group_factor: int = 3) -> None:
         super().__init__(len(aspect_ratios), batch_size, True, seed, drop_last, num_processes)
-        self.landscape = [float(r) >= 1.0 for r in aspect_ratios]  # width / height of each image
+        k = group_factor
+        self.edges = [2 ** (j / k) for j in range(-k, k + 1)] if k > 0 else [1.0] if k == 0 else []
+        self.groups = [bisect.bisect_right(self.edges, float(r)) for r in aspect_ratios]  # width / height -> group
+        self.group_sizes = list(Counter(self.groups).values())  # images per non-empty group
         if drop_last and len(self) == 0:
-            raise UserError(f"no orientation group of the training split fills {num_processes} batches of "
-                            f"{batch_size}; lower --batch_size")
+            raise UserError(f"no aspect-ratio group of the training split fills {num_processes} batches of "
+                            f"{batch_size}; lower --batch_size or --aspect_ratio_group_factor")
 
     def __len__(self) -> int:
-        groups = (sum(self.landscape), self.size - sum(self.landscape))
         if self.drop_last:
-            return sum(n // self.batch_size for n in groups) // self.num_processes * self.num_processes
-        return sum(-(-n // self.batch_size) for n in groups)
+            return sum(n // self.batch_size for n in self.group_sizes) // self.num_processes * self.num_processes
+        return sum(-(-n // self.batch_size) for n in self.group_sizes)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         generator = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1))
         order = torch.randperm(self.size, generator=generator).tolist()
-        batches: list[list[int]] = []
-        for landscape in (True, False):
-            members = [i for i in order if self.landscape[i] == landscape]
-            batches += [members[k:k + self.batch_size] for k in range(0, len(members), self.batch_size)]
+        members: list[list[int]] = [[] for _ in range(len(self.edges) + 1)]
+        for i in order:
+            members[self.groups[i]].append(i)
+        batches = [group[k:k + self.batch_size] for group in members for k in range(0, len(group), self.batch_size)]
         if self.drop_last:
             batches = [b for b in batches if len(b) == self.batch_size]
         batches = [batches[k] for k in torch.randperm(len(batches), generator=generator).tolist()]
@@ -295,30 +350,21 @@ def _float_outputs(module: nn.Module, inputs: Any, output: Any) -> Any:
     return type(output)(_float_outputs(module, inputs, o) for o in output)
 
 
-def freeze_stages(body: nn.Module, freeze_at: int) -> None:
-    """Freeze a timm features_only backbone's modules up to and including the one that gives
-    feature level ``freeze_at - 1`` of all its levels (level 0 is the stem of a resnet): their weights
-    get no gradient (their batch norm statistics still move unless ``frozen_bn``)."""
-    if freeze_at <= 0:
-        return
-    levels = body.feature_info.info  # every level, not only out_indices
-    if freeze_at > len(levels):
-        raise UserError(f"freeze_at {freeze_at}: model has only {len(levels)} stages")
-    last = levels[freeze_at - 1]["module"].split(".")[0]
-    for name, child in body.named_children():
-        for p in child.parameters():
-            p.requires_grad_(False)
-        if name == last:
-            return
+def budgets(cfg: Config, own: dict[str, Any]) -> dict[str, int]:
+    """The RPN and RoI sampling budgets as FasterRCNN's keywords (``rpn_pre_nms_top_n_train``, ...): each
+    field that is set, else its value in ``own`` (TIMM_BUDGETS), else none (a preset keeps torchvision's)."""
+    value = {k: getattr(cfg, k) or own.get(k) for k in TIMM_BUDGETS}
+    out = {k: value[k] for k in ("rpn_batch_size_per_image", "box_batch_size_per_image") if value[k]}
+    for k in ("rpn_pre_nms_top_n", "rpn_post_nms_top_n"):
+        if value[k]:
+            out.update({f"{k}_train": value[k][0], f"{k}_test": value[k][1]})
+    return out
 
 
 def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
     """The detector for ``num_classes`` object classes (background is one more)."""
-    rpn_kwargs = dict(rpn_pre_nms_top_n_train=cfg.rpn_pre_nms_top_n[0], rpn_pre_nms_top_n_test=cfg.rpn_pre_nms_top_n[1],
-                      rpn_post_nms_top_n_train=cfg.rpn_post_nms_top_n[0], rpn_post_nms_top_n_test=cfg.rpn_post_nms_top_n[1],
-                      rpn_batch_size_per_image=cfg.rpn_batch_size_per_image)
-    box_kwargs = dict(box_batch_size_per_image=cfg.box_batch_size_per_image, box_score_thresh=cfg.box_score_thresh,
-                      box_nms_thresh=cfg.box_nms_thresh, box_detections_per_img=cfg.box_detections_per_img)
+    box_kwargs = dict(box_score_thresh=cfg.box_score_thresh, box_nms_thresh=cfg.box_nms_thresh,
+                      box_detections_per_img=cfg.box_detections_per_img)
     if cfg.model in PRESETS:  # torchvision's own backbone + FPN, heads sized as torchvision sizes them
         builder = getattr(torchvision.models.detection, cfg.model)
         # FasterRCNN passes unknown keywords on to its transform, which ignores them: check them here
@@ -328,10 +374,10 @@ def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
                             "torchvision's FasterRCNN arguments (--model_kwargs {} for none)")
         try:
             m = builder(weights="DEFAULT" if cfg.pretrained else None,
-                        weights_backbone="DEFAULT" if cfg.pretrained_backbone else None,
+                        weights_backbone=PRESETS[cfg.model] if cfg.pretrained_backbone else None,
                         num_classes=91 if cfg.pretrained else num_classes + 1,
                         trainable_backbone_layers=5 - cfg.freeze_at if cfg.pretrained or cfg.pretrained_backbone else None,
-                        min_size=tuple(cfg.min_size), max_size=cfg.max_size, **rpn_kwargs, **box_kwargs,
+                        min_size=tuple(cfg.min_size), max_size=cfg.max_size, **budgets(cfg, {}), **box_kwargs,
                         **cfg.model_kwargs)
         except TypeError as e:
             raise UserError(f"model_kwargs {cfg.model_kwargs} do not fit {cfg.model} ({e}); "
@@ -365,18 +411,19 @@ def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
             raise UserError(f"anchor_sizes must give one list of sizes per FPN level, as many at each (the RPN "
                             f"head is shared); the FPN has {len(strides)} levels (strides {strides}), got {cfg.anchor_sizes}")
         anchors = AnchorGenerator(tuple(sizes), (tuple(cfg.aspect_ratios),) * len(sizes))
+        budget = budgets(cfg, TIMM_BUDGETS)
         rpn = RegionProposalNetwork(
             anchors, RPNHead(cfg.fpn_channels, anchors.num_anchors_per_location()[0]),
-            fg_iou_thresh=0.7, bg_iou_thresh=0.3, batch_size_per_image=cfg.rpn_batch_size_per_image,
+            fg_iou_thresh=0.7, bg_iou_thresh=0.3, batch_size_per_image=budget["rpn_batch_size_per_image"],
             positive_fraction=0.5, nms_thresh=0.7,
-            pre_nms_top_n=dict(training=cfg.rpn_pre_nms_top_n[0], testing=cfg.rpn_pre_nms_top_n[1]),
-            post_nms_top_n=dict(training=cfg.rpn_post_nms_top_n[0], testing=cfg.rpn_post_nms_top_n[1]))
+            pre_nms_top_n=dict(training=budget["rpn_pre_nms_top_n_train"], testing=budget["rpn_pre_nms_top_n_test"]),
+            post_nms_top_n=dict(training=budget["rpn_post_nms_top_n_train"], testing=budget["rpn_post_nms_top_n_test"]))
         levels = [str(i) for i in range(len(cfg.out_indices))]  # RoIAlign reads the FPN levels, not "pool"
         roi_heads = RoIHeads(
             MultiScaleRoIAlign(levels, cfg.roi_size, cfg.roi_sampling_ratio),
             TwoMLPHead(cfg.fpn_channels * cfg.roi_size ** 2, cfg.box_head_dim),
             FastRCNNPredictor(cfg.box_head_dim, num_classes + 1),
-            fg_iou_thresh=0.5, bg_iou_thresh=0.5, batch_size_per_image=cfg.box_batch_size_per_image,
+            fg_iou_thresh=0.5, bg_iou_thresh=0.5, batch_size_per_image=budget["box_batch_size_per_image"],
             positive_fraction=0.25, bbox_reg_weights=None, score_thresh=cfg.box_score_thresh,
             nms_thresh=cfg.box_nms_thresh, detections_per_img=cfg.box_detections_per_img)
         # the order of min_size matters: training draws one per image, evaluation uses the last
@@ -388,23 +435,52 @@ def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
 # ============================================================================================
 # Evaluation and saving
 # ============================================================================================
-@torch.no_grad()
+def detect(model: nn.Module, loader, accelerator) -> Iterator[list[dict[str, Any]]]:
+    """Per batch of ``loader``, per image: ``image_id`` and the detections (``boxes`` XYXY in the original
+    image's pixels, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode."""
+    for images, targets in loader:
+        with torch.no_grad(), accelerator.autocast():
+            detections = model(images)  # boxes in the input's pixels: the transform undoes its resize
+        yield [{"image_id": t["image_id"], "boxes": rescale_boxes(d["boxes"], t["size"], t["orig_size"]),
+                "scores": d["scores"], "labels": d["labels"] - 1} for d, t in zip(detections, targets)]
+
+
 def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator) -> tuple[dict[str, float], EvalDetails]:
     """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
     predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training
     model.eval()
-
-    def batches():  # consumed by the evaluator as the loader yields
-        for images, targets in eval_loader:
-            with accelerator.autocast():
-                detections = model(images)
-            yield [{"image_id": t["image_id"], "boxes": rescale_boxes(d["boxes"], t["size"], t["orig_size"]),
-                    "scores": d["scores"], "labels": d["labels"] - 1} for d, t in zip(detections, targets)]
-
-    results = evaluator.evaluate(batches(), accelerator, details=True)
+    results = evaluator.evaluate(detect(model, eval_loader, accelerator), accelerator, details=True)
     model.train(was_training)
     return results
+
+
+# the fields that define the model: --weights restores them from the file's saved config
+MODEL_FIELDS = ("model", "model_kwargs", "out_indices", "fpn_channels", "extra_pool", "anchor_sizes", "aspect_ratios",
+                "min_size", "max_size", "rpn_pre_nms_top_n", "rpn_post_nms_top_n", "roi_size", "roi_sampling_ratio",
+                "box_head_dim", "box_score_thresh", "box_nms_thresh", "box_detections_per_img", "frozen_bn")
+
+
+def trained_model(cfg: Config, data: Any = None) -> tuple[nn.Module, dict[str, Any]]:
+    """The detector of ``cfg.weights`` (eval mode) and the file's metadata (classes, category ids),
+    which must be those of ``data`` when given."""
+    state, meta = load_weights(cfg.weights)
+    if not meta["classes"]:
+        raise UserError(f"weights '{cfg.weights}' carry no class names: not a detector's weights file")
+    check_classes(cfg.weights, meta, data)
+    model = create_model(dataclasses.replace(cfg, pretrained=False, pretrained_backbone=False), len(meta["classes"]))
+    return load_state(model, state, cfg.weights, meta["recipe"]).eval(), meta
+
+
+def predict(cfg: Config, run: Run) -> dict[str, float]:
+    """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
+    model, meta = trained_model(cfg)
+    table = image_table(image_files(cfg.predict))
+    loader = eval_loader_for(DetectionDataset(table, data_transforms(False, 0.0, False)), 2 * cfg.batch_size,
+                             cfg.num_workers, collate_fn=list_collate)
+    model = model.to(run.accelerator.device)
+    batches = detect(model, on_device(run.progress(loader, "predict"), run.accelerator.device), run.accelerator)
+    return save_predictions(run, batches, table, meta["classes"], meta["category_ids"], cfg.predict_score, cfg.predict)
 
 
 # ============================================================================================
@@ -419,30 +495,51 @@ def check_config(cfg: Config) -> None:
     if not cfg.min_size or min(cfg.min_size) <= 0 or cfg.max_size < max(cfg.min_size):
         raise UserError(f"min_size must be one or more positive sizes no larger than max_size ({cfg.max_size}), "
                         f"got {cfg.min_size}")
-    if len(cfg.rpn_pre_nms_top_n) != 2 or len(cfg.rpn_post_nms_top_n) != 2:
-        raise UserError("rpn_pre_nms_top_n and rpn_post_nms_top_n take [train, eval]")
+    for name in ("rpn_pre_nms_top_n", "rpn_post_nms_top_n"):
+        value = getattr(cfg, name)
+        if value and (len(value) != 2 or min(value) <= 0):
+            raise UserError(f"{name} takes two positive numbers [train, eval], or [] for the model's own; got {value}")
+    if min(cfg.rpn_batch_size_per_image, cfg.box_batch_size_per_image) < 0:
+        raise UserError("rpn_batch_size_per_image and box_batch_size_per_image must be positive, or 0 for the "
+                        "model's own")
     if not 0 <= cfg.freeze_at <= 5:
         raise UserError(f"freeze_at must be 0..5, got {cfg.freeze_at}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    cfg = parse_config(Config, argv)
+    cfg = config_with_weights(Config, argv, MODEL_FIELDS)
     check_config(cfg)
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
+    if cfg.predict:
+        return predict(cfg, run)
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     num_classes = len(data.classes)
-    train_set = DetectionDataset(data.train, data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed)
     eval_set = DetectionDataset(data.eval, data_transforms(False, 0.0, False), cfg.seed)
-    aspect = [w / h for w, h in zip(data.train["width"], data.train["height"])]  # from the table: nothing decoded
-    sampler = AspectRatioBatchSampler(aspect, cfg.batch_size, cfg.seed, True, accelerator.num_processes)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=list_collate,
-                                               **loader_kwargs(cfg.num_workers))
     eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=list_collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
+    if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
+        model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)
+        metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
+        return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
+    if not cfg.keep_empty:  # as torchvision's reference: only images with a box to learn (has_boxes)
+        keep = [i for i, objects in enumerate(data.train["objects"]) if has_boxes(objects)]
+        if not keep:
+            raise UserError(f"no training image of '{cfg.data}' has a box to learn (crowd regions and boxes at most "
+                            "1 px wide or high do not count); --keep_empty true trains on them as negatives")
+        if len(keep) < len(data.train):
+            run.print(f"training on {len(keep)} of {len(data.train)} images: {len(data.train) - len(keep)} without a "
+                      "box to learn left out (--keep_empty true keeps them)")
+            data.train = data.train.select(keep)
+    train_set = DetectionDataset(data.train, data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed)
+    aspect = [w / h for w, h in zip(data.train["width"], data.train["height"])]  # from the table: nothing decoded
+    sampler = AspectRatioBatchSampler(aspect, cfg.batch_size, cfg.seed, True, accelerator.num_processes,
+                                      cfg.aspect_ratio_group_factor)
+    train_loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=list_collate,
+                                               **loader_kwargs(cfg.num_workers))
 
     # ---- model -------------------------------------------------------------------------------
     model = create_model(cfg, num_classes)
@@ -493,25 +590,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # ---- evaluation and best weights ---------------------------------------------------------
         if loop.eval_due():
             metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
-            results = {f"eval/{k}": v for k, v in metrics.items()}
-            improved = loop.improved(cfg.best_metric, results[f"eval/{cfg.best_metric}"])
-            results[f"best/{cfg.best_metric}"] = loop.best(cfg.best_metric)
-            run.log({**results, "epoch": epoch}, loop.step)
-            pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
-            if accelerator.is_main_process:
-                pictures = save_evaluation_figures(details, run.plots_dir, data.eval, cfg.plot_images,
-                                                   wandb_run=run.wandb_run(), step=loop.step)
-            run.log_plots(loop.step, **pictures)  # and the training curves
+            improved = loop.improved(cfg.best_metric, metrics[cfg.best_metric])
+            # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
+            results = report_evaluation(run, metrics, details, data, cfg.plot_images, loop.step,
+                                        {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)}, epoch)
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
-                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe)
+                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe, data.category_ids)
     if loop.stopped:
         return results
 
     # ---- saving -----------------------------------------------------------------------------------
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe)
+        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe, data.category_ids)
     if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
         run.print(per_class_text(details))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary

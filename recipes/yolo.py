@@ -28,11 +28,13 @@ Expected: see the README's recipe table for measured figures (mAP@0.5 on the hel
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Iterator, Literal
 
 for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
     if (_root / "common" / "__init__.py").is_file():
@@ -52,22 +54,25 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import batched_nms
+from torchvision.ops import batched_nms, clip_boxes_to_image
 
 from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
-from common.config import parse_config
 from common.console import cli_main
-from common.loaders import eval_loader_for, sample_seed, train_loader_for
 from common.detection import DetectionDataset, collate, load_detection
-from common.detection_figures import per_class_text, save_evaluation_figures
+from common.detection_figures import per_class_text
+from common.detection_outputs import check_classes, report_evaluation, save_predictions
+from common.detection_sources import image_table
 from common.ema import ModelEma
+from common.images import image_files
+from common.loaders import eval_loader_for, loader_kwargs, on_device, sample_seed
 from common.loop import Loop, steps_total
-from common.models import create_timm_model, save_weights, sync_batchnorm
+from common.models import config_with_weights, create_timm_model, load_state, load_weights, save_weights, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from recipes.yolo_data import detection_transforms, kmeans_anchors  # YOLO's own helpers, beside this file
+from recipes.yolo_data import (MultiScaleBatchSampler, detection_transforms,  # YOLO's own helpers, beside this file
+                               kmeans_anchors)
 
 # YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they are at every input size.
 COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
@@ -86,12 +91,17 @@ class Config:
     eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
     img_size: int = 96  # training (before multi-scale) and evaluation size, pixels; a multiple of 32
     multiscale: list[int] = field(default_factory=list)  # training sizes, px, one drawn every multiscale_every steps,
-        # e.g. [320, 352, ..., 608]; multiples of 32 (empty: img_size only)
-    multiscale_every: int = 10  # optimizer steps between two multi-scale size draws
+        # e.g. [320, 352, ..., 608]; multiples of 32 (empty: img_size only); every image of a batch is transformed
+        # at its batch's size (GluonCV's RandomTransformDataLoader), not resampled afterwards
+    multiscale_every: int = 10  # optimizer steps between two multi-scale size draws (GluonCV: 10 batches)
+    augment: Literal["letterbox", "gluoncv"] = "letterbox"  # training transforms. letterbox: scale jitter, crop,
+        # pad to the square, aspect kept (the demo); gluoncv: GluonCV's YOLOv3 preset: colour, zoom-out up to 4x,
+        # SSD's IoU crop, stretch to the square with a random interpolation, flip (evaluation stretches too)
     scale_range: list[float] = field(default_factory=lambda: [0.75, 1.25])  # random rescale factors [low, high]
-        # before the crop/pad (large-scale jitter)
+        # before the crop/pad (large-scale jitter; augment=letterbox only)
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
-    color_jitter: bool = True  # torchvision's photometric distortion (SSD's), with probability 0.5
+    color_jitter: bool = True  # letterbox: torchvision's photometric distortion (SSD's), with probability 0.5;
+        # gluoncv: GluonCV's colour distortion
     mosaic: float = 0.0  # probability that a training image is a 4-image mosaic (0.5 at scale; the demo's 8 epochs
         # are too few)
     mixup: float = 0.0  # probability that a training image is mixed with another (GluonCV: Beta(1.5, 1.5))
@@ -139,6 +149,13 @@ class Config:
     best_metric: Literal["map_50", "map"] = "map_50"  # what best.safetensors follows: mAP@0.5, or COCO's
         # mAP@[.5:.95] (map; the COCO and VOC configs)
     export: bool = True  # torch.export (.pt2) and ONNX of the final model, each checked against eager
+    # evaluation and prediction with saved weights (the model fields default to the file's saved config)
+    weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
+    eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
+        # dataset's category ids), no training
+    predict: str = ""  # an image or a folder of images: with --weights, write predictions.json and the images with
+        # their boxes drawn (predictions/) in the run folder; no dataset needed
+    predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
     # run
     output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
     seed: int = 0  # seeds data order, augmentation, multi-scale sizes and initialisation
@@ -161,54 +178,68 @@ class YoloTrainSet(torch.utils.data.Dataset):
     """Training samples, each a plain, a 4-image mosaic or a mixed-up image, decided by the
     sample's own seeded random numbers, so resume and process count do not change a batch.
 
+    Keys: ``(epoch, index, size)`` from :class:`MultiScaleBatchSampler`, ``size`` being the batch's input
+    size, at which every piece of the sample (mosaic and mixup partners included) is transformed;
+    ``(epoch, index)`` or a plain index: at ``size``. ``base`` transforms at ``size``; ``transform_at(s)``
+    gives the training transforms at another size ``s``.
+
     Every target gets per-box ``weights``: 1, or the mixup ratio of the image the box came from
-    (GluonCV weights the objectness and box losses of a mixed box by its ratio).
+    (GluonCV weights the objectness and box losses of a mixed box by its ratio), and ``dropped``: the
+    boxes of all its pieces lost to their transforms or to the mosaic window, each counted once.
     """
 
     def __init__(self, base: DetectionDataset, size: int, mosaic: float, mixup: float, aug_epochs: int,
-                 seed: int) -> None:
+                 seed: int, transform_at: Callable[[int], Callable] | None = None) -> None:
         self.base, self.size, self.mosaic, self.mixup, self.aug_epochs = base, size, mosaic, mixup, aug_epochs
-        self.seed = seed
+        self.seed, self.transform_at = seed, transform_at
+        self._at_size = {size: base}  # a DetectionDataset per input size, made on first use (in each worker)
 
     def __len__(self) -> int:
         return len(self.base)
 
-    def _item(self, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        image, target = self.base[(epoch, index)]
-        self.dropped += target["dropped"]
+    def _item(self, epoch: int, index: int, size: int):
+        """One image decoded and transformed at ``size``: image, boxes, labels, weights (1), dropped."""
+        if size not in self._at_size:
+            if self.transform_at is None:
+                raise ValueError(f"input size {size} asked of a YoloTrainSet made for {self.size} only")
+            self._at_size[size] = DetectionDataset(self.base.ds, self.transform_at(size), self.base.seed)
+        image, target = self._at_size[size][(epoch, index)]
         boxes = target["boxes"].as_subclass(torch.Tensor).float()
-        return image, boxes, target["labels"], torch.ones(len(boxes))
+        return image, boxes, target["labels"], torch.ones(len(boxes)), target["dropped"]
 
-    def __getitem__(self, key: tuple[int, int]):
-        epoch, index = key if isinstance(key, tuple) else (0, key)
-        self.dropped = 0  # degenerate or cut boxes of this sample (all its pieces), for the log
+    def __getitem__(self, key: int | tuple[int, int] | tuple[int, int, int]):
+        key = key if isinstance(key, tuple) else (0, key)
+        epoch, index, size = key if len(key) == 3 else (*key, self.size)
         rng = random.Random(sample_seed(self.seed, epoch, index) + 1)  # a stream apart from the base transforms
-        image, boxes, labels, weights = self._item(epoch, index)
-        if epoch < self.aug_epochs and rng.random() < self.mosaic:
-            image, boxes, labels, weights = self._mosaic(epoch, [index] + [rng.randrange(len(self)) for _ in range(3)], rng)
+        if epoch < self.aug_epochs and rng.random() < self.mosaic:  # the sample's image is the mosaic's first piece
+            image, boxes, labels, weights, dropped = self._mosaic(
+                epoch, [index] + [rng.randrange(len(self)) for _ in range(3)], size, rng)
+        else:
+            image, boxes, labels, weights, dropped = self._item(epoch, index, size)
         if epoch < self.aug_epochs and rng.random() < self.mixup:
-            other = self._item(epoch, rng.randrange(len(self)))
+            other = self._item(epoch, rng.randrange(len(self)), size)
             ratio = float(np.random.default_rng(rng.randrange(2**32)).beta(1.5, 1.5))
             image = ratio * image + (1 - ratio) * other[0]
             boxes, labels = torch.cat([boxes, other[1]]), torch.cat([labels, other[2]])
             weights = torch.cat([weights * ratio, other[3] * (1 - ratio)])
-        return image, {"boxes": boxes, "labels": labels, "weights": weights, "dropped": self.dropped}
+            dropped += other[4]
+        return image, {"boxes": boxes, "labels": labels, "weights": weights, "dropped": dropped}
 
-    def _mosaic(self, epoch: int, indices: list[int], rng: random.Random):
-        """Four images in the quadrants of a 2s x 2s canvas, then a random s x s window of it. Boxes
-        are clipped to the window; a box that keeps less than 40 % of its area is dropped (a digit cut
-        in half is no longer that digit)."""
-        s = self.size
+    def _mosaic(self, epoch: int, indices: list[int], s: int, rng: random.Random):
+        """Four images at size s in the quadrants of a 2s x 2s canvas, then a random s x s window of it.
+        Boxes are clipped to the window; a box that keeps less than 40 % of its area is dropped (a digit
+        cut in half is no longer that digit)."""
         canvas = torch.zeros(3, 2 * s, 2 * s)  # 0 = the mean colour after normalisation
-        all_boxes, all_labels, all_weights = [], [], []
+        all_boxes, all_labels, all_weights, dropped = [], [], [], 0
         for q, i in enumerate(indices):
-            image, boxes, labels, weights = self._item(epoch, i)
+            image, boxes, labels, weights, lost = self._item(epoch, i, s)
             h, w = image.shape[-2:]
             oy, ox = (q // 2) * s, (q % 2) * s
             canvas[:, oy:oy + h, ox:ox + w] = image[:, :s, :s]
             all_boxes.append(boxes + torch.tensor([ox, oy, ox, oy], dtype=boxes.dtype))
             all_labels.append(labels)
             all_weights.append(weights)
+            dropped += lost
         x0, y0 = rng.randrange(s // 2, s + 1), rng.randrange(s // 2, s + 1)  # the window always meets all four
         x0, y0 = x0 - s // 2, y0 - s // 2
         boxes, labels, weights = torch.cat(all_boxes), torch.cat(all_labels), torch.cat(all_weights)
@@ -216,8 +247,8 @@ class YoloTrainSet(torch.utils.data.Dataset):
         boxes = (boxes - torch.tensor([x0, y0, x0, y0], dtype=boxes.dtype)).clamp(0, s)
         kept = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]) >= 0.4 * area.clamp(min=1e-6)
         kept &= (boxes[:, 2] - boxes[:, 0] >= 2) & (boxes[:, 3] - boxes[:, 1] >= 2)
-        self.dropped += int((~kept).sum())
-        return canvas[:, y0:y0 + s, x0:x0 + s].clone(), boxes[kept], labels[kept], weights[kept]
+        dropped += int((~kept).sum())
+        return canvas[:, y0:y0 + s, x0:x0 + s].clone(), boxes[kept], labels[kept], weights[kept], dropped
 
 
 def train_collate(batch):
@@ -463,27 +494,58 @@ def postprocess(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: flo
 
 
 @torch.no_grad()
+def detect(model: YOLOv3, loader, accelerator, cfg: Config) -> Iterator[list[dict[str, Any]]]:
+    """Per batch of ``loader``, per image: ``image_id`` and the detections (``boxes`` XYXY in the original
+    image's pixels, clipped to it, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode."""
+    unwrapped = accelerator.unwrap_model(model)
+    for images, _, targets in loader:
+        with accelerator.autocast():
+            raw = model(images)
+        boxes, scores = unwrapped.decode(raw, images.shape[-2], images.shape[-1])  # fp32
+        predictions = postprocess(boxes, scores, cfg.conf_threshold, cfg.nms_iou, cfg.max_detections)
+        for p, t in zip(predictions, targets):  # letterbox padding and cells at the border reach past the image
+            p["boxes"] = clip_boxes_to_image(rescale_boxes(p["boxes"], t["size"], t["orig_size"]), t["orig_size"])
+            p["image_id"] = t["image_id"]
+        yield predictions
+
+
 def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config) -> tuple[dict[str, float], EvalDetails]:
     """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
     predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training  # the EMA copy stays in eval mode, the trained model goes back to train
     model.eval()
-    unwrapped = accelerator.unwrap_model(model)
-
-    def batches():  # consumed by the evaluator as the loader yields
-        for images, _, targets in eval_loader:
-            with accelerator.autocast():
-                raw = model(images)
-            boxes, scores = unwrapped.decode(raw, images.shape[-2], images.shape[-1])
-            predictions = postprocess(boxes, scores, cfg.conf_threshold, cfg.nms_iou, cfg.max_detections)
-            for p, t in zip(predictions, targets):
-                p["boxes"] = rescale_boxes(p["boxes"], t["size"], t["orig_size"])
-                p["image_id"] = t["image_id"]
-            yield predictions
-
-    results = evaluator.evaluate(batches(), accelerator, details=True)
+    results = evaluator.evaluate(detect(model, eval_loader, accelerator, cfg), accelerator, details=True)
     model.train(was_training)
     return results
+
+
+# the fields that define the model: --weights restores them from the file's saved config (the anchors
+# are in the weights)
+MODEL_FIELDS = ("model", "model_kwargs", "img_size", "augment", "neck_channels", "anchors_per_level", "conf_threshold",
+                "nms_iou", "max_detections")
+
+
+def trained_model(cfg: Config, data: Any = None) -> tuple[YOLOv3, dict[str, Any]]:
+    """The YOLO of ``cfg.weights`` (eval mode) and the file's metadata (classes, category ids), which
+    must be those of ``data`` when given."""
+    state, meta = load_weights(cfg.weights)
+    if not meta["classes"] or "anchors" not in state:
+        raise UserError(f"weights '{cfg.weights}' are not a yolo.py weights file (no class names or no anchors)")
+    check_classes(cfg.weights, meta, data)
+    anchors = state["anchors"].flip(0).reshape(-1, 2)  # stored large-stride level first; create_model takes small first
+    model = create_model(dataclasses.replace(cfg, pretrained=False), len(meta["classes"]), anchors)
+    return load_state(model, state, cfg.weights, meta["recipe"]).eval(), meta
+
+
+def predict(cfg: Config, run: Run) -> dict[str, float]:
+    """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
+    model, meta = trained_model(cfg)
+    table = image_table(image_files(cfg.predict))
+    transform = detection_transforms(False, cfg.img_size, preset=cfg.augment)  # as the evaluation saw images
+    loader = eval_loader_for(DetectionDataset(table, transform), 2 * cfg.batch_size, cfg.num_workers, collate_fn=collate)
+    model = model.to(run.accelerator.device)
+    batches = detect(model, on_device(run.progress(loader, "predict"), run.accelerator.device), run.accelerator, cfg)
+    return save_predictions(run, batches, table, meta["classes"], meta["category_ids"], cfg.predict_score, cfg.predict)
 
 
 def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[str, float]:
@@ -520,7 +582,7 @@ def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[
 # Training
 # ============================================================================================
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    cfg = parse_config(Config, argv)
+    cfg = config_with_weights(Config, argv, MODEL_FIELDS)
     if any(s % 32 for s in [cfg.img_size, *cfg.multiscale]):
         raise UserError("img_size and every multiscale size must be multiples of 32 (the largest stride)")
     if cfg.anchors and (len(cfg.anchors) % 3 or any(len(a) != 2 for a in cfg.anchors)):
@@ -529,20 +591,30 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise UserError(f"anchors_per_level must be at least 1, got {cfg.anchors_per_level}")
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
+    if cfg.predict:
+        return predict(cfg, run)
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     num_classes = len(data.classes)
-    train_tf = detection_transforms(True, cfg.img_size, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip,
-                                    color_jitter=cfg.color_jitter)
-    train_set = YoloTrainSet(DetectionDataset(data.train, train_tf, cfg.seed), cfg.img_size, cfg.mosaic, cfg.mixup,
-                             cfg.epochs - cfg.no_aug_epochs, cfg.seed)
-    eval_set = DetectionDataset(data.eval, detection_transforms(False, cfg.img_size), cfg.seed)
-    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
-                                  accelerator.num_processes, collate_fn=train_collate)
+    # the training transforms at an input size: every batch's images are transformed at the size
+    # MultiScaleBatchSampler chose for it (GluonCV's RandomTransformDataLoader)
+    transform_at = functools.partial(detection_transforms, True, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip,
+                                     color_jitter=cfg.color_jitter, preset=cfg.augment)
+    train_set = YoloTrainSet(DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed), cfg.img_size,
+                             cfg.mosaic, cfg.mixup, cfg.epochs - cfg.no_aug_epochs, cfg.seed, transform_at)
+    eval_set = DetectionDataset(data.eval, detection_transforms(False, cfg.img_size, preset=cfg.augment), cfg.seed)
+    sampler = MultiScaleBatchSampler(len(train_set), cfg.batch_size, cfg.multiscale or [cfg.img_size],
+                                     cfg.multiscale_every * cfg.grad_accum_steps, cfg.seed, accelerator.num_processes)
+    train_loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=train_collate,
+                                               **loader_kwargs(cfg.num_workers))
     eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=collate)
-    evaluator = CocoEvaluator(data.eval)
+    evaluator = CocoEvaluator(data.eval, data.classes)
+    if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
+        model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)
+        metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
+        return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
 
     # ---- model: anchors from the config, or k-means on the training boxes at img_size -----------
     anchors = anchors_for(cfg, data.train)
@@ -570,7 +642,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
     lr_values = schedule(cfg.sched, cfg.lr, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_per_epoch),
                          cfg.warmup_lr, [m * steps_per_epoch for m in cfg.decay_milestones], cfg.decay_rate)
-    sizes = cfg.multiscale or [cfg.img_size]
     weight_dict = dict.fromkeys(LOSS_TERMS, 1.0)  # the total loss: sum of weight x term (GluonCV: all equal)
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
@@ -579,18 +650,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for epoch in loop.epochs():
         model.train()
         for images, targets in loop.batches():
-            # multi-scale: one size per `multiscale_every` steps, a function of (seed, step) only
-            size = sizes[random.Random(hash((cfg.seed, loop.step // cfg.multiscale_every))).randrange(len(sizes))]
-            if size != images.shape[-1]:
-                images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
-                targets = {**targets, "boxes": targets["boxes"] * (size / cfg.img_size)}
+            height, width = images.shape[-2:]  # this batch's multi-scale size (MultiScaleBatchSampler)
             lr = float(lr_values[loop.step])
             set_group_values(optimizer, "lr", lr)
 
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     raw = model(images)  # [B, N, 5 + C]
-                losses = yolo_loss(unwrapped, raw, targets, size, size, cfg.ignore_iou, cfg.label_smoothing)
+                losses = yolo_loss(unwrapped, raw, targets, height, width, cfg.ignore_iou, cfg.label_smoothing)
                 loss = sum(losses[k] * w for k, w in weight_dict.items())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip_grad > 0:
@@ -612,26 +679,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if loop.eval_due():
             net = ema.module if ema is not None else model
             metrics, details = evaluate(net, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
-            results = {f"eval/{k}": v for k, v in metrics.items()}
-            improved = loop.improved(cfg.best_metric, results[f"eval/{cfg.best_metric}"])
-            results[f"best/{cfg.best_metric}"] = loop.best(cfg.best_metric)
-            run.log({**results, "epoch": epoch}, loop.step)
-            pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
-            if accelerator.is_main_process:
-                pictures = save_evaluation_figures(details, run.plots_dir, data.eval, cfg.plot_images,
-                                                   wandb_run=run.wandb_run(), step=loop.step)
-            run.log_plots(loop.step, **pictures)  # and the training curves
+            improved = loop.improved(cfg.best_metric, metrics[cfg.best_metric])
+            # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
+            results = report_evaluation(run, metrics, details, data, cfg.plot_images, loop.step,
+                                        {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)}, epoch)
             if improved:
                 weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
                 if accelerator.is_main_process:
-                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe)
+                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe,
+                                 data.category_ids)
     if loop.stopped:
         return results
 
     # ---- saving and export ------------------------------------------------------------------------
     final = ema.module if ema is not None else unwrapped
     if accelerator.is_main_process:
-        save_weights(final.state_dict(), run.dir / "final.safetensors", cfg, data.classes, run.recipe)
+        save_weights(final.state_dict(), run.dir / "final.safetensors", cfg, data.classes, run.recipe, data.category_ids)
         if cfg.export:
             images = torch.stack([eval_set[i][0] for i in range(min(2, len(eval_set)))])
             diffs = export_and_check(final, images, run.dir)

@@ -1,11 +1,12 @@
 """YOLO's data helpers, beside recipes/yolo.py (as torchvision keeps its detection references'
-helpers beside their train.py): the box-aware letterbox transforms (scale jitter, crop, pad) and
-k-means anchors from the training boxes. recipes/yolo.py imports them; copy both files together.
+helpers beside their train.py): the box-aware transforms (the letterbox pipeline: scale jitter, crop,
+pad; and GluonCV's YOLOv3 preset: colour, zoom-out, IoU crop, stretch), the multi-scale batch
+sampler and k-means anchors from the training boxes. recipes/yolo.py imports them; copy both files together.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from torchvision.transforms.v2 import functional as TF
 from common import UserError
 from common.boxes import areas
 from common.detection import IMAGENET_MEAN, IMAGENET_STD
+from common.loaders import EpochBatchSampler
 
 
 # ============================================================================================
@@ -69,8 +71,11 @@ class PadTo:
 
 
 def detection_transforms(train: bool, size: int, scale_range: tuple[float, float] = (0.5, 1.5),
-                         hflip: float = 0.5, color_jitter: bool = True, min_visibility: float = 0.5) -> v2.Compose:
+                         hflip: float = 0.5, color_jitter: bool = True, min_visibility: float = 0.5,
+                         preset: str = "letterbox") -> v2.Compose:
     """Box-aware transforms ``(PIL image, {"boxes": BoundingBoxes, "labels": Tensor}) -> (image, target)``.
+    ``preset`` "gluoncv": :func:`gluoncv_transforms` (``scale_range`` and ``min_visibility`` unused);
+    "letterbox", described here:
 
     Output: a float image [3, size, size] normalised with ImageNet mean/std, the picture in the top-left
     ``target["size"] = (h, w)`` and zeros (the mean colour) right and bottom; XYXY boxes in its pixels.
@@ -84,6 +89,10 @@ def detection_transforms(train: bool, size: int, scale_range: tuple[float, float
     Both end with SanitizeBoundingBoxes: boxes under 1 px wide or tall go, with their labels.
     torchvision.transforms.v2 does all the box arithmetic; only the crop and the pad are written here.
     """
+    if preset == "gluoncv":
+        return gluoncv_transforms(train, size, hflip, color_jitter)
+    if preset != "letterbox":
+        raise UserError(f"augment must be letterbox or gluoncv, got '{preset}'")
     if not 0 < scale_range[0] <= scale_range[1]:
         raise UserError(f"scale_range must be 0 < low <= high, got {scale_range}")
     steps: list[Callable] = [v2.ToImage()]
@@ -99,6 +108,92 @@ def detection_transforms(train: bool, size: int, scale_range: tuple[float, float
     steps += [v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes(min_size=1.0),
               v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD), PadTo(size)]
     return v2.Compose(steps)
+
+
+# GluonCV resizes with one of OpenCV's nearest, bilinear, area, bicubic, Lanczos at random; PIL has all
+# five (BOX is area averaging), so the preset keeps the PIL image until after the resize.
+RESIZE_MODES = (v2.InterpolationMode.NEAREST, v2.InterpolationMode.BILINEAR, v2.InterpolationMode.BOX,
+                v2.InterpolationMode.BICUBIC, v2.InterpolationMode.LANCZOS)
+
+
+def gluoncv_transforms(train: bool, size: int, hflip: float = 0.5, color_jitter: bool = True) -> v2.Compose:
+    """GluonCV's YOLOv3 transforms (``YOLO3DefaultTrainTransform`` / ``YOLO3DefaultValTransform``), with
+    torchvision.transforms.v2's box-aware ops doing every step: ``(PIL image, target) -> (image, target)``.
+
+    Output: a float image [3, size, size] normalised with ImageNet mean/std, the picture stretched to
+    the square (aspect not kept, no padding: ``target["size"]`` is (size, size)); XYXY boxes in its pixels.
+
+    train, in GluonCV's order: colour distortion (``color_jitter``); with probability 0.5 a zoom-out
+    onto a canvas 1-4x the image's sides filled with the mean colour (``v2.RandomZoomOut`` = GluonCV's
+    ``random_expand``); SSD's IoU-constrained crop (``v2.RandomIoUCrop``: no crop, or a crop of 0.3-1x
+    the sides, aspect 1/2-2, reaching IoU 0.1 / 0.3 / 0.5 / 0.7 / 0.9 / any with a box, 50 trials; boxes
+    whose centre leaves the crop are dropped; GluonCV asks the IoU of every box, torchvision, as SSD, of
+    one); resize to size x size with a random one of :data:`RESIZE_MODES`; horizontal flip (``hflip``).
+    eval: resize to size x size (bilinear). Both end with SanitizeBoundingBoxes (boxes under 1 px go).
+    """
+    steps: list[Callable] = []
+    if train:
+        if color_jitter:
+            # GluonCV's random_color_distort: brightness, then contrast before or after saturation and hue,
+            # each with probability 0.5. Not v2.RandomPhotometricDistort: that adds SSD's random channel
+            # swap, which GluonCV does not do. (Brightness here is a factor 1 +- 1/8, GluonCV's +-32 of 255.)
+            def maybe(jitter: v2.ColorJitter) -> v2.RandomApply:
+                return v2.RandomApply([jitter], p=0.5)
+
+            contrast = maybe(v2.ColorJitter(contrast=(0.5, 1.5)))
+            saturation_hue = [maybe(v2.ColorJitter(saturation=(0.5, 1.5))),
+                              maybe(v2.ColorJitter(hue=0.05))]  # +-18 degrees
+            steps += [maybe(v2.ColorJitter(brightness=(0.875, 1.125))),
+                      v2.RandomChoice([v2.Compose([contrast, *saturation_hue]),
+                                       v2.Compose([*saturation_hue, contrast])])]
+        fill = tuple(round(255 * m) for m in IMAGENET_MEAN)  # the mean colour: 0 after Normalize
+        steps += [v2.RandomZoomOut(fill=fill, side_range=(1.0, 4.0), p=0.5),
+                  v2.RandomIoUCrop(sampler_options=[0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0], trials=50),
+                  v2.RandomChoice([v2.Resize((size, size), interpolation=mode) for mode in RESIZE_MODES])]
+        if hflip > 0:
+            steps.append(v2.RandomHorizontalFlip(hflip))
+        steps.append(v2.ToImage())
+    else:
+        steps += [v2.ToImage(), v2.Resize((size, size), antialias=True)]
+    steps += [v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes(min_size=1.0),
+              v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    return v2.Compose(steps)
+
+
+# ============================================================================================
+# Multi-scale: the size of each batch, passed to the dataset with every key
+# ============================================================================================
+def multiscale_size(sizes: list[int], every: int, seed: int, epoch: int, batch: int) -> int:
+    """The input size of a process's ``batch``-th batch of ``epoch``: one of ``sizes``, drawn anew every
+    ``every`` batches from ``(seed, epoch, batch // every)`` alone (a stream of its own: ``spawn_key``)."""
+    group = batch // every
+    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, group], spawn_key=(0x5CA1E,)))
+    return sizes[int(rng.integers(len(sizes)))]
+
+
+class MultiScaleBatchSampler(EpochBatchSampler):
+    """:class:`common.loaders.EpochBatchSampler` whose keys also carry the batch's input size:
+    ``(epoch, index, size)``, the size from :func:`multiscale_size`, so that the dataset transforms
+    every image of a batch (and its mosaic and mixup partners) at that size, as GluonCV's
+    ``RandomTransformDataLoader`` does; resampling a finished batch would blur upscaled pictures and
+    alias downscaled ones.
+
+    The size depends on ``(seed, epoch, b // num_processes)`` for global batch ``b``: process ``r``
+    gets batches ``r, r + W, ...``, so all processes use the same size at each step, and the sizes do
+    not depend on the process count, the workers or where a resumed run starts.
+    """
+
+    def __init__(self, size: int, batch_size: int, sizes: list[int], every: int, seed: int = 0,
+                 num_processes: int = 1) -> None:
+        if not sizes or every < 1:
+            raise UserError(f"multi-scale needs sizes and multiscale_every of at least 1, got {sizes} and {every}")
+        super().__init__(size, batch_size, True, seed, True, num_processes)
+        self.sizes, self.every = list(sizes), every
+
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        for b, keys in enumerate(super().__iter__()):
+            size = multiscale_size(self.sizes, self.every, self.seed, self.epoch, b // self.num_processes)
+            yield [(*key, size) for key in keys]
 
 
 

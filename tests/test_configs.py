@@ -7,7 +7,8 @@ it far slower than fp32, so the bf16 runs are the small-resolution configs.)
 The tier is marked ``configs`` and runs after the default suite: ``python -m pytest -m configs``.
 What it changes in a config: the data (the stand-in), the batch size (2 per process), the step count, the
 tracker and the workers; pretrained hub weights are switched off (no network) and a weights file the config
-starts from (``init_weights``, ``init_backbone``) is replaced by a generated file of the same model.
+starts from (``init_weights``, ``init_backbone``) is replaced by a generated file of the same model (DETR's
+``init_weights``: a checkpoint in the reference's format, tests/test_detr_reference.py).
 """
 
 from __future__ import annotations
@@ -154,6 +155,15 @@ def weights_stand_in(model: str, model_kwargs: dict, path: Path) -> str:
     return str(path)
 
 
+def detr_stand_in(config: dict, path: Path) -> str:
+    """A DETR checkpoint in the reference's format (facebookresearch/detr's names, a resnet50 body and a
+    COCO head) with the config's transformer sizes, its values strided views of small storages (a few MB)."""
+    from test_detr_reference import write_reference_checkpoint
+
+    return write_reference_checkpoint(path, d=config["d_model"], ff=config["dim_feedforward"], enc=config["enc_layers"],
+                                      dec=config["dec_layers"], queries=config["num_queries"])
+
+
 # ---------------------------------------------------------------------------------------------------
 # The tier
 # ---------------------------------------------------------------------------------------------------
@@ -169,7 +179,9 @@ def _overrides(recipe: str, config: dict, tmp_path: Path) -> list[str]:
     if "eval_batch_size" in fields:
         args += ["--eval_batch_size", "2"]
     for flag in ("init_weights", "init_backbone"):
-        if config.get(flag):
+        if config.get(flag) and recipe == "detr" and flag == "init_weights":  # the reference's COCO-trained DETR
+            args += [f"--{flag}", detr_stand_in(config, tmp_path / "detr.pth")]
+        elif config.get(flag):
             model = config.get("model", fields["model"].default)
             kwargs = config.get("model_kwargs", fields["model_kwargs"].default_factory())
             args += [f"--{flag}", weights_stand_in(model, kwargs, tmp_path / "init.safetensors")]

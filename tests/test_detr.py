@@ -14,6 +14,7 @@ import safetensors.torch
 import torch
 import yaml
 
+from common.config import parse_config
 from common.models import read_metadata
 from conftest import assert_pictures, check, error_line, load_recipe, run_recipe
 
@@ -130,7 +131,7 @@ def test_auxiliary_losses_for_every_decoder_layer_matched_on_their_own():
     swapped["pred_logits"][0] = swapped["pred_logits"][0].flip(0)
     swapped["pred_boxes"][0] = swapped["pred_boxes"][0].flip(0)
     outputs["aux_outputs"] = [swapped, {k: v.clone() for k, v in outputs.items() if k.startswith("pred")}]
-    cfg = detr.parse_config(detr.Config, ["--dec_layers", "3"])
+    cfg = parse_config(detr.Config, ["--dec_layers", "3"])
     criterion = detr.create_criterion(cfg, 2)
     losses = criterion(outputs, targets)
     for i in (0, 1):
@@ -172,7 +173,7 @@ def test_postprocess_round_trips_boxes_to_original_pixels():
     from PIL import Image
     from torchvision import tv_tensors
 
-    cfg = detr.parse_config(detr.Config, [])
+    cfg = parse_config(detr.Config, [])
     transform = detr.data_transforms(cfg, train=False)
     boxes = [[[4.0, 6.0, 30.0, 40.0], [50.0, 10.0, 79.0, 59.0]], [[10.0, 20.0, 60.0, 90.0]]]
     sizes = [(60, 80), (120, 70)]  # (h, w)
@@ -269,7 +270,7 @@ def test_run_writes_its_outputs(short_run):
     for name in ("best.safetensors", "final.safetensors"):
         meta = read_metadata(run / name)
         assert meta["recipe"] == "detr" and len(meta["classes"]) == 10
-        model = detr.create_model(detr.parse_config(detr.Config, []), 10)
+        model = detr.create_model(parse_config(detr.Config, []), 10)
         model.load_state_dict(safetensors.torch.load_file(str(run / name)))
 
 
@@ -319,15 +320,15 @@ def test_init_backbone_loads_a_classifiers_weights_and_refuses_a_mismatch(tmp_pa
     classifier = timm.create_model(cfg.model, num_classes=10, **kwargs)
     path = tmp_path / "cls.safetensors"
     safetensors.torch.save_file({k: v.contiguous() for k, v in classifier.state_dict().items()}, str(path))
-    model = detr.create_model(detr.parse_config(detr.Config, ["--init_backbone", str(path)]), 10)
+    model = detr.create_model(parse_config(detr.Config, ["--init_backbone", str(path)]), 10)
     own = model.backbone.state_dict()
     assert own and all(torch.equal(v, classifier.state_dict()[k]) for k, v in own.items())
     other = timm.create_model(cfg.model, num_classes=10)  # full width: every shape differs
     safetensors.torch.save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(path))
     with pytest.raises(UserError, match="does not fit the backbone"):
-        detr.create_model(detr.parse_config(detr.Config, ["--init_backbone", str(path)]), 10)
+        detr.create_model(parse_config(detr.Config, ["--init_backbone", str(path)]), 10)
     with pytest.raises(UserError, match="does not exist"):
-        detr.create_model(detr.parse_config(detr.Config, ["--init_backbone", str(tmp_path / "none")]), 10)
+        detr.create_model(parse_config(detr.Config, ["--init_backbone", str(tmp_path / "none")]), 10)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -340,7 +341,7 @@ def test_init_backbone_loads_a_classifiers_weights_and_refuses_a_mismatch(tmp_pa
 def test_bad_input_is_a_user_error(args, message):
     from common import UserError
 
-    cfg = detr.parse_config(detr.Config, args)
+    cfg = parse_config(detr.Config, args)
     with pytest.raises(UserError, match=message):
         detr.check_config(cfg)
         detr.create_model(cfg, 10)
@@ -369,7 +370,7 @@ def test_boxes_stay_fp32_under_bf16_autocast():
     """Evaluation and training run under autocast; the box head must not: a bf16 box coordinate is
     a multiple of 1/256 of the image (2-4 px on a COCO image), which costs mAP. The boxes under bf16
     autocast are those of the fp32 box head on the (bf16-computed) decoder output."""
-    cfg = detr.parse_config(detr.Config, [])
+    cfg = parse_config(detr.Config, [])
     torch.manual_seed(0)
     model = detr.create_model(cfg, num_classes=10).eval()
     hidden = []

@@ -10,13 +10,14 @@ import pytest
 import safetensors.torch
 import torch
 
+from common.config import parse_config
 from common.models import read_metadata
 from conftest import assert_pictures, check, error_line, load_recipe, run_recipe
 
 frcnn = load_recipe("faster_rcnn")
 AspectRatioBatchSampler = frcnn.AspectRatioBatchSampler
 
-# 40 landscape (w / h >= 1) and 24 portrait images, interleaved
+# 40 landscape (w / h = 1.5: group 5 of torchvision's 8) and 24 portrait images (0.75: group 2), interleaved
 RATIOS = [1.5 if i % 8 < 5 else 0.75 for i in range(64)]
 
 
@@ -33,7 +34,7 @@ def test_sampler_covers_every_index_once_in_homogeneous_batches():
     assert sorted(flat) == list(range(64))
     assert all(e == 0 for batch in batches for e, _ in batch)
     for batch in batches:
-        assert len({RATIOS[i] >= 1 for _, i in batch}) == 1  # one orientation per batch
+        assert len({sampler.groups[i] for _, i in batch}) == 1  # one aspect-ratio group per batch
     # without drop_last the groups' last batches are smaller, and still every index comes once
     ragged = AspectRatioBatchSampler(RATIOS[:61], 8, seed=3, drop_last=False)
     flat = [i for batch in _epoch(ragged, 0) for _, i in batch]
@@ -70,7 +71,7 @@ def test_sampler_splits_across_two_processes_as_accelerate_shards_it():
     seen = [i for shard in shards for batch in shard for _, i in batch]
     assert len(seen) == len(set(seen)) == 48
     for shard in shards:
-        assert all(len(batch) == 8 and len({ratios[i] >= 1 for _, i in batch}) == 1 for batch in shard)
+        assert all(len(batch) == 8 and len({sampler.groups[i] for _, i in batch}) == 1 for batch in shard)
     # 3 processes: 6 full batches make 2 rounds; 7 would be cut to 6
     assert len(AspectRatioBatchSampler(RATIOS, 8, seed=0, num_processes=3)) == 6
 
@@ -90,7 +91,7 @@ def test_model_returns_the_four_terms_under_the_recipes_names():
 
 def _model() -> frcnn.TwoStageDetector:
     torch.manual_seed(0)
-    return frcnn.create_model(frcnn.parse_config(frcnn.Config, []), num_classes=10)
+    return frcnn.create_model(parse_config(frcnn.Config, []), num_classes=10)
 
 
 def test_model_normalises_once_and_returns_boxes_in_input_pixels():
@@ -98,7 +99,7 @@ def test_model_normalises_once_and_returns_boxes_in_input_pixels():
     (once) and resizes to min_size; detections come back in the pixels of the image as given."""
     from common.detection import IMAGENET_MEAN, IMAGENET_STD
 
-    cfg = frcnn.parse_config(frcnn.Config, ["--min_size", "128", "--max_size", "128"])
+    cfg = parse_config(frcnn.Config, ["--min_size", "128", "--max_size", "128"])
     model = frcnn.create_model(cfg, num_classes=10).eval()
     image = torch.rand(3, 96, 64)
     batch, _ = model.transform([image])
@@ -143,7 +144,7 @@ def test_default_run_learns_the_builtin_scenes(default_run):
     assert "AP per class (last evaluation):" in proc.stdout
     # best.safetensors holds the best weights and rebuilds the model from its metadata
     meta = read_metadata(run / "best.safetensors")
-    cfg = frcnn.parse_config(frcnn.Config, [])
+    cfg = parse_config(frcnn.Config, [])
     assert meta["recipe"] == "faster_rcnn" and meta["config"]["model"] == cfg.model and len(meta["classes"]) == 10
     model = frcnn.create_model(cfg, 10)
     model.load_state_dict(safetensors.torch.load_file(str(run / "best.safetensors")))
@@ -163,7 +164,7 @@ def test_bad_input_is_a_user_error(args, message):
     which the entry point prints as one line with exit status 2 (tested below)."""
     from common import UserError
 
-    cfg = frcnn.parse_config(frcnn.Config, args)
+    cfg = parse_config(frcnn.Config, args)
     with pytest.raises(UserError, match=message):
         frcnn.check_config(cfg)
         frcnn.create_model(cfg, 10)
@@ -179,7 +180,7 @@ def test_proposals_and_boxes_stay_fp32_under_bf16_autocast():
     """torchvision's BoxCoder decodes in the regression's dtype, casting the anchors and proposals to
     it: under bf16 autocast every box would be rounded to 2-8 px on COCO-sized images. The recipe's
     heads hand their regressions over in fp32, so proposals and detections stay fp32."""
-    model = frcnn.create_model(frcnn.parse_config(frcnn.Config, ["--min_size", "800", "--max_size", "1333",
+    model = frcnn.create_model(parse_config(frcnn.Config, ["--min_size", "800", "--max_size", "1333",
                                                                  "--box_score_thresh", "0"]), num_classes=10).eval()
     proposals = []
     model.rpn.register_forward_hook(lambda m, i, o: proposals.append(o[0]))
@@ -190,3 +191,143 @@ def test_proposals_and_boxes_stay_fp32_under_bf16_autocast():
     # not on the bf16 grid: above 512 px a bf16 coordinate is a multiple of 4
     large = detections["boxes"][detections["boxes"] > 512]
     assert len(large) == 0 or bool((large % 4 != 0).any())
+
+
+# ---- torchvision's reference: aspect-ratio groups, images without boxes, budgets, backbone weights ----------
+def test_sampler_groups_ratios_into_torchvisions_bins():
+    """torchvision's create_aspect_ratio_groups(k=3): edges 2 ** linspace(-1, 1, 7), 8 groups, quantised by
+    bisect_right. It cuts height / width, so its group of an image off the edges is 7 - ours (width / height)."""
+    import bisect
+
+    import numpy as np
+
+    sampler = AspectRatioBatchSampler([1.0] * 8, 4)
+    assert sampler.edges == pytest.approx((2 ** np.linspace(-1, 1, 7)).tolist())
+    ratios = [0.3, 0.55, 0.7, 0.9, 1.1, 1.4, 1.8, 2.5]  # one in each group, 0..7
+    assert AspectRatioBatchSampler(ratios, 1).groups == list(range(8))
+    assert [7 - bisect.bisect_right(sampler.edges, 1 / r) for r in ratios] == list(range(8))
+    # on an edge: the upper group (a square image goes with the slightly wide ones)
+    assert AspectRatioBatchSampler([0.5, 1.0, 2.0], 1).groups == [1, 4, 7]
+    # 0: landscape (w >= h) or portrait; -1: one group
+    assert AspectRatioBatchSampler([0.3, 0.9, 1.0, 2.5], 1, group_factor=0).groups == [0, 0, 1, 1]
+    assert set(AspectRatioBatchSampler(ratios, 1, group_factor=-1).groups) == {0}
+
+    # 5 groups of 9, 6, 4, 8 and 3 images, interleaved; batches of 4
+    spread = [r for k in range(9) for r, n in zip((0.55, 0.9, 1.0, 1.4, 2.5), (9, 6, 4, 8, 3)) if k < n]
+    sampler = AspectRatioBatchSampler(spread, 4, seed=1)
+    batches = _epoch(sampler, 0)
+    assert len(batches) == len(sampler) == 2 + 1 + 1 + 2 + 0  # full batches only
+    assert all(len(b) == 4 and len({sampler.groups[i] for _, i in b}) == 1 for b in batches)
+    assert len({sampler.groups[b[0][1]] for b in batches}) == 4  # the groups with a full batch all appear
+    ragged = AspectRatioBatchSampler(spread, 4, seed=1, drop_last=False)
+    flat = [i for b in _epoch(ragged, 0) for _, i in b]
+    assert sorted(flat) == list(range(len(spread))) and len(ragged) == 3 + 2 + 1 + 2 + 1
+    assert all(len({ragged.groups[i] for _, i in b}) == 1 for b in _epoch(ragged, 0))
+    assert len(AspectRatioBatchSampler(spread, 4, seed=1, num_processes=4)) == 4  # 6 batches: 1 round of 4
+    assert len(AspectRatioBatchSampler(spread, 4, seed=1, group_factor=-1)) == len(spread) // 4  # no grouping
+    assert _epoch(AspectRatioBatchSampler(spread, 4, seed=1), 0) == batches  # a function of (seed, epoch)
+    from common import UserError
+
+    with pytest.raises(UserError, match="no aspect-ratio group of the training split fills"):
+        AspectRatioBatchSampler([0.5, 1.5, 0.5, 1.5], 3)
+
+
+def test_images_without_a_box_to_learn_are_told_apart():
+    """torchvision's rule (no box, or only boxes at most 1 px wide or high), and crowd-only images count as empty."""
+    def objects(boxes, crowd=None):
+        return {"bbox": boxes, "iscrowd": crowd or [0] * len(boxes)}
+
+    assert frcnn.has_boxes(objects([[0, 0, 5, 5]]))
+    assert frcnn.has_boxes(objects([[0, 0, 1, 9], [3, 3, 2, 2]]))  # one good box is enough
+    assert not frcnn.has_boxes(objects([]))
+    assert not frcnn.has_boxes(objects([[0, 0, 1, 9], [4, 4, 9, 0.5]]))  # every box at most 1 px on a side
+    assert not frcnn.has_boxes(objects([[0, 0, 20, 20]], [1]))  # crowd regions are never targets
+    assert frcnn.has_boxes(objects([[0, 0, 20, 20], [30, 30, 8, 8]], [1, 0]))
+
+
+def _saved_detection(folder, train_boxes, train_crowd=None):
+    """A save_to_disk dataset: a train split of 32 x 32 images with the given boxes, a validation split of 2."""
+    import datasets
+
+    from conftest import bright_rectangle, detection_table
+
+    train = detection_table([bright_rectangle(32, 32, (4, 4, 12, 12)) for _ in train_boxes], train_boxes,
+                            crowd=train_crowd)
+    validation = detection_table([bright_rectangle(32, 32, (4, 4, 12, 12))] * 2, [[[4, 4, 12, 12]]] * 2)
+    datasets.DatasetDict({"train": train, "validation": validation}).save_to_disk(str(folder))
+    return str(folder)
+
+
+def test_training_drops_images_without_a_box_to_learn(tmp_path, capsys):
+    """Through the entry point: the left-out images are counted in one line; none left is one clear error."""
+    good = [[4, 4, 12, 12]]
+    data = _saved_detection(tmp_path / "data", [good, [], good, [[0, 0, 1, 5]], good, good],
+                            [[0], [], [0], [0], [0], [1]])  # left out: no box, a 1 px wide one, a crowd region
+    args = ["--data", data, "--output_dir", str(tmp_path / "run"), "--report_to", "none", "--num_workers", "0",
+            "--batch_size", "1", "--max_steps", "1", "--min_size", "32", "--max_size", "32", "--plot_images", "0"]
+    proc = check(run_recipe("faster_rcnn", args, timeout=300))
+    assert "training on 3 of 6 images: 3 without a box to learn left out (--keep_empty true keeps them)" in proc.stdout
+    empty = _saved_detection(tmp_path / "empty", [[], [[2, 2, 1, 6]], good], [[], [0], [1]])
+    line = error_line(capsys, frcnn.main, ["--data", empty, "--output_dir", str(tmp_path / "run_empty"),
+                                           "--report_to", "none", "--num_workers", "0"])
+    assert "no training image of" in line and "--keep_empty true" in line
+
+
+def _sampled(model) -> tuple:
+    """(pre-NMS top n [train, eval], post-NMS top n [train, eval], RPN anchors and RoI proposals sampled per image)."""
+    rpn = model.rpn
+    return ([rpn._pre_nms_top_n["training"], rpn._pre_nms_top_n["testing"]],
+            [rpn._post_nms_top_n["training"], rpn._post_nms_top_n["testing"]],
+            rpn.fg_bg_sampler.batch_size_per_image, model.roi_heads.fg_bg_sampler.batch_size_per_image)
+
+
+def test_budgets_left_empty_are_the_models_own_and_a_set_value_wins():
+    preset = ["--model", "fasterrcnn_resnet50_fpn", "--model_kwargs", "{}", "--anchor_sizes", "[]"]
+    assert _sampled(frcnn.create_model(parse_config(frcnn.Config, preset), 10)) == ([2000, 1000], [2000, 1000], 256, 512)
+    mobile = ["--model", "fasterrcnn_mobilenet_v3_large_320_fpn", "--model_kwargs", "{}", "--anchor_sizes", "[]"]
+    assert _sampled(frcnn.create_model(parse_config(frcnn.Config, mobile), 10)) == ([2000, 150], [2000, 150], 256, 512)
+    demo = frcnn.create_model(parse_config(frcnn.Config, []), 10)
+    assert _sampled(demo) == ([200, 200], [100, 100], 128, 32)  # the demo's, as before these fields could be empty
+    explicit = ["--rpn_pre_nms_top_n", "300,250", "--rpn_post_nms_top_n", "60,50", "--rpn_batch_size_per_image", "64",
+                "--box_batch_size_per_image", "16"]
+    for base in (preset, []):
+        cfg = parse_config(frcnn.Config, base + explicit)
+        assert _sampled(frcnn.create_model(cfg, 10)) == ([300, 250], [60, 50], 64, 16)
+    from common import UserError
+
+    with pytest.raises(UserError, match=r"rpn_pre_nms_top_n takes two positive numbers \[train, eval\], or \[\]"):
+        frcnn.check_config(parse_config(frcnn.Config, ["--rpn_pre_nms_top_n", "[300]"]))
+
+
+def test_presets_take_the_imagenet_v1_backbone_of_torchvisions_reference(monkeypatch):
+    """--pretrained_backbone asks the preset builder for the V1 ImageNet weights the reference trained from, not
+    "DEFAULT" (V2); --pretrained asks for the COCO weights ("DEFAULT", fasterrcnn_resnet50_fpn's COCO_V1, 37.0
+    box AP). The builder is replaced, so nothing is downloaded."""
+    import torchvision
+    from torchvision.models import MobileNet_V3_Large_Weights, ResNet50_Weights
+    from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights
+
+    class Built(Exception):
+        pass
+
+    calls = []
+
+    def builder(**kwargs):
+        calls.append(kwargs)
+        raise Built
+
+    for name in frcnn.PRESETS:
+        monkeypatch.setattr(torchvision.models.detection, name, builder)
+    for name, weights in [("fasterrcnn_resnet50_fpn", ResNet50_Weights.IMAGENET1K_V1),
+                          ("fasterrcnn_resnet50_fpn_v2", ResNet50_Weights.IMAGENET1K_V1),
+                          ("fasterrcnn_mobilenet_v3_large_fpn", MobileNet_V3_Large_Weights.IMAGENET1K_V1),
+                          ("fasterrcnn_mobilenet_v3_large_320_fpn", MobileNet_V3_Large_Weights.IMAGENET1K_V1)]:
+        for flags, expected in ((["--pretrained_backbone", "true"], (None, weights)),
+                                (["--pretrained", "true"], ("DEFAULT", None)), ([], (None, None))):
+            cfg = parse_config(frcnn.Config, ["--model", name, "--model_kwargs", "{}", *flags])
+            with pytest.raises(Built):
+                frcnn.create_model(cfg, 10)
+            assert (calls[-1]["weights"], calls[-1]["weights_backbone"]) == expected, (name, flags)
+    assert ResNet50_Weights.DEFAULT != ResNet50_Weights.IMAGENET1K_V1  # why "DEFAULT" would not be the reference's
+    assert FasterRCNN_ResNet50_FPN_Weights.DEFAULT == FasterRCNN_ResNet50_FPN_Weights.COCO_V1
+    assert FasterRCNN_ResNet50_FPN_Weights.COCO_V1.meta["_metrics"]["COCO-val2017"]["box_map"] == 37.0

@@ -18,6 +18,7 @@ from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
+from common.config import parse_config
 from common.models import read_metadata
 from conftest import assert_pictures, bright_rectangle, check, detection_table, error_line, load_recipe, run_recipe
 
@@ -31,7 +32,7 @@ ANCHORS = torch.tensor([[4, 4], [8, 8], [12, 12], [16, 16], [20, 20], [24, 24], 
 
 def _model(num_classes: int = 10) -> yolo.YOLOv3:
     torch.manual_seed(0)
-    cfg = yolo.parse_config(yolo.Config, ["--neck_channels", "32", "--model_kwargs", "{}"])  # strides 8, 16, 32
+    cfg = parse_config(yolo.Config, ["--neck_channels", "32", "--model_kwargs", "{}"])  # strides 8, 16, 32
     return yolo.create_model(cfg, num_classes, ANCHORS).eval()
 
 
@@ -79,7 +80,7 @@ def test_target_assignment_by_hand():
 def test_one_anchor_per_level_at_strides_4_8_16():
     """The demo's layout: out_indices (1, 2, 3) gives strides 16, 8, 4; one anchor per level."""
     torch.manual_seed(0)
-    cfg = yolo.parse_config(yolo.Config, ["--neck_channels", "32", "--model_kwargs", '{"out_indices": [1, 2, 3]}'])
+    cfg = parse_config(yolo.Config, ["--neck_channels", "32", "--model_kwargs", '{"out_indices": [1, 2, 3]}'])
     model = yolo.create_model(cfg, 10, torch.tensor([[8.0, 8.0], [16.0, 16.0], [32.0, 32.0]])).eval()
     assert model.strides == [16, 8, 4] and model.num_anchors == 1
     assert model(torch.zeros(1, 3, 96, 96)).shape == (1, 6 * 6 + 12 * 12 + 24 * 24, 15)
@@ -323,7 +324,7 @@ def test_export_round_trip(short_run):
 
     meta = read_metadata(short_run / "final.safetensors")
     config = meta["config"]  # the resolved config rebuilds the model
-    cfg = yolo.parse_config(yolo.Config, ["--model", config["model"], "--neck_channels", str(config["neck_channels"]),
+    cfg = parse_config(yolo.Config, ["--model", config["model"], "--neck_channels", str(config["neck_channels"]),
                                           "--model_kwargs", json.dumps(config["model_kwargs"])])
     weights = safetensors.torch.load_file(str(short_run / "final.safetensors"))
     model = yolo.create_model(cfg, len(meta["classes"]), weights["anchors"].flip(0).reshape(-1, 2))
@@ -370,3 +371,127 @@ def test_export_from_a_single_evaluation_image(tmp_path, monkeypatch):
         expected = yolo.Exported(model)(images)
         got = torch.export.load(str(tmp_path / "model.pt2")).module()(images)
     assert all(torch.allclose(g, e, atol=1e-4) for g, e in zip(got, expected))
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-scale at the transform, GluonCV's preset, the mosaic's pieces (issue 17, item 4)
+# --------------------------------------------------------------------------------------------
+def _sizes(sampler) -> list[int]:
+    batches = list(sampler)
+    assert all(len({key[2] for key in keys}) == 1 for keys in batches)  # one size per batch
+    return [keys[0][2] for keys in batches]
+
+
+def test_multiscale_sizes_depend_on_seed_epoch_and_batch_only():
+    from common.loaders import EpochBatchSampler
+    from recipes.yolo_data import MultiScaleBatchSampler
+
+    sizes = [32, 64, 96, 128]
+    one = MultiScaleBatchSampler(96, 4, sizes, every=2, seed=0)
+    drawn = _sizes(one)
+    assert len(drawn) == 24 and set(drawn) <= set(sizes) and len(set(drawn)) > 1  # sizes differ across groups
+    assert all(drawn[b] == drawn[b - b % 2] for b in range(len(drawn)))  # a new draw every 2 batches
+    assert _sizes(MultiScaleBatchSampler(96, 4, sizes, every=2, seed=0)) == drawn  # another instance
+    # two processes: global batches 2j and 2j + 1 are step j of processes 0 and 1, both at step j's size
+    two = _sizes(MultiScaleBatchSampler(96, 4, sizes, every=2, seed=0, num_processes=2))
+    assert two == [drawn[b // 2] for b in range(len(two))]
+    assert _sizes(MultiScaleBatchSampler(96, 4, sizes, every=2, seed=1)) != drawn
+    one.set_epoch(1)
+    assert _sizes(one) != drawn
+    # the order is common/loaders.py's, the size only added
+    assert [[key[:2] for key in keys] for keys in MultiScaleBatchSampler(96, 4, sizes, 2, seed=0)] == \
+        list(EpochBatchSampler(96, 4, seed=0))
+
+
+@pytest.mark.parametrize("augment", ["letterbox", "gluoncv"])
+def test_every_image_of_a_batch_is_transformed_at_the_batch_size(augment):
+    """Multi-scale as GluonCV's RandomTransformDataLoader: the images of a batch (mosaic pieces and mixup
+    partners included) come out of their transforms at the batch's size with their boxes on their digits;
+    the batches are the same with 0 and 2 workers."""
+    import functools
+
+    from recipes.yolo_data import MultiScaleBatchSampler
+
+    data = load_detection("digits_det")
+    transform_at = functools.partial(yolo.detection_transforms, True, hflip=0.0, preset=augment)
+    train_set = yolo.YoloTrainSet(DetectionDataset(data.train.select(range(32)), transform_at(96), seed=0), 96,
+                                  mosaic=0.5, mixup=0.0, aug_epochs=1, seed=0, transform_at=transform_at)
+    sampler = MultiScaleBatchSampler(len(train_set), 4, [64, 96, 128], every=1, seed=0)
+    expected = _sizes(sampler)
+    assert len(set(expected)) > 1
+    runs = []
+    for workers in (0, 2):
+        loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=yolo.train_collate,
+                                             num_workers=workers)
+        runs.append(list(loader))
+    for (images, targets), size in zip(runs[0], expected):
+        assert images.shape == (4, 3, size, size)
+        for image, boxes, weights in zip(images, targets["boxes"], targets["weights"]):
+            for x0, y0, x1, y1 in boxes[weights > 0].round().long().tolist():
+                assert 0 <= x0 < x1 <= size and 0 <= y0 < y1 <= size
+                assert image[:, y0:y1, x0:x1].std() > 0.1  # a digit on its background, not empty canvas
+    for (a, ta), (b, tb) in zip(*runs):
+        assert torch.equal(a, b) and torch.equal(ta["boxes"], tb["boxes"])
+
+
+def test_gluoncv_preset_boxes_follow_the_pixels():
+    """Colour off: through zoom-out, IoU crop, resize with a random interpolation and flip, the bright
+    rectangle stays inside its box and fills it; the output is size x size; the same seed gives the same sample."""
+    table = detection_table([bright_rectangle(80, 60, (20, 10, 30, 30))], [[[20.0, 10.0, 30.0, 30.0]]])
+    seen = set()
+    for size in (64, 96):
+        ds = DetectionDataset(table, yolo.detection_transforms(True, size, color_jitter=False, hflip=0.5,
+                                                               preset="gluoncv"), seed=0)
+        for epoch in range(30):
+            image, target = ds[(epoch, 0)]
+            assert image.shape == (3, size, size) and target["size"] == (size, size)
+            assert len(target["boxes"]) == 1 and target["dropped"] == 0  # the crop keeps the box's centre
+            x0, y0, x1, y1 = target["boxes"][0].tolist()
+            bright = _unnormalise(image).mean(0) > 0.5
+            ys, xs = torch.nonzero(bright, as_tuple=True)
+            assert xs.min() >= x0 - 1 and xs.max() <= x1 and ys.min() >= y0 - 1 and ys.max() <= y1
+            if min(x1 - x0, y1 - y0) >= 4:
+                assert bright[math.ceil(y0) + 1:int(y1) - 1, math.ceil(x0) + 1:int(x1) - 1].float().mean() > 0.9
+            seen.add(round(x1 - x0))
+        again = ds[(3, 0)]
+        assert torch.equal(again[0], ds[(3, 0)][0]) and torch.equal(again[1]["boxes"], ds[(3, 0)][1]["boxes"])
+        other = DetectionDataset(table, ds.transform, seed=1)
+        assert any(not torch.equal(ds[(e, 0)][0], other[(e, 0)][0]) for e in range(3))
+    assert len(seen) > 5  # zoomed out, cropped and stretched to many scales
+    # evaluation: stretched to the square; rescale_boxes undoes it per axis
+    _, target = DetectionDataset(table, yolo.detection_transforms(False, 64, preset="gluoncv"))[0]
+    assert target["size"] == (64, 64)
+    original = rescale_boxes(target["boxes"], target["size"], target["orig_size"])
+    assert torch.allclose(original, torch.tensor([[20.0, 10.0, 50.0, 40.0]]), atol=1e-4)
+
+
+@pytest.mark.parametrize("mixup", [0.0, 1.0])
+def test_mosaic_decodes_each_piece_once_and_counts_each_dropped_box_once(monkeypatch, mixup):
+    import collections
+
+    import common.detection
+
+    decoded = collections.Counter()
+    real_decode = common.detection.decode_image
+
+    def counting_decode(value, name):
+        decoded[int(re.match(r"row (\d+) ", name).group(1))] += 1
+        return real_decode(value, name)
+
+    monkeypatch.setattr(common.detection, "decode_image", counting_decode)
+    rows = load_detection("digits_det").train.select(range(64))
+    boxes_in_row = [sum(not crowd for crowd in o["iscrowd"]) for o in rows["objects"]]
+    # zoomed in 1.5-2.5x: the crop loses boxes in most pieces
+    transform_at = lambda size: yolo.detection_transforms(True, size, scale_range=(1.5, 2.5), hflip=0.0)
+    base = DetectionDataset(rows, transform_at(96), seed=0)
+    train_set = yolo.YoloTrainSet(base, 96, mosaic=1.0, mixup=mixup, aug_epochs=1, seed=0, transform_at=transform_at)
+    first_piece_dropped = 0
+    for index in range(8):
+        for key in [(0, index), (0, index, 64)]:
+            decoded.clear()
+            _, target = train_set[key]
+            assert sum(decoded.values()) == 4 + (mixup > 0) and decoded[index] >= 1  # one decode per piece
+            # every box of every piece is either a target or dropped, once
+            assert len(target["boxes"]) + target["dropped"] == sum(n * boxes_in_row[i] for i, n in decoded.items())
+        first_piece_dropped += base[(0, index)][1]["dropped"]
+    assert first_piece_dropped > 0  # the case the double count got wrong

@@ -1,0 +1,224 @@
+"""The detectors on a user's own COCO folder whose category ids are 0, 3, 7, 8, 12, ... 90 (gaps, 0
+included, listed out of order) and whose image ids start at 5000: the ids survive into the weights and
+predictions.json, pycocotools scoring predictions.json against the user's json gives the numbers the
+recipe reported, ``--eval_only`` reproduces them (in fp32 and under bf16 autocast), and ``--predict``
+writes detections in the original images' pixels and ids.
+
+Faster R-CNN learns these scenes within a minute, so it carries the learned checks; YOLO and DETR run
+the same modes on weights trained for a few steps."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from common.builtin import DETECTION
+from common.models import read_metadata
+from conftest import check, error_line, load_recipe, run_recipe
+
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+IDS = dict(enumerate([0, 3, 7, 8, 12, 15, 20, 31, 44, 90]))  # digit -> the user's category id
+NAMES = {IDS[d]: WORDS[d] for d in range(10)}  # category id -> name
+
+
+def _user_folder(root: Path, sizes: dict[str, int]) -> Path:
+    """A COCO folder from the built-in scenes: digit d has category id IDS[d]; image ids 5000 + 3k."""
+    source = DETECTION["digits_det"]()
+    for split, count in sizes.items():
+        coco = json.loads((source / "annotations" / f"instances_{split}.json").read_text())
+        digit = {c["id"]: int(c["name"]) for c in coco["categories"]}
+        images = coco["images"][:count]
+        new_id = {im["id"]: 5000 + 3 * k for k, im in enumerate(images)}
+        (root / split).mkdir(parents=True)
+        for im in images:
+            shutil.copy(source / split / im["file_name"], root / split / im["file_name"])
+        annotations = [dict(a, image_id=new_id[a["image_id"]], category_id=IDS[digit[a["category_id"]]], id=k + 1)
+                       for k, a in enumerate(a for a in coco["annotations"] if a["image_id"] in new_id)]
+        (root / "annotations").mkdir(exist_ok=True)
+        (root / "annotations" / f"instances_{split}.json").write_text(json.dumps({
+            "images": [dict(im, id=new_id[im["id"]]) for im in images], "annotations": annotations,
+            "categories": [{"id": i, "name": NAMES[i]} for i in sorted(NAMES, key=str)]}))  # 0, 12, 15, 20, 3, ...
+    return root
+
+
+def _pycocotools(gt_json: Path, results: list[dict]) -> list[float]:
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(str(gt_json))
+        evaluation = COCOeval(gt, gt.loadRes(results), "bbox")
+        evaluation.evaluate()
+        evaluation.accumulate()
+        evaluation.summarize()
+    return [float(v) for v in evaluation.stats[:6]]
+
+
+def _last_eval(run: Path) -> dict[str, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "eval/map" in r][-1]
+
+
+METRICS = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large")
+FRCNN = ["--report_to", "none", "--num_workers", "0", "--eval_every", "1", "--plot_images", "2"]
+
+
+@pytest.fixture(scope="module")
+def frcnn_run(tmp_path_factory):
+    """Faster R-CNN's default model, 2 epochs on 800 of the user's scenes, evaluated on 100."""
+    root = tmp_path_factory.mktemp("user_coco")
+    data = _user_folder(root / "data", {"train": 800, "val": 100})
+    run = root / "run"
+    check(run_recipe("faster_rcnn", ["--data", str(data), "--output_dir", str(run), *FRCNN], timeout=600))
+    return data, run
+
+
+@pytest.mark.slow
+def test_weights_and_predictions_json_keep_the_users_ids(frcnn_run):
+    data, run = frcnn_run
+    for name in ("best.safetensors", "final.safetensors"):
+        meta = read_metadata(run / name)
+        assert meta["classes"] == WORDS and meta["category_ids"] == list(IDS.values()), meta
+    results = json.loads((run / "predictions.json").read_text())
+    gt = json.loads((data / "annotations" / "instances_val.json").read_text())
+    assert {r["category_id"] for r in results} == set(NAMES)
+    assert {r["image_id"] for r in results} <= {im["id"] for im in gt["images"]}
+    assert all(len(r["bbox"]) == 4 and 0 <= r["score"] <= 1 for r in results)
+    reported = _last_eval(run)
+    assert reported["eval/map_50"] > 0.3, reported  # a detector that found the digits, not an empty file
+    # the user's own scoring of the file gives the numbers the recipe reported
+    assert _pycocotools(data / "annotations" / "instances_val.json", results) == pytest.approx(
+        [reported[f"eval/{k}"] for k in METRICS], abs=1e-12)
+
+
+@pytest.mark.slow
+def test_eval_only_reproduces_the_run_in_fp32_and_under_bf16(frcnn_run, tmp_path):
+    """--eval_only on the final weights gives the last evaluation's metrics exactly, writes no
+    checkpoints or weights, and bf16 autocast changes mAP by at most 0.01 (boxes decode in fp32)."""
+    data, run = frcnn_run
+    reported = _last_eval(run)
+    scores = {}
+    for precision in ("no", "bf16"):
+        out = tmp_path / precision
+        check(run_recipe("faster_rcnn", ["--eval_only", "--weights", str(run / "final.safetensors"), "--data",
+                                         str(data), "--output_dir", str(out), "--mixed_precision", precision,
+                                         *FRCNN], timeout=300))
+        scores[precision] = _last_eval(out)
+        assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.jsonl", "plots", "predictions.json"]
+        assert sorted(p.name for p in (out / "plots").iterdir()) == [
+            "confusion_matrix.png", "detections.png", "per_class_ap.csv", "pr_curves.png"]
+    assert {k: scores["no"][f"eval/{k}"] for k in METRICS} == {k: reported[f"eval/{k}"] for k in METRICS}
+    assert json.loads((tmp_path / "no" / "predictions.json").read_text()) == json.loads(
+        (run / "predictions.json").read_text())
+    # bf16 features move scores and proposals a little, not the boxes' coordinates (rounded boxes cost
+    # a perfect detector 0.19 mAP); a size bucket of a few dozen boxes moves in steps of about 0.01
+    for k in METRICS:
+        tolerance = 0.01 if k in ("map", "map_50", "map_75") else 0.025
+        assert abs(scores["bf16"][f"eval/{k}"] - scores["no"][f"eval/{k}"]) <= tolerance, (k, scores)
+
+
+@pytest.mark.slow
+def test_predict_writes_detections_in_original_pixels_and_the_users_ids(frcnn_run, tmp_path):
+    """Two evaluation images as files (one enlarged 1.5x, one in a subfolder) and no dataset: the
+    detections are the evaluation pass's own for the plain copy, scaled by 1.5 for the enlarged one."""
+    data, run = frcnn_run
+    gt = json.loads((data / "annotations" / "instances_val.json").read_text())
+    first, second = gt["images"][:2]
+    images = tmp_path / "images"
+    (images / "sub").mkdir(parents=True)
+    shutil.copy(data / "val" / first["file_name"], images / "plain.png")
+    with Image.open(data / "val" / second["file_name"]) as picture:
+        picture.resize((picture.width * 3 // 2, picture.height * 3 // 2), Image.BICUBIC).save(images / "sub" / "big.png")
+    out = tmp_path / "predict"
+    check(run_recipe("faster_rcnn", ["--predict", str(images), "--weights", str(run / "final.safetensors"),
+                                     "--data", "no/such/dataset", "--output_dir", str(out), "--predict_score", "0.3",
+                                     *FRCNN], timeout=300))
+    entries = {Path(e["file"]).name: e for e in json.loads((out / "predictions.json").read_text())}
+    assert sorted(entries) == ["big.png", "plain.png"]
+    assert (entries["big.png"]["width"], entries["big.png"]["height"]) == (second["width"] * 3 // 2,
+                                                                           second["height"] * 3 // 2)
+    assert sorted(str(p.relative_to(out / "predictions")) for p in (out / "predictions").rglob("*.png")) == [
+        "plain.png", "sub/big.png"]
+    for e in entries.values():
+        for d in e["detections"]:
+            assert d["score"] >= 0.3 and NAMES[d["category_id"]] == d["class"]
+            x0, y0, x1, y1 = d["box"]
+            assert -0.5 <= x0 < x1 <= e["width"] + 0.5 and -0.5 <= y0 < y1 <= e["height"] + 0.5
+    evaluated = [r for r in json.loads((run / "predictions.json").read_text())
+                 if r["image_id"] == first["id"] and r["score"] >= 0.3]
+    plain = entries["plain.png"]["detections"]
+    assert plain and len(plain) == len(evaluated)
+    for d, r in zip(plain, sorted(evaluated, key=lambda r: -r["score"])):
+        x, y, w, h = r["bbox"]
+        assert d["category_id"] == r["category_id"] and d["score"] == pytest.approx(r["score"], abs=1e-4)
+        assert d["box"] == pytest.approx([x, y, x + w, y + h], abs=0.01)
+    assert any(len(e["detections"]) for e in entries.values())
+
+
+def test_eval_only_refuses_weights_of_other_classes_and_predict_needs_weights(frcnn_run, capsys):
+    _, run = frcnn_run
+    frcnn = load_recipe("faster_rcnn")
+    line = error_line(capsys, frcnn.main, ["--eval_only", "--weights", str(run / "final.safetensors"),
+                                           "--data", "digits_det", "--report_to", "none"])
+    assert "were trained on classes 0:zero, 3:one, 7:two, 8:three, 12:four" in line, line
+    assert "the data has 0:0, 1:1" in line, line
+    assert "predict needs --weights" in error_line(capsys, frcnn.main, ["--predict", str(run), "--report_to", "none"])
+    detr = load_recipe("detr")
+    assert "do not fit" in error_line(capsys, detr.main, ["--eval_only", "--weights", str(run / "final.safetensors"),
+                                                          "--data", str(frcnn_run[0]), "--report_to", "none"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, args", [
+    ("yolo", ["--export", "false", "--num_workers", "0", "--conf_threshold", "0"]),  # 4 steps: scores are low
+    ("detr", ["--pretrain_crops_epochs", "0", "--num_workers", "0"]),
+])
+def test_eval_only_and_predict_in_every_detector(recipe, args, tmp_path):
+    """A few training steps, then --eval_only (the same metrics as the run's last evaluation, the ids in
+    predictions.json) and --predict on a folder (one entry and one picture per image)."""
+    data = _user_folder(tmp_path / "data", {"train": 64, "val": 16})
+    common = ["--data", str(data), "--report_to", "none", "--plot_images", "1", *args]
+    check(run_recipe(recipe, [*common, "--output_dir", str(tmp_path / "run"), "--epochs", "1", "--max_steps", "4"]))
+    assert read_metadata(tmp_path / "run" / "final.safetensors")["category_ids"] == list(IDS.values())
+    weights = ["--weights", str(tmp_path / "run" / "final.safetensors")]
+    check(run_recipe(recipe, [*common, *weights, "--eval_only", "--output_dir", str(tmp_path / "eval")]))
+    reported, again = _last_eval(tmp_path / "run"), _last_eval(tmp_path / "eval")
+    assert {k: again[f"eval/{k}"] for k in METRICS} == {k: reported[f"eval/{k}"] for k in METRICS}
+    results = json.loads((tmp_path / "eval" / "predictions.json").read_text())
+    assert results and {r["category_id"] for r in results} <= set(NAMES)
+    assert _pycocotools(data / "annotations" / "instances_val.json", results) == pytest.approx(
+        [reported[f"eval/{k}"] for k in METRICS], abs=1e-12)
+    check(run_recipe(recipe, [*common, *weights, "--predict", str(data / "val"), "--predict_score", "0",
+                              "--output_dir", str(tmp_path / "predict")]))
+    entries = json.loads((tmp_path / "predict" / "predictions.json").read_text())
+    assert len(entries) == 16 and len(list((tmp_path / "predict" / "predictions").glob("*.png"))) == 16
+    assert all(d["category_id"] in NAMES for e in entries for d in e["detections"])
+
+
+def test_yolo_clips_its_boxes_to_the_original_image(monkeypatch):
+    """A box reaching past the letterboxed picture (padding, border cells) ends at the image's edges
+    once mapped back to the original pixels, as the other two detectors' boxes do."""
+    import torch
+    from accelerate import Accelerator
+
+    yolo = load_recipe("yolo")
+
+    class Model(torch.nn.Module):
+        def forward(self, images):
+            return torch.zeros(len(images), 1, 6)
+
+        def decode(self, raw, height, width):
+            return torch.zeros(len(raw), 1, 4), torch.zeros(len(raw), 1, 1)
+
+    box = {"boxes": torch.tensor([[-8.0, 10.0, 70.0, 40.0]]), "scores": torch.tensor([0.9]), "labels": torch.tensor([0])}
+    monkeypatch.setattr(yolo, "postprocess", lambda *args: [dict(box)])
+    loader = [(torch.zeros(1, 3, 64, 64), None, [{"image_id": 1, "size": (64, 64), "orig_size": (32, 48)}])]
+    (batch,) = list(yolo.detect(Model(), loader, Accelerator(cpu=True), yolo.Config()))
+    # x scales by 48 / 64, y by 32 / 64: [-6, 5, 52.5, 20] before clipping to 48 x 32
+    assert batch[0]["boxes"].tolist() == [[0.0, 5.0, 48.0, 20.0]] and batch[0]["image_id"] == 1
