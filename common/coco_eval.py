@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 from typing import Any, Iterable, Literal, Sequence, overload
 
@@ -35,12 +36,16 @@ class EvalDetails:
     # with score >= CONFUSION_SCORE matched to ground truth at IoU >= CONFUSION_IOU; an unmatched
     # prediction counts in the background row, a missed box in the background column.
     confusion: np.ndarray
-    # image_id -> the predictions scored for it: boxes [N, 4] float32 XYXY in original pixels,
-    # scores [N] float32, labels [N] int64 (class indices)
-    predictions: dict[int, dict[str, np.ndarray]]
-    # image_id -> exactly the rows that were scored, [N, 6] float64: x, y, w, h (original pixels),
-    # score, class index
-    rows: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    # image_id (every image of the split) -> exactly the rows that were scored, [N, 6] float64: x, y, w, h
+    # (original pixels), score, class index
+    rows: dict[int, np.ndarray]
+
+    @functools.cached_property
+    def predictions(self) -> dict[int, dict[str, np.ndarray]]:
+        """image_id -> the predictions scored for it, for drawing: ``boxes`` [N, 4] float32 XYXY in original
+        pixels, ``scores`` [N] float32, ``labels`` [N] int64 (class indices)."""
+        return {image_id: {"boxes": _xyxy(rows).astype(np.float32), "scores": rows[:, 4].astype(np.float32),
+                           "labels": rows[:, 5].astype(np.int64)} for image_id, rows in self.rows.items()}
 
     def coco_results(self, category_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
         """The scored predictions in the COCO results format (``image_id``, ``category_id``, ``bbox``
@@ -167,18 +172,13 @@ class CocoEvaluator:
         for a in self.gt.dataset["annotations"]:
             instances[a["category_id"]] += not a["iscrowd"]
         confusion = np.zeros((k + 1, k + 1), np.int64)
-        predictions = {}
-        for image_id in sorted(self.image_ids):
-            rows = merged.get(image_id, np.zeros((0, 6)))
-            boxes = np.concatenate([rows[:, :2], rows[:, :2] + rows[:, 2:4]], 1)
-            predictions[image_id] = {"boxes": boxes.astype(np.float32), "scores": rows[:, 4].astype(np.float32),
-                                     "labels": rows[:, 5].astype(np.int64)}
+        scored = {image_id: merged.get(image_id, np.zeros((0, 6))) for image_id in sorted(self.image_ids)}
+        for image_id, rows in scored.items():
             annotations = self.gt.imgToAnns.get(image_id, [])
             gt = np.array([a["bbox"] + [a["category_id"], a["iscrowd"]] for a in annotations], np.float64).reshape(-1, 6)
             gt[:, 2:4] += gt[:, :2]  # COCO xywh -> XYXY
-            confusion += detection_confusion(boxes, rows[:, 4], rows[:, 5], gt[:, :4], gt[:, 4], k, gt[:, 5] > 0)
-        return EvalDetails([c["name"] for c in categories], ap, ap50, instances, precision, confusion, predictions,
-                           dict(merged))
+            confusion += detection_confusion(_xyxy(rows), rows[:, 4], rows[:, 5], gt[:, :4], gt[:, 4], k, gt[:, 5] > 0)
+        return EvalDetails([c["name"] for c in categories], ap, ap50, instances, precision, confusion, scored)
 
 
 def detection_confusion(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, gt_boxes: np.ndarray,
@@ -221,6 +221,11 @@ def _in_crowd(box: np.ndarray, crowd: np.ndarray) -> bool:
     w = np.clip(np.minimum(box[2], crowd[:, 2]) - np.maximum(box[0], crowd[:, 0]), 0, None)
     h = np.clip(np.minimum(box[3], crowd[:, 3]) - np.maximum(box[1], crowd[:, 1]), 0, None)
     return bool((w * h).max() >= 0.5 * max((box[2] - box[0]) * (box[3] - box[1]), 1e-9))
+
+
+def _xyxy(rows: np.ndarray) -> np.ndarray:
+    """The boxes of COCO result rows (N, 6) as XYXY (N, 4)."""
+    return np.concatenate([rows[:, :2], rows[:, :2] + rows[:, 2:4]], 1)
 
 
 def _rows(prediction: dict[str, Any]) -> np.ndarray:

@@ -65,11 +65,8 @@ def _sources(data: str) -> tuple[dict[str, Callable[[], tuple[Any, list[str] | N
                               "dataset, or a hub dataset name (with network, or already in the cache)")
     if not hasattr(table, "keys"):  # a single Dataset: the training split
         table = {"train": table}
-    def hub(split: str) -> tuple[Any, list[str] | None, list[int] | None]:
-        ds, names = normalise(table[split], data, split)
-        return ds, names, None if names is None else list(range(len(names)))  # a ClassLabel's index is its id
-
-    return {split: (lambda split=split: hub(split)) for split in table}, f"'{data}'"
+    # no ids: a ClassLabel's index is its id (load_detection's default)
+    return {split: (lambda split=split: (*normalise(table[split], data, split), None)) for split in table}, f"'{data}'"
 
 
 def load_detection(data: str, train_split: str = "train", eval_split: str = "", seed: int = 0,
@@ -111,6 +108,7 @@ def load_detection(data: str, train_split: str = "train", eval_split: str = "", 
         names = [str(i) for i in ids]
         if ids != list(range(len(ids))):
             index = {c: i for i, c in enumerate(ids)}
+
             def renumber(row: dict[str, Any]) -> dict[str, Any]:
                 return {"objects": {**row["objects"], "category": [index[c] for c in row["objects"]["category"]]}}
 

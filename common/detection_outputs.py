@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -50,14 +50,29 @@ def report_evaluation(run: Any, metrics: Mapping[str, float], details: Any, data
     return results
 
 
-def save_predictions(run: Any, batches: Iterable[Sequence[dict[str, Any]]], table: Any, classes: Sequence[str],
-                     category_ids: Sequence[int], score_threshold: float, root: str | Path) -> dict[str, float]:
+def prediction_batches(run: Any, path: str, transform: Callable, collate: Callable, batch_size: int,
+                       num_workers: int) -> tuple[Any, Iterator[Any]]:
+    """``--predict``'s input: the images ``path`` names (one file or a folder) as a split without objects
+    (:func:`common.detection_sources.image_table`) and its batches through the recipe's evaluation
+    ``transform`` and ``collate``, on the run's device, with a progress bar."""
+    from common.detection import DetectionDataset
+    from common.detection_sources import image_table
+    from common.images import image_files
+    from common.loaders import eval_loader_for, on_device
+
+    table = image_table(image_files(path))
+    loader = eval_loader_for(DetectionDataset(table, transform), batch_size, num_workers, collate_fn=collate)
+    return table, on_device(run.progress(loader, "predict"), run.accelerator.device)
+
+
+def save_predictions(run: Any, batches: Iterable[Sequence[dict[str, Any]]], table: Any, meta: Mapping[str, Any],
+                     score_threshold: float, root: str | Path) -> dict[str, float]:
     """``--predict``: on the main process, the detections of ``batches`` (the recipe's detection pass
-    over ``table``, :func:`common.detection_sources.image_table`: per image ``image_id``, ``boxes``
-    XYXY in original pixels, ``scores``, ``labels`` as class indices) scoring at least
-    ``score_threshold`` go to ``predictions.json`` (one entry per image: ``file``, ``width``, ``height``,
-    ``detections``: ``class``, ``category_id``, ``score``, ``box`` [x0, y0, x1, y1] in the original
-    image's pixels, most confident first) and are drawn on each image under ``predictions/``, at the
+    over ``table``, :func:`prediction_batches`: per image ``image_id``, ``boxes`` XYXY in original
+    pixels, ``scores``, ``labels`` as class indices of ``meta["classes"]``, the weights' metadata)
+    scoring at least ``score_threshold`` go to ``predictions.json`` (one entry per image: ``file``,
+    ``width``, ``height``, ``detections``: ``class``, ``category_id``, ``score``, ``box`` [x0, y0, x1,
+    y1] in the original image's pixels, most confident first) and are drawn on each image under ``predictions/``, at the
     image's path relative to ``root`` (the ``--predict`` folder) as PNG. Other processes write nothing.
     Returns the number of images and of detections."""
     import torch
@@ -66,6 +81,7 @@ def save_predictions(run: Any, batches: Iterable[Sequence[dict[str, Any]]], tabl
     from common.plots import draw_detections
 
     run.begin()
+    classes, category_ids = meta["classes"], meta["category_ids"]
     totals = {"images": float(len(table)), "detections": 0.0}
     if run.accelerator.is_main_process:
         root = Path(root)
@@ -79,18 +95,17 @@ def save_predictions(run: Any, batches: Iterable[Sequence[dict[str, Any]]], tabl
                 image_id = int(p["image_id"])
                 scores = torch.as_tensor(p["scores"]).detach().float().cpu()
                 keep = (scores >= score_threshold).nonzero().flatten()
-                keep = keep[scores[keep].argsort(descending=True)]
+                keep = keep[scores[keep].argsort(descending=True)]  # most confident first
                 boxes = torch.as_tensor(p["boxes"]).as_subclass(torch.Tensor).detach().float().cpu()[keep]
-                labels = torch.as_tensor(p["labels"]).detach().cpu()[keep]
+                labels, scores = torch.as_tensor(p["labels"]).detach().cpu()[keep], scores[keep]
                 (w, h), file = sizes[image_id], files[image_id]
                 found = [{"class": str(classes[int(c)]), "category_id": int(category_ids[int(c)]),
                           "score": round(float(s), 5), "box": [round(float(v), 2) for v in b]}
-                         for b, s, c in zip(boxes, scores[keep], labels)]
+                         for b, s, c in zip(boxes, scores, labels)]
                 entries.append({"file": str(file), "width": w, "height": h, "detections": found})
-                image = decode_image({"path": str(file)}, str(file))
-                drawn = draw_detections(image, np.zeros((0, 4)), [], boxes.numpy(), labels.numpy(),
-                                        scores[keep].numpy(), classes, score_threshold,
-                                        size=max(512, min(max(w, h), 1600)))
+                image = decode_image({"path": str(file)}, str(file))  # the original, for drawing
+                drawn = draw_detections(image, np.zeros((0, 4)), [], boxes.numpy(), labels.numpy(), scores.numpy(),
+                                        classes, score_threshold, size=max(512, min(max(w, h), 1600)))
                 relative = file.relative_to(root) if root.is_dir() else Path(file.name)
                 out = (folder / relative).with_suffix(".png")
                 out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch

@@ -101,15 +101,21 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
             "category_ids": json.loads(meta.get("category_ids", "null")) or list(range(len(classes)))}
 
 
-def load_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_weights(path: str | Path, model_of: str = "", tensors: Sequence[str] = ()
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors (CPU) and metadata (:func:`read_metadata`) of a weights file, for ``--eval_only`` and
-    ``--predict``; a missing or unreadable file is one :class:`UserError`."""
+    ``--predict``; a missing or unreadable file is one :class:`UserError`. With ``model_of`` (what the
+    recipe trains, for the message), the file must be one: class names, and the ``tensors`` named."""
     import safetensors.torch
 
     if not Path(path).is_file():
         raise UserError(f"weights '{path}' does not exist")
     meta = read_metadata(path)
-    return safetensors.torch.load_file(str(path)), meta
+    state = safetensors.torch.load_file(str(path))
+    if model_of and (not meta["classes"] or any(k not in state for k in tensors)):
+        lacking = "class names" + "".join(f" or '{k}'" for k in tensors)
+        raise UserError(f"weights '{path}' carry no {lacking}: not a {model_of}'s weights file")
+    return state, meta
 
 
 def config_with_weights(cls: type, argv: Sequence[str] | None, fields: Sequence[str]) -> Any:

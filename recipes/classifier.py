@@ -56,8 +56,8 @@ from common.ema import ModelEma
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.images import decode_image, image_files
 from common.loop import Loop, steps_total
-from common.models import (average_bn_statistics, config_with_weights, create_timm_model, load_weights, save_weights,
-                           sync_batchnorm)
+from common.models import (average_bn_statistics, config_with_weights, create_timm_model, load_state, load_weights,
+                           save_weights, sync_batchnorm)
 from common.run import Run
 from common.schedules import schedule, set_group_values
 
@@ -306,15 +306,9 @@ MODEL_FIELDS = ("model", "model_kwargs", "img_size", "crop_pct", "interpolation"
 
 def trained_model(cfg: Config) -> tuple[torch.nn.Module, list[str]]:
     """The model of ``cfg.weights`` and its class names (the file's metadata)."""
-    state, meta = load_weights(cfg.weights)
-    if not meta["classes"]:
-        raise UserError(f"weights '{cfg.weights}' carry no class names: not a classifier.py weights file")
+    state, meta = load_weights(cfg.weights, "classifier")
     model = create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), len(meta["classes"]))
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise UserError(f"weights '{cfg.weights}' do not fit model '{cfg.model}': {str(e).splitlines()[0]}") from None
-    return model, meta["classes"]
+    return load_state(model, state, cfg.weights, meta["recipe"]), meta["classes"]
 
 
 @torch.no_grad()

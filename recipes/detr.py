@@ -75,10 +75,8 @@ from common.console import cli_main
 from common.data import decode_image
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionData, DetectionDataset, collate, load_detection
 from common.detection_figures import per_class_text
-from common.detection_outputs import check_classes, report_evaluation, save_predictions
-from common.detection_sources import image_table
-from common.images import image_files
-from common.loaders import eval_loader_for, on_device, sample_seed, train_loader_for
+from common.detection_outputs import check_classes, prediction_batches, report_evaluation, save_predictions
+from common.loaders import eval_loader_for, sample_seed, train_loader_for
 from common.loop import Loop, steps_total
 from common.meters import Meters, prefixed
 from common.models import (config_with_weights, create_timm_model, freeze_stages, load_state, load_weights,
@@ -737,9 +735,7 @@ MODEL_FIELDS = ("model", "model_kwargs", "out_index", "frozen_bn", "scales", "ma
 def trained_model(cfg: Config, data: DetectionData | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """The DETR of ``cfg.weights`` (eval mode) and the file's metadata (classes, category ids), which
     must be those of ``data`` when given."""
-    state, meta = load_weights(cfg.weights)
-    if not meta["classes"]:
-        raise UserError(f"weights '{cfg.weights}' carry no class names: not a detector's weights file")
+    state, meta = load_weights(cfg.weights, "detector")
     check_classes(cfg.weights, meta, data)
     plain = dataclasses.replace(cfg, pretrained=False, init_backbone="")
     return load_state(create_model(plain, len(meta["classes"])), state, cfg.weights, meta["recipe"]).eval(), meta
@@ -748,12 +744,10 @@ def trained_model(cfg: Config, data: DetectionData | None = None) -> tuple[nn.Mo
 def predict(cfg: Config, run: Run) -> dict[str, float]:
     """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
     model, meta = trained_model(cfg)
-    table = image_table(image_files(cfg.predict))
-    loader = eval_loader_for(DetectionDataset(table, data_transforms(cfg, False)), 2 * cfg.batch_size,
-                             cfg.num_workers, collate_fn=detr_collate)
-    model = model.to(run.accelerator.device)
-    batches = detect(model, on_device(run.progress(loader, "predict"), run.accelerator.device), run.accelerator)
-    return save_predictions(run, batches, table, meta["classes"], meta["category_ids"], cfg.predict_score, cfg.predict)
+    table, batches = prediction_batches(run, cfg.predict, data_transforms(cfg, False), detr_collate,
+                                        2 * cfg.batch_size, cfg.num_workers)
+    found = detect(model.to(run.accelerator.device), batches, run.accelerator)
+    return save_predictions(run, found, table, meta, cfg.predict_score, cfg.predict)
 
 
 # ============================================================================================

@@ -71,10 +71,8 @@ from common.coco_eval import CocoEvaluator, EvalDetails
 from common.console import cli_main
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
 from common.detection_figures import per_class_text
-from common.detection_outputs import check_classes, report_evaluation, save_predictions
-from common.detection_sources import image_table
-from common.images import image_files
-from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, on_device, sample_seed
+from common.detection_outputs import check_classes, prediction_batches, report_evaluation, save_predictions
+from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.models import (config_with_weights, create_timm_model, freeze_stages, load_state, load_weights,
                            save_weights, sync_batchnorm)
@@ -464,9 +462,7 @@ MODEL_FIELDS = ("model", "model_kwargs", "out_indices", "fpn_channels", "extra_p
 def trained_model(cfg: Config, data: Any = None) -> tuple[nn.Module, dict[str, Any]]:
     """The detector of ``cfg.weights`` (eval mode) and the file's metadata (classes, category ids),
     which must be those of ``data`` when given."""
-    state, meta = load_weights(cfg.weights)
-    if not meta["classes"]:
-        raise UserError(f"weights '{cfg.weights}' carry no class names: not a detector's weights file")
+    state, meta = load_weights(cfg.weights, "detector")
     check_classes(cfg.weights, meta, data)
     model = create_model(dataclasses.replace(cfg, pretrained=False, pretrained_backbone=False), len(meta["classes"]))
     return load_state(model, state, cfg.weights, meta["recipe"]).eval(), meta
@@ -475,12 +471,10 @@ def trained_model(cfg: Config, data: Any = None) -> tuple[nn.Module, dict[str, A
 def predict(cfg: Config, run: Run) -> dict[str, float]:
     """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
     model, meta = trained_model(cfg)
-    table = image_table(image_files(cfg.predict))
-    loader = eval_loader_for(DetectionDataset(table, data_transforms(False, 0.0, False)), 2 * cfg.batch_size,
-                             cfg.num_workers, collate_fn=list_collate)
-    model = model.to(run.accelerator.device)
-    batches = detect(model, on_device(run.progress(loader, "predict"), run.accelerator.device), run.accelerator)
-    return save_predictions(run, batches, table, meta["classes"], meta["category_ids"], cfg.predict_score, cfg.predict)
+    table, batches = prediction_batches(run, cfg.predict, data_transforms(False, 0.0, False), list_collate,
+                                        2 * cfg.batch_size, cfg.num_workers)
+    found = detect(model.to(run.accelerator.device), batches, run.accelerator)
+    return save_predictions(run, found, table, meta, cfg.predict_score, cfg.predict)
 
 
 # ============================================================================================

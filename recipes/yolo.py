@@ -62,11 +62,9 @@ from common.coco_eval import CocoEvaluator, EvalDetails
 from common.console import cli_main
 from common.detection import DetectionDataset, collate, load_detection
 from common.detection_figures import per_class_text
-from common.detection_outputs import check_classes, report_evaluation, save_predictions
-from common.detection_sources import image_table
+from common.detection_outputs import check_classes, prediction_batches, report_evaluation, save_predictions
 from common.ema import ModelEma
-from common.images import image_files
-from common.loaders import eval_loader_for, loader_kwargs, on_device, sample_seed
+from common.loaders import eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.models import config_with_weights, create_timm_model, load_state, load_weights, save_weights, sync_batchnorm
 from common.run import Run
@@ -528,9 +526,7 @@ MODEL_FIELDS = ("model", "model_kwargs", "img_size", "augment", "neck_channels",
 def trained_model(cfg: Config, data: Any = None) -> tuple[YOLOv3, dict[str, Any]]:
     """The YOLO of ``cfg.weights`` (eval mode) and the file's metadata (classes, category ids), which
     must be those of ``data`` when given."""
-    state, meta = load_weights(cfg.weights)
-    if not meta["classes"] or "anchors" not in state:
-        raise UserError(f"weights '{cfg.weights}' are not a yolo.py weights file (no class names or no anchors)")
+    state, meta = load_weights(cfg.weights, "YOLO", tensors=["anchors"])
     check_classes(cfg.weights, meta, data)
     anchors = state["anchors"].flip(0).reshape(-1, 2)  # stored large-stride level first; create_model takes small first
     model = create_model(dataclasses.replace(cfg, pretrained=False), len(meta["classes"]), anchors)
@@ -540,12 +536,10 @@ def trained_model(cfg: Config, data: Any = None) -> tuple[YOLOv3, dict[str, Any]
 def predict(cfg: Config, run: Run) -> dict[str, float]:
     """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
     model, meta = trained_model(cfg)
-    table = image_table(image_files(cfg.predict))
     transform = detection_transforms(False, cfg.img_size, preset=cfg.augment)  # as the evaluation saw images
-    loader = eval_loader_for(DetectionDataset(table, transform), 2 * cfg.batch_size, cfg.num_workers, collate_fn=collate)
-    model = model.to(run.accelerator.device)
-    batches = detect(model, on_device(run.progress(loader, "predict"), run.accelerator.device), run.accelerator, cfg)
-    return save_predictions(run, batches, table, meta["classes"], meta["category_ids"], cfg.predict_score, cfg.predict)
+    table, batches = prediction_batches(run, cfg.predict, transform, collate, 2 * cfg.batch_size, cfg.num_workers)
+    found = detect(model.to(run.accelerator.device), batches, run.accelerator, cfg)
+    return save_predictions(run, found, table, meta, cfg.predict_score, cfg.predict)
 
 
 def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[str, float]:
@@ -598,23 +592,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     num_classes = len(data.classes)
-    # the training transforms at an input size: every batch's images are transformed at the size
-    # MultiScaleBatchSampler chose for it (GluonCV's RandomTransformDataLoader)
-    transform_at = functools.partial(detection_transforms, True, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip,
-                                     color_jitter=cfg.color_jitter, preset=cfg.augment)
-    train_set = YoloTrainSet(DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed), cfg.img_size,
-                             cfg.mosaic, cfg.mixup, cfg.epochs - cfg.no_aug_epochs, cfg.seed, transform_at)
     eval_set = DetectionDataset(data.eval, detection_transforms(False, cfg.img_size, preset=cfg.augment), cfg.seed)
-    sampler = MultiScaleBatchSampler(len(train_set), cfg.batch_size, cfg.multiscale or [cfg.img_size],
-                                     cfg.multiscale_every * cfg.grad_accum_steps, cfg.seed, accelerator.num_processes)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=train_collate,
-                                               **loader_kwargs(cfg.num_workers))
     eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
         model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
+    # the training transforms at an input size: every batch's images are transformed at the size
+    # MultiScaleBatchSampler chose for it (GluonCV's RandomTransformDataLoader)
+    transform_at = functools.partial(detection_transforms, True, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip,
+                                     color_jitter=cfg.color_jitter, preset=cfg.augment)
+    train_set = YoloTrainSet(DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed), cfg.img_size,
+                             cfg.mosaic, cfg.mixup, cfg.epochs - cfg.no_aug_epochs, cfg.seed, transform_at)
+    sampler = MultiScaleBatchSampler(len(train_set), cfg.batch_size, cfg.multiscale or [cfg.img_size],
+                                     cfg.multiscale_every * cfg.grad_accum_steps, cfg.seed, accelerator.num_processes)
+    train_loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=train_collate,
+                                               **loader_kwargs(cfg.num_workers))
 
     # ---- model: anchors from the config, or k-means on the training boxes at img_size -----------
     anchors = anchors_for(cfg, data.train)
