@@ -89,6 +89,10 @@ PRESETS = {"fasterrcnn_resnet50_fpn": ResNet50_Weights.IMAGENET1K_V1,
            "fasterrcnn_resnet50_fpn_v2": ResNet50_Weights.IMAGENET1K_V1,
            "fasterrcnn_mobilenet_v3_large_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
            "fasterrcnn_mobilenet_v3_large_320_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1}
+# A preset's backbone stages as torchvision counts them for trainable_backbone_layers (the stem is one): a resnet's
+# stem and layer1-4; a MobileNetV3's first convolution (with the block after it), its four stride-2 stages and its last
+# convolution
+PRESET_STAGES = {name: 6 if "mobilenet" in name else 5 for name in PRESETS}
 # The RPN and RoI sampling budgets of a timm backbone whose fields are left empty / 0: the demo's, sized for at most
 # 6 objects per 96 px scene. A preset left so keeps torchvision's own (FasterRCNN's defaults: 2000 / 1000 proposals
 # per level before NMS and per image after it, [train, eval]; 256 anchors and 512 proposals sampled per image;
@@ -374,7 +378,7 @@ def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
             m = builder(weights="DEFAULT" if cfg.pretrained else None,
                         weights_backbone=PRESETS[cfg.model] if cfg.pretrained_backbone else None,
                         num_classes=91 if cfg.pretrained else num_classes + 1,
-                        trainable_backbone_layers=5 - cfg.freeze_at if cfg.pretrained or cfg.pretrained_backbone else None,
+                        trainable_backbone_layers=PRESET_STAGES[cfg.model] - cfg.freeze_at if cfg.pretrained or cfg.pretrained_backbone else None,
                         min_size=tuple(cfg.min_size), max_size=cfg.max_size, **budgets(cfg, {}), **box_kwargs,
                         **cfg.model_kwargs)
         except TypeError as e:
@@ -496,8 +500,9 @@ def check_config(cfg: Config) -> None:
     if min(cfg.rpn_batch_size_per_image, cfg.box_batch_size_per_image) < 0:
         raise UserError("rpn_batch_size_per_image and box_batch_size_per_image must be positive, or 0 for the "
                         "model's own")
-    if not 0 <= cfg.freeze_at <= 5:
-        raise UserError(f"freeze_at must be 0..5, got {cfg.freeze_at}")
+    stages = PRESET_STAGES.get(cfg.model, 5)
+    if not 0 <= cfg.freeze_at <= stages:
+        raise UserError(f"freeze_at must be 0..{stages} for {cfg.model}, got {cfg.freeze_at}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

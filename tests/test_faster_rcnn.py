@@ -331,3 +331,47 @@ def test_presets_take_the_imagenet_v1_backbone_of_torchvisions_reference(monkeyp
     assert ResNet50_Weights.DEFAULT != ResNet50_Weights.IMAGENET1K_V1  # why "DEFAULT" would not be the reference's
     assert FasterRCNN_ResNet50_FPN_Weights.DEFAULT == FasterRCNN_ResNet50_FPN_Weights.COCO_V1
     assert FasterRCNN_ResNet50_FPN_Weights.COCO_V1.meta["_metrics"]["COCO-val2017"]["box_map"] == 37.0
+
+
+def test_freeze_at_counts_a_presets_stages_as_torchvision_does(monkeypatch):
+    """freeze_at (the stem counted as 1) becomes the preset's trainable_backbone_layers: of 5 stages for a resnet,
+    of 6 for a MobileNetV3 (its first convolution with the block after it, four stride-2 stages, its last
+    convolution), so freeze_at 1 freezes exactly the stem of either and 0 nothing. Checked on torchvision's own extractors with the numbers passed."""
+    import torchvision
+    from torchvision.models.detection.backbone_utils import _mobilenet_extractor, _resnet_fpn_extractor
+
+    calls = []
+
+    class Built(Exception):
+        pass
+
+    def builder(**kwargs):
+        calls.append(kwargs)
+        raise Built
+
+    for name in frcnn.PRESETS:
+        monkeypatch.setattr(torchvision.models.detection, name, builder)
+    trainable = {}
+    for name in ("fasterrcnn_resnet50_fpn", "fasterrcnn_mobilenet_v3_large_fpn"):
+        for freeze_at in (0, 1, 2):
+            cfg = parse_config(frcnn.Config, ["--model", name, "--model_kwargs", "{}", "--pretrained_backbone", "true",
+                                              "--freeze_at", str(freeze_at)])
+            frcnn.check_config(cfg)
+            with pytest.raises(Built):
+                frcnn.create_model(cfg, 10)
+            trainable[name, freeze_at] = calls[-1]["trainable_backbone_layers"]
+
+    def frozen(module):
+        return sorted({n.split(".")[0] for n, p in module.named_parameters() if not p.requires_grad})
+
+    mobile = _mobilenet_extractor(torchvision.models.mobilenet_v3_large(), True, trainable["fasterrcnn_mobilenet_v3_large_fpn", 1])
+    assert frozen(mobile.body) == ["0", "1"]  # the stem: features[0] and the block before the first stride-2 one
+    assert not frozen(_mobilenet_extractor(torchvision.models.mobilenet_v3_large(), True,
+                                           trainable["fasterrcnn_mobilenet_v3_large_fpn", 0]).body)
+    resnet = _resnet_fpn_extractor(torchvision.models.resnet50(), trainable["fasterrcnn_resnet50_fpn", 2])
+    assert frozen(resnet.body) == ["bn1", "conv1", "layer1"]
+    assert not frozen(_resnet_fpn_extractor(torchvision.models.resnet50(), trainable["fasterrcnn_resnet50_fpn", 0]).body)
+    from common import UserError
+
+    with pytest.raises(UserError, match=r"freeze_at must be 0..6 for fasterrcnn_mobilenet_v3_large_fpn, got 7"):
+        frcnn.check_config(parse_config(frcnn.Config, ["--model", "fasterrcnn_mobilenet_v3_large_fpn", "--freeze_at", "7"]))
