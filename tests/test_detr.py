@@ -354,16 +354,28 @@ def test_unknown_key_is_one_clear_line(tmp_path, capsys):
 
 
 @pytest.mark.full
-def test_default_config_reaches_map50_050(tmp_path):
+def test_default_config_reaches_map50_055_and_evaluates_alike_under_bf16(tmp_path):
     """The issue's target on the complete default run (6 epochs of backbone pre-training on the box
-    crops, then 12 of DETR; about 18 minutes on one core, so not in the default suite: ``python -m
-    pytest -m full``): held-out mAP@0.5 of at least 0.5. Measured 0.528 (mAP 0.226), seed 0."""
+    crops, then 12 of DETR; about 9 minutes on 2 cores, so not in the default suite: ``python -m
+    pytest -m full``): held-out mAP@0.5 of at least 0.55 (docs/detr.md lists the seeds measured).
+    Then the trained weights through ``--eval_only``: in fp32 the run's own last numbers, and under
+    bf16 autocast (boxes stay fp32) the same mAP within 0.01."""
     run = tmp_path / "run"
     check(run_recipe("detr", ["--output_dir", str(run), "--report_to", "none"], timeout=3600))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in records if "pretrain/top1" in r][-1]["pretrain/top1"] > 95
     final = [r for r in records if "eval/map_50" in r][-1]
-    assert final["eval/map_50"] >= 0.5, final
+    assert final["eval/map_50"] >= 0.55, final
+    evaluated = {}
+    for precision in ("no", "bf16"):
+        out = tmp_path / precision
+        check(run_recipe("detr", ["--eval_only", "--weights", str(run / "final.safetensors"), "--output_dir", str(out),
+                                  "--mixed_precision", precision, "--report_to", "none"]))
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        evaluated[precision] = [r for r in map(json.loads, lines) if "eval/map_50" in r][-1]
+    for name in ("map", "map_50", "map_75"):
+        assert evaluated["no"][f"eval/{name}"] == pytest.approx(final[f"eval/{name}"], abs=1e-9), name
+        assert abs(evaluated["bf16"][f"eval/{name}"] - evaluated["no"][f"eval/{name}"]) <= 0.01, (name, evaluated)
 
 
 def test_boxes_stay_fp32_under_bf16_autocast():
