@@ -15,6 +15,9 @@ import torch
 from common import UserError
 
 METRICS = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large")  # COCOeval.stats[:6]
+# One more number, the figure Pascal VOC 2007 papers quote (GluonCV, the original YOLO and SSD): AP@0.5 with
+# VOC07's 11-point interpolation, precision at recall 0, 0.1, ..., 1 (each the best at that recall or above).
+VOC07_METRIC = "map_50_11pt"
 # The detection confusion matrix counts predictions at least this confident, matched to ground truth
 # at this IoU: the values Ultralytics' confusion matrix uses, so the pictures read the same.
 CONFUSION_SCORE = 0.25
@@ -156,6 +159,7 @@ class CocoEvaluator:
             evaluation.accumulate()
             evaluation.summarize()
         metrics = {name: float(value) for name, value in zip(METRICS, evaluation.stats[:6])}
+        metrics[VOC07_METRIC] = voc07_ap50(np.asarray(evaluation.eval["precision"]))
         return (metrics, self._details(evaluation, merged)) if details else metrics
 
     def _details(self, evaluation: Any, merged: dict[int, np.ndarray]) -> EvalDetails:
@@ -179,6 +183,21 @@ class CocoEvaluator:
             gt[:, 2:4] += gt[:, :2]  # COCO xywh -> XYXY
             confusion += detection_confusion(_xyxy(rows), rows[:, 4], rows[:, 5], gt[:, :4], gt[:, 4], k, gt[:, 5] > 0)
         return EvalDetails([c["name"] for c in categories], ap, ap50, instances, precision, confusion, scored)
+
+
+def voc07_ap50(precision: np.ndarray) -> float:
+    """VOC07's 11-point AP@0.5 averaged over the classes with ground truth, -1 when none has any, from
+    COCOeval's accumulated ``precision`` [T, R=101, K, A, M] (IoU 0.5, area "all", 100 detections per
+    image). COCOeval's value at recall threshold r is already the best precision at recall r or above
+    (0 where r is never reached), VOC07's interpolation, so the 11 points are every tenth of the 101.
+
+    The matching is COCOeval's: a detection takes the best still unmatched box at IoU >= 0.5, and
+    crowd regions are ignored, which is how VOC-to-COCO converters (MMDetection's) write the boxes VOC
+    marks difficult. The VOC devkit matches each detection to its best box even if already taken, and
+    counts every detection rather than the best 100 per image: the two differ in rare cases."""
+    points = precision[0, ::10, :, 0, -1]  # [11, K]
+    valid = points[0] > -1  # classes with ground truth
+    return float(points[:, valid].mean()) if valid.any() else -1.0
 
 
 def detection_confusion(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, gt_boxes: np.ndarray,

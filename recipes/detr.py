@@ -171,8 +171,8 @@ class Config:
     compile: bool = False  # torch.compile the model through Accelerate (inductor); the matcher stays eager
     # evaluation
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
-    best_metric: Literal["map_50", "map"] = "map_50"  # what best.safetensors follows: mAP@0.5, or COCO's
-        # mAP@[.5:.95] (map; the COCO and VOC configs)
+    best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
+        # COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
     weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
     eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the

@@ -144,8 +144,8 @@ class Config:
     nms_iou: float = 0.45  # NMS drops a box overlapping a higher-scoring one of its class above this IoU
     max_detections: int = 100  # detections kept per image after NMS
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
-    best_metric: Literal["map_50", "map"] = "map_50"  # what best.safetensors follows: mAP@0.5, or COCO's
-        # mAP@[.5:.95] (map; the COCO and VOC configs)
+    best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
+        # COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
     export: bool = True  # torch.export (.pt2) and ONNX of the final model, each checked against eager
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
     weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict

@@ -356,8 +356,8 @@ def _evaluate(ds, batches: list[list[dict]], classes=None) -> dict[str, float]:
 def test_evaluator_equals_pycocotools_whatever_the_batching(val_subset):
     ds, predictions = val_subset.ds, val_subset.predictions
     metrics = _evaluate(ds, [predictions])
-    assert list(metrics) == ["map", "map_50", "map_75", "map_small", "map_medium", "map_large"]
-    assert list(metrics.values()) == _pycocotools(val_subset.gt, predictions)  # all six, exactly
+    assert list(metrics) == ["map", "map_50", "map_75", "map_small", "map_medium", "map_large", "map_50_11pt"]
+    assert list(metrics.values())[:6] == _pycocotools(val_subset.gt, predictions)  # all six, exactly
     assert 0.2 < metrics["map_50"] < 0.95 and metrics["map_large"] == -1  # no large digits in 96 px scenes
     shuffled = [predictions[i] for i in np.random.default_rng(1).permutation(len(predictions))]
     padded = predictions + predictions[:5]  # Accelerate repeats the first samples to fill the last batch
@@ -371,7 +371,8 @@ def test_evaluator_perfect_and_empty_predictions(val_subset):
                 "scores": torch.ones(len(row["objects"]["bbox"])), "labels": torch.tensor(row["objects"]["category"])}
                for row in val_subset.ds]
     metrics = _evaluate(val_subset.ds, [perfect], [str(i) for i in range(10)])
-    assert metrics == {"map": 1.0, "map_50": 1.0, "map_75": 1.0, "map_small": 1.0, "map_medium": 1.0, "map_large": -1.0}
+    assert metrics == {"map": 1.0, "map_50": 1.0, "map_75": 1.0, "map_small": 1.0, "map_medium": 1.0, "map_large": -1.0,
+                       "map_50_11pt": 1.0}
     evaluator = CocoEvaluator(val_subset.ds)
     assert evaluator.evaluate([]) == {**{k: 0.0 for k in metrics}, "map_large": -1.0}  # -1: no large ground truth
     with pytest.raises(ValueError, match="image_id 123456"):
@@ -411,7 +412,73 @@ def test_evaluator_treats_crowd_and_area_as_coco_does(tmp_path):
                     "labels": torch.tensor([0])}]
     # pycocotools on the original json, with its COCO category ids
     direct = [{**p, "labels": torch.tensor([CATEGORY_IDS[int(c)] for c in p["labels"]])} for p in predictions]
-    assert list(_evaluate(data.eval, [predictions], data.classes).values()) == _pycocotools(gt_json, direct)
+    assert list(_evaluate(data.eval, [predictions], data.classes).values())[:6] == _pycocotools(gt_json, direct)
+
+
+def _voc07_devkit(ds, predictions: list[dict], num_classes: int) -> float:
+    """Pascal VOC 2007's AP@0.5 written as its devkit computes it, independently of COCOeval: per class,
+    detections by descending score, each matched to the box it overlaps most (IoU >= 0.5: a hit if that
+    box is not yet taken and not difficult, ignored if difficult, else a false positive), then the mean
+    over recall 0, 0.1, ..., 1 of the best precision at that recall or above. Difficult = crowd here."""
+    aps = []
+    for c in range(num_classes):
+        gt = {row["image_id"]: (_xyxy(row["objects"]["bbox"])[np.array(row["objects"]["category"]) == c],
+                                np.array(row["objects"]["iscrowd"], bool)[np.array(row["objects"]["category"]) == c])
+              for row in ds}
+        positives = sum(int((~hard).sum()) for _, hard in gt.values())
+        if not positives:
+            continue
+        found = sorted(((float(s), p["image_id"], np.asarray(b, np.float64)) for p in predictions
+                        for b, s, l in zip(p["boxes"].tolist(), p["scores"].tolist(), p["labels"].tolist()) if l == c),
+                       key=lambda d: -d[0])
+        taken = {image_id: np.zeros(len(boxes), bool) for image_id, (boxes, _) in gt.items()}
+        tp, fp = [], []
+        for _, image_id, box in found:
+            boxes, hard = gt[image_id]
+            if len(boxes):
+                inter = (np.clip(np.minimum(box[2], boxes[:, 2]) - np.maximum(box[0], boxes[:, 0]), 0, None)
+                         * np.clip(np.minimum(box[3], boxes[:, 3]) - np.maximum(box[1], boxes[:, 1]), 0, None))
+                iou = inter / ((box[2] - box[0]) * (box[3] - box[1]) + (boxes[:, 2] - boxes[:, 0])
+                               * (boxes[:, 3] - boxes[:, 1]) - inter)
+                j = int(iou.argmax())
+                if iou[j] >= 0.5:
+                    if hard[j]:
+                        continue
+                    tp.append(not taken[image_id][j]), fp.append(bool(taken[image_id][j]))
+                    taken[image_id][j] = True
+                    continue
+            tp.append(False), fp.append(True)
+        tp, fp = np.cumsum(tp), np.cumsum(fp)
+        recall, precision = tp / positives, tp / np.maximum(tp + fp, 1e-12)
+        aps.append(np.mean([precision[recall >= t].max() if (recall >= t).any() else 0.0
+                            for t in np.linspace(0, 1, 11)]))
+    return float(np.mean(aps))
+
+
+def test_evaluator_gives_voc07s_11_point_ap50_with_difficult_boxes_ignored(val_subset):
+    """map_50_11pt: by hand on one image with a difficult box (a crowd region, as MMDetection's VOC
+    converter writes it), and equal to the VOC devkit's computation on real predictions."""
+    boxes = [[0, 0, 10, 10], [20, 0, 10, 10], [40, 0, 10, 10], [60, 0, 10, 10], [0, 40, 30, 30]]
+    ds = detection_table([Image.new("RGB", (100, 100))], [boxes], crowd=[[0, 0, 0, 0, 1]])
+    hit = [[x, y, x + w, y + h] for x, y, w, h in boxes]
+    # scores 0.9 .. 0.4: a hit, a miss, the difficult box (ignored), a hit, a second detection of a taken
+    # box (false), a hit; the fourth box is never found. Recall 1/4, 1/4, 2/4, 2/4, 3/4 at precision
+    # 1, 1/2, 2/3, 2/4, 3/5: the best precision at recall >= 0, .1, .2 is 1, at .3 .. .5 2/3, at .6 .. .7
+    # 3/5, at .8 .. 1 nothing (0)
+    found = [hit[0], [80, 80, 90, 90], [1, 41, 29, 69], hit[1], [0.5, 0, 10, 10], hit[2]]
+    prediction = {"image_id": 1, "boxes": torch.tensor(found, dtype=torch.float32),
+                  "scores": torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4]), "labels": torch.zeros(6, dtype=torch.int64)}
+    metrics = _evaluate(ds, [[prediction]])
+    expected = (3 * 1 + 3 * 2 / 3 + 2 * 3 / 5 + 3 * 0) / 11
+    assert metrics["map_50_11pt"] == pytest.approx(expected, abs=1e-12)
+    assert _voc07_devkit(ds, [prediction], 1) == pytest.approx(expected, abs=1e-12)
+    assert metrics["map_50"] != pytest.approx(expected, abs=1e-3)  # COCO's 101 points give another number
+    real = _evaluate(val_subset.ds, [val_subset.predictions])["map_50_11pt"]
+    # COCOeval matches a detection to the best box not yet taken, the devkit to the best box: rare cases differ
+    assert real == pytest.approx(_voc07_devkit(val_subset.ds, val_subset.predictions, 10), abs=2e-3)
+    assert real != pytest.approx(_evaluate(val_subset.ds, [val_subset.predictions])["map_50"], abs=1e-3)
+    assert _evaluate(ds, [])["map_50_11pt"] == 0.0
+    assert _evaluate(detection_table([Image.new("RGB", (100, 100))], [[]]), [])["map_50_11pt"] == -1.0
 
 
 _TWO_PROCESS_SCRIPT = """

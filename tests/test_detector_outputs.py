@@ -177,7 +177,7 @@ def test_eval_only_refuses_weights_of_other_classes_and_predict_needs_weights(fr
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, args", [
     ("yolo", ["--export", "false", "--num_workers", "0", "--conf_threshold", "0"]),  # 4 steps: scores are low
-    ("detr", ["--pretrain_crops_epochs", "0", "--num_workers", "0"]),
+    ("detr", ["--pretrain_crops_epochs", "0", "--num_workers", "0", "--best_metric", "map_50_11pt"]),
 ])
 def test_eval_only_and_predict_in_every_detector(recipe, args, tmp_path):
     """A few training steps, then --eval_only (the same metrics as the run's last evaluation, the ids in
@@ -186,6 +186,9 @@ def test_eval_only_and_predict_in_every_detector(recipe, args, tmp_path):
     common = ["--data", str(data), "--report_to", "none", "--plot_images", "1", *args]
     check(run_recipe(recipe, [*common, "--output_dir", str(tmp_path / "run"), "--epochs", "1", "--max_steps", "4"]))
     assert read_metadata(tmp_path / "run" / "final.safetensors")["category_ids"] == list(IDS.values())
+    if "--best_metric" in args:  # best.safetensors follows VOC07's 11-point mAP@0.5, logged beside COCO's
+        last = _last_eval(tmp_path / "run")
+        assert last["best/map_50_11pt"] == last["eval/map_50_11pt"] and (tmp_path / "run" / "best.safetensors").exists()
     weights = ["--weights", str(tmp_path / "run" / "final.safetensors")]
     check(run_recipe(recipe, [*common, *weights, "--eval_only", "--output_dir", str(tmp_path / "eval")]))
     reported, again = _last_eval(tmp_path / "run"), _last_eval(tmp_path / "eval")
