@@ -161,6 +161,30 @@ def test_predict_writes_detections_in_original_pixels_and_the_users_ids(frcnn_ru
     assert any(len(e["detections"]) for e in entries.values())
 
 
+@pytest.mark.slow
+def test_predict_with_two_processes_writes_what_one_does(frcnn_run, tmp_path):
+    """Two gloo processes each detect their share of 5 images (Accelerate repeats one to even the
+    rounds); the main process writes every image once, as one process does."""
+    data, run = frcnn_run
+    images = tmp_path / "images"
+    images.mkdir()
+    for row in json.loads((data / "annotations" / "instances_val.json").read_text())["images"][:5]:
+        shutil.copy(data / "val" / row["file_name"], images / row["file_name"])
+    written = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"predict{nproc}"
+        check(run_recipe("faster_rcnn", ["--predict", str(images), "--weights", str(run / "final.safetensors"),
+                                         "--output_dir", str(out), "--batch_size", "1", *FRCNN], nproc=nproc, timeout=300))
+        written[nproc] = json.loads((out / "predictions.json").read_text())
+        assert len(list((out / "predictions").glob("*.png"))) == 5
+    assert [e["file"] for e in written[2]] == [e["file"] for e in written[1]] and len(written[1]) == 5
+    assert sum(len(e["detections"]) for e in written[1]) > 0
+    for one, two in zip(written[1], written[2]):
+        assert [d["category_id"] for d in two["detections"]] == [d["category_id"] for d in one["detections"]]
+        for a, b in zip(one["detections"], two["detections"]):
+            assert b["score"] == pytest.approx(a["score"], abs=1e-4) and b["box"] == pytest.approx(a["box"], abs=0.01)
+
+
 def test_eval_only_refuses_weights_of_other_classes_and_predict_needs_weights(frcnn_run, capsys):
     _, run = frcnn_run
     frcnn = load_recipe("faster_rcnn")
