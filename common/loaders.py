@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -126,12 +126,3 @@ def eval_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, num_work
     """A sequential evaluation DataLoader; Accelerate pads the last round, ``gather_for_metrics`` un-pads."""
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False,
                                        collate_fn=collate_fn, **loader_kwargs(num_workers))
-
-
-def on_device(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
-    """The batches of a loader that Accelerate did not prepare, each moved to ``device`` (tensors in
-    nested lists, tuples and dicts; other values as they are)."""
-    from accelerate.utils import send_to_device
-
-    for batch in batches:
-        yield send_to_device(batch, device, non_blocking=True)
