@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: common/, recipes/
+sys.path.append(str(Path(__file__).resolve().parents[1] / "recipes"))  # the helpers a recipe imports from beside it
 for _key, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("WANDB_MODE", "offline")):
     os.environ.setdefault(_key, _value)
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,9 +1,10 @@
 """YOLO: recipes/yolo.py against a bare PyTorch loop, side by side.
 
 bare    the loop the usual YOLO training scripts write, on the recipe's model (``create_model`` with the
-        same anchors and initial weights), data (``YoloTrainSet``, ``train_collate``), loss (``yolo_loss``,
-        terms summed), parameter groups and lr schedule: ``AdamW`` (or SGD), the lr written every step,
-        ``clip_grad_norm_``, the same ``ModelEma``, fp32, and ``loss.item()`` every step.
+        same anchors and initial weights), data (``YoloTrainSet``, ``train_collate``), loss (``yolo_loss``
+        of recipes/yolo_model.py, terms summed), parameter groups and lr schedule: ``AdamW`` (or SGD),
+        the lr written every step, ``clip_grad_norm_``, the same ``ModelEma``, fp32, and ``loss.item()``
+        every step.
 recipe  its ``main()``: Accelerate, the config's precision and multi-scale (the bare side trains at
         ``img_size`` only: compare without it), on-device meters and guard (no per-step sync); no export.
 In fp32 the last-interval losses agree closely. Timing and report: benchmarks/timing.py.
@@ -29,6 +30,7 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from common.loaders import train_loader_for
     from common.detection import DetectionDataset, load_detection
     from common.ema import ModelEma
+    from yolo_model import yolo_loss  # beside the recipe (timing puts recipes/ on sys.path)
 
     device = torch.device(args.device)
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
@@ -52,8 +54,8 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
         targets = {k: batch[1][k].to(device, non_blocking=True) for k in ("boxes", "labels", "weights")}
         for group in optimizer.param_groups:
             group["lr"] = float(lr[step])
-        losses = recipe.yolo_loss(model, model(images), targets, cfg.img_size, cfg.img_size, cfg.ignore_iou,
-                                  cfg.label_smoothing)
+        losses = yolo_loss(model, model(images), targets, cfg.img_size, cfg.img_size, cfg.ignore_iou,
+                           cfg.label_smoothing)
         loss = sum(losses.values())
         optimizer.zero_grad()
         loss.backward()

@@ -1,7 +1,21 @@
 """Shared plumbing for the recipes in ``recipes/``.
 
-Only what two or more recipes use lives here: configuration, schedules, meters, EMA, run
-plumbing (Accelerator, run folder, trackers, checkpoints, signals, non-finite guard) and data.
+What lives here: plumbing, data, evaluation and pictures that a recipe can use without owning a method.
+
+- plumbing: configuration, schedules, meters, EMA, the run (Accelerator, run folder, trackers,
+  checkpoints and resume, signals, the non-finite guard), the training loop's bookkeeping, timm
+  models and weights files;
+- data: classification and detection datasets, loaders, the built-in sets;
+- evaluation: COCO mAP, and the kNN evaluation of a backbone's features (DINO's, or any backbone's);
+- pictures: training curves, confusion matrices and tables; detections and precision-recall curves;
+  attention maps and nearest neighbours (DINO's, or any backbone's).
+
+What does not: a method's own parts (its heads, losses, matchers, its augmentations) live in its
+recipe or in a sibling file beside it (``recipes/detr_model.py``, ``recipes/yolo_data.py``), so that
+reading a recipe and its siblings shows the whole method and ``common/`` holds no method's choices.
+
+The modules are layered, leaves first, and nothing imports upward (``tests/test_layout.py``); their
+map is ``docs/layout.md``.
 """
 
 

@@ -1,6 +1,9 @@
 """Configuration: dataclass defaults <- ``--config file.yaml`` <- ``--field value`` flags.
 
-Every recipe declares a ``Config`` dataclass whose defaults are its built-in demo.
+Every recipe declares a ``Config`` dataclass whose defaults are its built-in demo. It extends
+:class:`RunConfig`, the fields every recipe has with one meaning (the run folder, seeds, logging,
+checkpoints, tracker, the optimisation budget), re-declaring one only to give its own default and
+description; ``common/`` reads a config only through RunConfig's fields.
 :func:`parse_config` layers a YAML file and command-line flags on top; every field is a flag of
 the same name. An unknown key (in the file or on the command line) is an error naming the
 closest valid key, and a value of the wrong type is an error naming the field. Both raise
@@ -23,11 +26,12 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Literal, Sequence, TypeVar
 
 import yaml
 
 from common import UserError
+from common.config_help import ordered_fields
 from common.config_help import show as _show
 
 C = TypeVar("C")
@@ -38,6 +42,48 @@ _FALSE = {"false", "no", "off", "0"}
 
 class ConfigError(UserError):
     """An unknown key, a wrong type, a value outside a field's choices or an unreadable config file."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """The fields every recipe's ``Config`` has (``class Config(RunConfig)``), as DETR's ``main.py`` takes
+    its shared arguments from a parent parser. A recipe re-declares a field to give its own default and
+    description; one it re-declares without a comment keeps the description written here."""
+
+    config: str = ""  # the YAML file this run was read from (set by --config)
+    # data, budget and precision
+    data: str = ""  # the dataset: a built-in name, a local folder or a hub dataset name
+    train_split: str = "train"  # the split to train on
+    eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
+    num_workers: int = 2  # DataLoader worker processes per training process (0: load in the main process)
+    epochs: int = 1  # training epochs
+    max_steps: int = 0  # >0: stop after this many optimizer steps
+    batch_size: int = 16  # images per process and micro-step: global batch = this x processes x grad_accum_steps
+    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
+    lr: float = 1e-3  # peak learning rate
+    warmup_epochs: float = 0.0  # linear learning-rate warmup, epochs (fractions allowed)
+    weight_decay: float = 0.0  # weight decay; biases and norms get none
+    clip_grad: float = 0.0  # clip the global gradient norm to this (0: off)
+    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
+    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
+    #   full fp32 precision and a fixed convolution algorithm)
+    compile: bool = False  # torch.compile through Accelerate (inductor); the first steps are slow while it compiles
+    # run
+    output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
+    seed: int = 0  # seeds data order, augmentation and initialisation
+    log_every: int = 20  # log training metrics every this many optimizer steps
+    eval_every: int = 1  # evaluate every this many epochs; also at the end
+    checkpoint_every: int = 500  # save a checkpoint every this many optimizer steps; also at the end
+    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
+    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
+    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
+    #   metrics.jsonl is written in every case
+    project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
+    run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
+    log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
+    # saved weights (the model fields default to the file's saved config)
+    weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
+    eval_only: bool = False  # evaluate --weights on the evaluation split, no training
 
 
 def _closest(key: str, valid: Sequence[str]) -> str:
@@ -220,9 +266,10 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, base: dict[str
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain YAML-serialisable values (tuples become lists)."""
+    """The config as plain YAML-serialisable values (tuples become lists), the recipe's own fields first."""
     out = dataclasses.asdict(cfg)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+    return {f.name: list(out[f.name]) if isinstance(out[f.name], tuple) else out[f.name]
+            for f in ordered_fields(type(cfg))}
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

@@ -3,10 +3,13 @@ Config source, so the comments are the one place the text lives (:func:`field_do
 
     # data                                          <- a comment line above a documented field: a group heading
     img_size: int = 32  # resolution, pixels        <- the trailing comment: the field's description
-    hflip: float = 0.0  # 0.5 for natural images;   <- a long one goes on under the field,
-        # digits must not be mirrored               <- as comment lines indented deeper than the field
+    hflip: float = 0.0  # 0.5 for natural images;   <- a long one goes on under the field, in comment
+    #   digits must not be mirrored                 <- lines indented inside the comment ("#   ")
     # the comment lines right above a field with no trailing comment: its description
     label_column: str = ""
+
+Continuation lines are indented inside the comment, not before it, so that the formatter (ruff
+format, which puts every comment line at its block's indentation) leaves them as they are.
 """
 
 from __future__ import annotations
@@ -48,14 +51,16 @@ class FieldDoc:
     heading: str  # the group this field starts (a comment line above a documented field), else ""
 
 
-def _class_docs(cls: type) -> dict[str, FieldDoc]:
-    """Field name -> FieldDoc for the fields written in ``cls``'s own source (not its bases')."""
+def _class_docs(cls: type) -> dict[str, tuple[str, str]]:
+    """Field name -> (trailing comment, comment lines right above) for the fields written in ``cls``'s
+    own source (not its bases'), each with its continuation lines joined."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     except (OSError, TypeError, tokenize.TokenError, IndentationError):
         return {}  # no source (an interactive session, a frozen program): help without descriptions
     comments: dict[int, tuple[int, str]] = {}  # row -> (column, text) of every comment
+    continued: set[int] = set()  # rows of comments indented inside the comment: "#   goes on"
     code_rows: set[int] = set()  # rows holding anything but a comment
     fields: list[tuple[str, int, int]] = []  # (name, first row, last row) of each annotated assignment
     depth, body_col = 0, -1  # nesting (the class body is 1) and the class body's indentation
@@ -64,6 +69,8 @@ def _class_docs(cls: type) -> dict[str, FieldDoc]:
     for i, tok in enumerate(tokens):
         if tok.type == tokenize.COMMENT:
             comments[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip())
+            if tok.string.startswith("#  "):
+                continued.add(tok.start[0])
         elif tok.type in (tokenize.INDENT, tokenize.DEDENT):
             depth += 1 if tok.type == tokenize.INDENT else -1
         elif tok.type == tokenize.NEWLINE:
@@ -81,34 +88,46 @@ def _class_docs(cls: type) -> dict[str, FieldDoc]:
     def comment_only(row: int) -> bool:
         return row in comments and row not in code_rows
 
-    docs: dict[str, FieldDoc] = {}
+    docs: dict[str, tuple[str, str]] = {}
     for name, first, last in fields:
         trailing = [comments[r][1] for r in range(first, last + 1) if r in comments]
-        row = last + 1  # continuation: comment lines right below, indented deeper than the field
-        while comment_only(row) and comments[row][0] > body_col:
+        row = last + 1  # continuation: comment lines right below, indented inside the comment or deeper
+        while comment_only(row) and (row in continued or comments[row][0] > body_col):
             trailing.append(comments[row][1])
             row += 1
         above: list[str] = []  # comment lines right above, at the field's indentation
         row = first - 1
-        while comment_only(row) and comments[row][0] <= body_col:
+        while comment_only(row) and comments[row][0] <= body_col and row not in continued:
             above.insert(0, comments[row][1])
             row -= 1
-        text = " ".join(t for t in trailing if t)
-        if text:
-            docs[name] = FieldDoc(text, " ".join(a for a in above if a))
-        else:
-            docs[name] = FieldDoc(" ".join(a for a in above if a), "")
+        docs[name] = (" ".join(t for t in trailing if t), " ".join(a for a in above if a))
     return docs
+
+
+def ordered_fields(cls: type) -> list[dataclasses.Field]:
+    """The dataclass fields of ``cls`` as a reader meets them: those written in ``cls`` itself in its
+    order (re-declared ones included), then the inherited rest (e.g. common.config.RunConfig's) in theirs."""
+    own = list(inspect.get_annotations(cls))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    return [fields[n] for n in own if n in fields] + [f for f in fields.values() if f.name not in own]
 
 
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, FieldDoc]:
     """Field name -> FieldDoc (description and group heading), from the comments in the source of
-    ``cls`` and of the dataclasses it derives from; a field without a comment has an empty description."""
+    ``cls`` and of the dataclasses it derives from (a re-declaration without a comment keeps the base's
+    description); a field described nowhere has an empty description."""
     docs: dict[str, FieldDoc] = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):
-            docs.update(_class_docs(klass))
+            for name, (trailing, above) in _class_docs(klass).items():
+                inherited = docs[name].description if name in docs else ""
+                if trailing:
+                    docs[name] = FieldDoc(trailing, above)
+                elif inherited:  # re-declared without a comment: the lines above can only be a heading
+                    docs[name] = FieldDoc(inherited, above)
+                else:
+                    docs[name] = FieldDoc(above, "")
     return {f.name: docs.get(f.name, FieldDoc("", "")) for f in dataclasses.fields(cls)}
 
 
@@ -152,8 +171,13 @@ def usage(cls: type) -> str:
     lines += [f"usage: {script} [--config FILE.yaml] [--FIELD VALUE ...]", "",
               "Every field is a flag and a key of the YAML file; flags win over the file. Lists: --scale 0.5,1.0",
               "or --scale '[0.5, 1.0]'; mappings: --model_kwargs '{depth: 4}'; a bool flag alone means true.", ""]
-    for f in dataclasses.fields(cls):
+    own = set(inspect.get_annotations(cls))
+    for f in ordered_fields(cls):
         doc = docs[f.name]
+        if f.name not in own and own:  # the first inherited field: the shared ones follow
+            own = set()
+            lines += [""] if lines[-1] else []
+            lines.append("every recipe's fields (common.config.RunConfig):")
         if doc.heading:
             lines += [""] if lines[-1] else []
             lines.append(textwrap.fill(doc.heading if ":" in doc.heading else f"{doc.heading}:", HELP_WIDTH))

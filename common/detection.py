@@ -1,4 +1,5 @@
-"""Object detection data for the three detection recipes: loading, the dataset, collate.
+"""Object detection data for the three detection recipes: loading, the dataset, collate, and
+``--predict``'s images.
 
 Every source (the built-in ``digits_det``, a local COCO-json folder, or a dataset with an ``objects``
 column: hub name, ``save_to_disk`` folder or local copy of a hub repository, as ``cppe-5``) becomes a
@@ -8,7 +9,8 @@ size, and COCO ``[x, y, w, h]`` boxes in original pixels with class indices, are
 Inside a recipe, :class:`DetectionDataset` yields ``(image, target)`` with boxes as
 ``tv_tensors.BoundingBoxes`` (XYXY, pixels of the transformed image) and :func:`collate` pads a
 batch. Evaluation (:mod:`common.coco_eval`) takes predictions back in original pixels
-(:func:`common.boxes.rescale_boxes`).
+(:func:`common.boxes.rescale_boxes`). :func:`prediction_batches` serves ``--predict`` the same way:
+new images as a split without objects, through the recipe's evaluation transform and collate.
 
 Reproducibility is that of :mod:`common.data`: each sample's augmentation is seeded from
 ``(seed, epoch, index)``, so resumed runs and any number of workers or processes see the same crops.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torchvision import tv_tensors
@@ -26,9 +28,10 @@ from torchvision.transforms.v2 import functional as F
 
 from common import UserError
 from common.builtin import DETECTION
-from common.data import EVAL_SPLITS, decode_image, load_saved_or_hub
-from common.loaders import sample_seed, seeded
-from common.detection_sources import coco_splits, load_coco_split, normalise
+from common.data import EVAL_SPLITS, load_saved_or_hub
+from common.detection_sources import coco_splits, image_table, load_coco_split, normalise
+from common.images import decode_image, image_files
+from common.loaders import eval_loader_for, sample_seed, seeded
 
 # Per-channel RGB mean and std (0..1) that ImageNet-pretrained backbones expect; the detection
 # recipes normalise with them, and plots undo it.
@@ -175,3 +178,15 @@ def collate(batch: Sequence[tuple[torch.Tensor, dict[str, Any]]]
         vh, vw = target.get("size", (h, w))
         mask[i, : min(vh, h), : min(vw, w)] = False
     return out, mask, list(targets)
+
+
+def prediction_batches(run: Any, path: str, transform: Callable, collate: Callable, batch_size: int,
+                       num_workers: int) -> tuple[Any, Iterator[Any]]:
+    """``--predict``'s input: the images ``path`` names (one file or a folder) as a split without objects
+    (:func:`common.detection_sources.image_table`) and its batches through the recipe's evaluation
+    ``transform`` and ``collate``, on the run's device (``run``: :class:`common.run.Run`), with a progress
+    bar. Prepared by Accelerate: each process gets its share of the images (the last round padded with
+    repeats), so every process must pass its batches to :func:`common.detection_outputs.save_predictions`."""
+    table = image_table(image_files(path))
+    loader = eval_loader_for(DetectionDataset(table, transform), batch_size, num_workers, collate_fn=collate)
+    return table, run.progress(run.accelerator.prepare(loader), "predict")

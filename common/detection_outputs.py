@@ -1,6 +1,7 @@
 """What the detection recipes write about their detections, the same for all three: the report of one
-evaluation (metrics, pictures, ``predictions.json`` in the COCO results format) and, for
-``--predict``, the detections on new images (``predictions.json`` and the images with their boxes).
+evaluation (metrics; its pictures, drawn by :mod:`common.detection_figures`; the per-class AP table;
+``predictions.json`` in the COCO results format) and, for ``--predict``, the detections on new images
+(``predictions.json`` and the images with their boxes).
 
 Both use the dataset's own category ids (:attr:`common.detection.DetectionData.category_ids`, kept in
 the weights' metadata), so the files can be scored or used with the user's own tools.
@@ -10,9 +11,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+from PIL import Image
+
+from common import UserError
+from common.detection_figures import draw_detections, plot_pr_curves, save_detections
+from common.figures import format_table, plot_confusion_matrix, save_table_csv
+from common.images import decode_image
 
 PREDICTIONS = "predictions.json"  # in the run folder: evaluation (COCO results) and --predict (per image)
 
@@ -30,11 +37,9 @@ def report_evaluation(run: Any, metrics: Mapping[str, float], details: Any, data
                       final: bool = False) -> dict[str, float]:
     """Everything one evaluation pass leaves behind: ``eval/<metric>`` (and ``best``) logged at ``step``;
     on the main process ``predictions.json`` (:meth:`common.coco_eval.EvalDetails.coco_results` in
-    ``data.category_ids``) and the pictures (:func:`common.detection_figures.save_evaluation_figures`),
+    ``data.category_ids``) and the pictures (:func:`save_evaluation_figures`),
     sent to the trackers. ``final`` (``--eval_only``): then the per-class AP table and the end of the
     run. Call on every process. Returns the logged metrics (without ``epoch``)."""
-    from common.detection_figures import per_class_text, save_evaluation_figures
-
     results = {f"eval/{k}": v for k, v in metrics.items()} | dict(best or {})
     run.log(results if epoch is None else {**results, "epoch": epoch}, step)
     pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
@@ -50,21 +55,55 @@ def report_evaluation(run: Any, metrics: Mapping[str, float], details: Any, data
     return results
 
 
-def prediction_batches(run: Any, path: str, transform: Callable, collate: Callable, batch_size: int,
-                       num_workers: int) -> tuple[Any, Iterator[Any]]:
-    """``--predict``'s input: the images ``path`` names (one file or a folder) as a split without objects
-    (:func:`common.detection_sources.image_table`) and its batches through the recipe's evaluation
-    ``transform`` and ``collate``, on the run's device, with a progress bar. Prepared by Accelerate: each
-    process gets its share of the images (the last round padded with repeats), so every process must
-    pass its batches to :func:`save_predictions`."""
-    from common.detection import DetectionDataset
-    from common.detection_sources import image_table
-    from common.images import image_files
-    from common.loaders import eval_loader_for
+def save_evaluation_figures(details: Any, folder: Path, eval_split: Any = None, plot_images: int = 0,
+                            score_threshold: float = 0.3, wandb_run: Any = None, step: int = 0) -> dict[str, Image.Image]:
+    """Every picture of one detection evaluation under ``folder``, replacing the previous evaluation's
+    (the trackers keep the history): ``pr_curves.png``, ``confusion_matrix.png`` (with the background
+    row and column), ``per_class_ap.csv`` and, with ``eval_split`` (the normalised dataset that was
+    evaluated) and ``plot_images`` > 0, ``detections.png``: its first ``plot_images`` images with ground
+    truth and the predictions of this same pass (no second forward pass). ``details``:
+    :class:`common.coco_eval.EvalDetails`. With ``wandb_run``, those images also go to W&B at ``step``
+    with their boxes as interactive overlays. Returns the pictures by name for ``Run.log_plots``."""
+    from common.coco_eval import CONFUSION_IOU, CONFUSION_SCORE
 
-    table = image_table(image_files(path))
-    loader = eval_loader_for(DetectionDataset(table, transform), batch_size, num_workers, collate_fn=collate)
-    return table, run.progress(run.accelerator.prepare(loader), "predict")
+    folder = Path(folder)
+    pictures = {
+        "pr_curves": plot_pr_curves(details.precision, details.classes, details.ap50, folder / "pr_curves.png"),
+        "confusion_matrix": plot_confusion_matrix(
+            details.confusion, [*details.classes, "background"], folder / "confusion_matrix.png",
+            f"detections (score \u2265 {CONFUSION_SCORE}, IoU \u2265 {CONFUSION_IOU}) against ground truth"),
+    }
+    save_table_csv(details.table(), folder / "per_class_ap.csv")
+    if eval_split is not None and plot_images > 0:
+        samples = evaluation_samples(eval_split, details.predictions, plot_images)
+        pictures["detections"] = save_detections(*samples, details.classes, folder / "detections.png",
+                                                 score_threshold, wandb_run=wandb_run, step=step)
+    return pictures
+
+
+def evaluation_samples(ds: Any, predictions: dict[int, dict[str, Any]], count: int
+                       ) -> tuple[list[Image.Image], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The first ``count`` images of a normalised detection split ``ds``
+    (:mod:`common.detection_sources`), their ground truth (XYXY, crowd regions left out, ``image_id``)
+    and their ``predictions`` (:attr:`common.coco_eval.EvalDetails.predictions`; none where an image
+    has no entry): what :func:`common.detection_figures.save_detections` takes, with no second forward
+    pass."""
+    images, targets, found = [], [], []
+    for row in ds.select(range(min(count, len(ds)))):
+        objects = row["objects"]
+        keep = [i for i, crowd in enumerate(objects["iscrowd"]) if not crowd]
+        xywh = np.array([objects["bbox"][i] for i in keep], np.float64).reshape(-1, 4)
+        images.append(decode_image(row["image"], f"image_id {row['image_id']}"))
+        targets.append({"boxes": np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], 1), "image_id": row["image_id"],
+                        "labels": np.array([objects["category"][i] for i in keep], np.int64)})
+        found.append(predictions.get(int(row["image_id"]), {"boxes": np.zeros((0, 4)), "labels": [], "scores": []}))
+    return images, targets, found
+
+
+def per_class_text(details: Any) -> str:
+    """The per-class AP table (class, instances, AP@.5, AP@[.5:.95]) as fixed-width text, for the end
+    of a run."""
+    return "AP per class (last evaluation):\n" + format_table(details.table(), ["class", "instances", "ap50", "ap"])
 
 
 def _kept(prediction: dict[str, Any], score_threshold: float) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
@@ -83,7 +122,7 @@ def _kept(prediction: dict[str, Any], score_threshold: float) -> tuple[int, np.n
 def save_predictions(run: Any, batches: Iterable[Sequence[dict[str, Any]]], table: Any, meta: Mapping[str, Any],
                      score_threshold: float, root: str | Path) -> dict[str, float]:
     """``--predict``: the detections of ``batches`` (the recipe's detection pass over ``table``,
-    :func:`prediction_batches`: per image ``image_id``, ``boxes`` XYXY in original pixels, ``scores``,
+    :func:`common.detection.prediction_batches`: per image ``image_id``, ``boxes`` XYXY in original pixels, ``scores``,
     ``labels`` as class indices of ``meta["classes"]``, the weights' metadata) scoring at least
     ``score_threshold`` go to ``predictions.json`` (one entry per image: ``file``, ``width``, ``height``,
     ``detections``: ``class``, ``category_id``, ``score``, ``box`` [x0, y0, x1, y1] in the original
@@ -92,9 +131,6 @@ def save_predictions(run: Any, batches: Iterable[Sequence[dict[str, Any]]], tabl
     each batch's detections are gathered to the main process, which writes them (an image repeated by
     the padding once). Returns the number of images and of detections."""
     from accelerate.utils import gather_object
-
-    from common.images import decode_image
-    from common.plots import draw_detections
 
     run.begin()
     accelerator = run.accelerator
@@ -138,13 +174,11 @@ def save_predictions(run: Any, batches: Iterable[Sequence[dict[str, Any]]], tabl
 
 
 def check_classes(weights: str, meta: Mapping[str, Any], data: Any) -> None:
-    """``--eval_only``: the weights' classes and category ids (``meta``, :func:`common.models.read_metadata`)
+    """``--eval_only``: the weights' classes and category ids (``meta``, :func:`common.weights.read_metadata`)
     must be those of ``data`` (:class:`common.detection.DetectionData`; None: nothing to check);
     otherwise one :class:`common.UserError`."""
     if data is None:
         return
-    from common import UserError
-
     if list(meta["classes"]) != list(data.classes) or list(meta["category_ids"]) != list(data.category_ids):
         pairs = lambda names, ids: ", ".join(f"{i}:{n}" for i, n in list(zip(ids, names))[:5])
         raise UserError(f"weights '{weights}' were trained on classes {pairs(meta['classes'], meta['category_ids'])}... "

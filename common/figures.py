@@ -1,5 +1,6 @@
 """Figures every recipe can draw after an evaluation: training curves from ``metrics.jsonl``, a
-confusion matrix, and small result tables (CSV and fixed-width text).
+confusion matrix, and small result tables (CSV and fixed-width text). Pictures of detections are in
+:mod:`common.detection_figures`, a backbone's attention and neighbours in :mod:`common.feature_figures`.
 
 Pure functions of host values; each figure is written as a PNG and returned as a PIL image (for the
 trackers). matplotlib is imported inside the functions, so that a run that does not plot never pays

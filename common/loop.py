@@ -25,7 +25,6 @@ batches, augmentations and random numbers the uninterrupted run would have used.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from pathlib import Path
@@ -34,21 +33,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from accelerate.utils import set_seed
 
 from common.meters import Meters, format_seconds, prefixed
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Where the loop is; saved next to each checkpoint as ``train_state.json``.
-
-    ``step`` counts optimizer steps; ``batches_in_epoch`` counts the (micro-)batches of ``epoch``
-    already consumed, so a resumed run skips exactly those. ``extra`` holds JSON values that must
-    survive a restart (``best/<metric>``, recipe values such as DINO's step-0 baselines).
-    """
-
-    step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+from common.run import Run, TrainState
 
 
 def steps_total(epochs: int, steps_per_epoch: Any, max_steps: int = 0) -> int:
@@ -69,7 +54,7 @@ class Loop:
     from read with ``run.resume()``.
     """
 
-    def __init__(self, run: Any, train_loader: Any, total_steps: int, eval_images: int | None = None,
+    def __init__(self, run: Run, train_loader: Any, total_steps: int, eval_images: int | None = None,
                  classes: Sequence[str] | None = None) -> None:
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
         self.train_loader, self.total_steps = train_loader, total_steps

@@ -4,7 +4,8 @@ A recipe makes one :class:`Run` from its config first thing in ``main()``: it ch
 (:mod:`common.run_folder`: refusing a resume whose config changed), builds the ``Accelerator``
 (mixed precision, gradient accumulation, trackers, the inductor backend with ``compile``) and seeds
 every generator with ``cfg.seed``. Nothing is written before :meth:`Run.begin`, which
-:class:`common.loop.Loop` calls once data and model are built. The recipe then uses
+:class:`common.loop.Loop` (or the first :meth:`Run.log`) calls once data and model are built: a
+mistake found while loading the data or building the model leaves no run folder behind. The recipe uses
 ``run.accelerator``, ``run.log(values, step)``, ``run.log_plots``, ``run.guard.observe(step,
 losses)``; the loop uses ``run.resume()``, ``run.save_checkpoint(state)`` and ``run.should_stop()``.
 
@@ -34,31 +35,35 @@ from accelerate.utils import (DataLoaderConfiguration, ProjectConfiguration, bro
 from PIL import Image
 
 from common import UserError
-from common.config import save_config, to_dict
+from common.config import RunConfig, save_config, to_dict
 from common.guard import NonFiniteGuard
-from common.loop import TrainState
-from common.run_folder import check_resume, choose_output_dir
+from common.run_folder import check_resume, choose_output_dir, complete_checkpoints, drop_metrics_after, is_checkpoint
 from common.trackers import init_trackers, log_images, log_weights
 
 
-def _complete(path: Path) -> bool:
-    return (path / "train_state.json").is_file()
+@dataclasses.dataclass
+class TrainState:
+    """Where the training loop (:class:`common.loop.Loop`) is, written into each checkpoint as
+    ``train_state.json`` (:meth:`Run.save_checkpoint`) and read back by :meth:`Run.resume`. ``step``
+    counts optimizer steps; ``batches_in_epoch`` the (micro-)batches of ``epoch`` already consumed,
+    which a resumed run skips; ``extra`` JSON values that must survive a restart (``best/<metric>``,
+    recipe values such as DINO's step-0 baselines)."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Run:
-    """Everything around the training loop that is the same for every recipe.
+    """Everything around the training loop that is the same for every recipe (the module docstring)."""
 
-    Nothing is written until :meth:`begin` (called by :class:`common.loop.Loop`, or by the first
-    :meth:`log`): a mistake found while the recipe loads its data or builds its model leaves no
-    run folder behind.
-    """
-
-    def __init__(self, cfg: Any, recipe: str) -> None:
+    def __init__(self, cfg: RunConfig, recipe: str) -> None:
         self.cfg = cfg
         self.recipe = recipe  # the recipe file's name: runs/<recipe>/, the tracker project, the progress bar
         self.started = time.perf_counter()
         # report_to and mixed_precision were checked against their choices when the config was parsed
-        mixed = getattr(cfg, "mixed_precision", "") or None  # empty: whatever `accelerate launch` set
+        mixed = cfg.mixed_precision or None  # empty: whatever `accelerate launch` set
         if cfg.grad_accum_steps < 1:
             raise UserError(f"grad_accum_steps must be at least 1, got {cfg.grad_accum_steps}")
 
@@ -92,7 +97,7 @@ class Run:
         # CUDA: TF32 tensor-core matmuls and convolutions, and cuDNN's autotuned convolution algorithms
         # (fixed input sizes); cfg.tf32 false: full fp32 precision and a fixed algorithm choice. The
         # flags change nothing on a CPU.
-        fast = bool(getattr(cfg, "tf32", True))
+        fast = cfg.tf32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = fast
         torch.backends.cudnn.benchmark = fast
         self.begun = False
@@ -162,7 +167,7 @@ class Run:
             return
         from common.figures import plot_curves
 
-        if not getattr(self.cfg, "eval_only", False):
+        if not self.cfg.eval_only:
             pictures["curves"] = plot_curves(self.dir / "metrics.jsonl", self.plots_dir / "curves.png")
         shown = {f"plots/{k}": v for k, v in pictures.items() if v is not None}
         log_images(self.accelerator, self.cfg.report_to, shown, step)
@@ -209,8 +214,7 @@ class Run:
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
-        found = [p for p in self.checkpoint_dir.glob("step_*") if p.is_dir() and _complete(p)]
-        return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+        return complete_checkpoints(self.checkpoint_dir)
 
     def resume_checkpoint(self) -> Path | None:
         """The checkpoint ``cfg.resume`` names (``auto``: the newest complete one), or None when the
@@ -221,7 +225,7 @@ class Run:
             found = self.checkpoints()
             return found[-1] if found else None
         path = Path(self.cfg.resume)
-        if not (path.is_dir() and _complete(path)):
+        if not is_checkpoint(path):
             raise UserError(f"--resume '{path}' is not a complete checkpoint folder (no train_state.json)")
         return path
 
@@ -241,12 +245,8 @@ class Run:
         self.accelerator.load_state(str(path))
         state = TrainState(**json.loads((path / "train_state.json").read_text()))
         self.last_checkpoint = str(path)
-        metrics = self.dir / "metrics.jsonl"
-        if self.accelerator.is_main_process and metrics.exists():
-            kept = [ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= state.step]
-            tmp = metrics.with_suffix(".tmp")
-            tmp.write_text("".join(ln + "\n" for ln in kept))
-            os.replace(tmp, metrics)
+        if self.accelerator.is_main_process:
+            drop_metrics_after(self.dir / "metrics.jsonl", state.step)
         self.accelerator.wait_for_everyone()
         self.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batches_in_epoch})")
         return state
@@ -288,7 +288,7 @@ class Run:
     def finish(self, weights: Sequence[Path] = ()) -> None:
         """End the run: with ``cfg.log_weights``, ``weights`` (files in the run folder) become W&B
         artifacts; the tracker is closed and the signal handlers handed back."""
-        if getattr(self.cfg, "log_weights", False) and weights:
+        if self.cfg.log_weights and weights:
             log_weights(self.accelerator, self.cfg.report_to, [Path(w) for w in weights],
                         f"{self.recipe}-{self.dir.name}")
         if self._pending is not None:  # collect the last stop-flag reduction before shutting down

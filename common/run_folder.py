@@ -1,6 +1,8 @@
-"""Which folder a run writes to, and whether a resumed run's config may continue the saved one.
+"""A run's folder: which one a run writes to, whether a resumed run's config may continue the saved
+one, its complete checkpoints, and the logged metrics a resumed run takes back.
 
-Both are decided before anything is written, so a refusal leaves every existing folder as it was.
+The folder and the resume check are decided before anything is written, so a refusal leaves every
+existing folder as it was.
 
 - The default folder is ``runs/<recipe>/<config name>`` (``default`` without ``--config``); when it
   holds a run, a fresh run moves on to ``-2``, ``-3``, ...
@@ -14,6 +16,8 @@ Both are decided before anything is written, so a refusal leaves every existing 
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -21,7 +25,7 @@ from typing import Any
 import yaml
 
 from common import UserError
-from common.config import to_dict
+from common.config import RunConfig, to_dict
 
 #: Fields a resumed run may change: where and how it reports, how long it runs, how it loads data.
 #: Any other field shapes the model, the data or the optimisation the checkpoint was trained with.
@@ -46,17 +50,17 @@ def _next_free(base: Path) -> Path:
     return out
 
 
-def saved_run_folder(cfg: Any) -> Path | None:
+def saved_run_folder(cfg: RunConfig) -> Path | None:
     """The run folder whose own config.yaml ``--config`` named, with the output_dir it holds (not one
     given on the command line); None otherwise. The file's folder counts, so a moved run still works."""
-    config = Path(getattr(cfg, "config", "") or "")
+    config = Path(cfg.config)
     if config.name != "config.yaml" or not has_run(config.parent):
         return None
     saved = (yaml.safe_load(config.read_text()) or {}).get("output_dir")
     return config.parent if saved == cfg.output_dir else None
 
 
-def choose_output_dir(cfg: Any, recipe: str) -> Path:
+def choose_output_dir(cfg: RunConfig, recipe: str) -> Path:
     """The run folder for ``cfg`` (see the module docstring); reads, never writes."""
     saved = saved_run_folder(cfg)
     if saved is not None:
@@ -67,11 +71,11 @@ def choose_output_dir(cfg: Any, recipe: str) -> Path:
             raise UserError(f"run folder '{out}' already holds a run; pass --resume auto to continue it "
                             "or choose another --output_dir")
         return out
-    base = Path("runs") / recipe / Path(getattr(cfg, "config", "") or "default").stem
+    base = Path("runs") / recipe / Path(cfg.config or "default").stem
     return base if cfg.resume == "auto" else _next_free(base)
 
 
-def changed_on_resume(cfg: Any, folder: Path) -> dict[str, tuple[Any, Any]]:
+def changed_on_resume(cfg: RunConfig, folder: Path) -> dict[str, tuple[Any, Any]]:
     """Fields of ``cfg`` that differ from the folder's saved config.yaml: name -> (saved, given).
     Empty when there is no saved config (a run stopped before it wrote one)."""
     saved_file = folder / "config.yaml"
@@ -82,7 +86,7 @@ def changed_on_resume(cfg: Any, folder: Path) -> dict[str, tuple[Any, Any]]:
     return {k: (saved.get(k), v) for k, v in given.items() if k in saved and saved[k] != v}
 
 
-def check_resume(cfg: Any, folder: Path) -> dict[str, tuple[Any, Any]]:
+def check_resume(cfg: RunConfig, folder: Path) -> dict[str, tuple[Any, Any]]:
     """Refuse a resume whose config changes more than :data:`MAY_CHANGE_ON_RESUME` allows; return the
     allowed changes (to be reported)."""
     changed = changed_on_resume(cfg, folder)
@@ -97,3 +101,25 @@ def check_resume(cfg: Any, folder: Path) -> dict[str, tuple[Any, Any]]:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def drop_metrics_after(metrics: Path, step: int) -> None:
+    """Drop the lines of ``metrics.jsonl`` logged after ``step`` (a resumed checkpoint's): they will be
+    logged again. Rewritten to a temporary file and renamed, never half a file; no file, nothing to do."""
+    if not metrics.exists():
+        return
+    kept = [ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
+    tmp = metrics.with_suffix(".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in kept))
+    os.replace(tmp, metrics)
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a complete checkpoint folder (one with its ``train_state.json``)."""
+    return path.is_dir() and (path / "train_state.json").is_file()
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """The complete checkpoints in ``folder`` (a run's ``checkpoints/``), oldest first."""
+    found = [p for p in folder.glob("step_*") if is_checkpoint(p)]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))

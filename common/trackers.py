@@ -21,10 +21,13 @@ import os
 import secrets
 import string
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
 
 #: The W&B run id of a run folder, written when the run starts; ``--resume`` reads it back.
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -54,15 +57,15 @@ def wandb_has_credentials() -> bool:
             os.environ["WANDB_SILENT"] = silent
 
 
-def project_name(cfg: Any, recipe: str) -> str:
-    return getattr(cfg, "project", "") or os.environ.get("WANDB_PROJECT") or recipe
+def project_name(cfg: RunConfig, recipe: str) -> str:
+    return cfg.project or os.environ.get("WANDB_PROJECT") or recipe
 
 
-def run_name(cfg: Any, run_dir: Path) -> str:
-    return getattr(cfg, "run_name", "") or os.environ.get("WANDB_NAME") or run_dir.name
+def run_name(cfg: RunConfig, run_dir: Path) -> str:
+    return cfg.run_name or os.environ.get("WANDB_NAME") or run_dir.name
 
 
-def init_trackers(accelerator: Any, cfg: Any, recipe: str, run_dir: Path, config: Mapping[str, Any],
+def init_trackers(accelerator: Any, cfg: RunConfig, recipe: str, run_dir: Path, config: Mapping[str, Any],
                   say: Callable[[str], None]) -> None:
     """Start ``cfg.report_to``'s tracker through Accelerate (every process calls this; Accelerate
     starts it on the main process). ``config`` goes to the tracker as the run's hyperparameters."""

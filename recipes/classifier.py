@@ -25,20 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
-# Recipes import the shared `common/` package from the repository root: the nearest parent
-# folder that contains it. This keeps `accelerate launch recipes/x.py` working from any
-# working directory, and a copied recipe anywhere inside the repository too (README, "Layout").
-for _root in Path(__file__).resolve().parents:
-    if (_root / "common" / "__init__.py").is_file():
-        if str(_root) not in sys.path:
-            sys.path.insert(0, str(_root))
-        break
-else:  # a copy outside the repository: common/ must be installed
-    import importlib.util
-
-    if importlib.util.find_spec("common") is None:
-        sys.exit("error: this recipe needs the cv-recipes package common/: run `pip install -e <cv-recipes folder>` "
-                 "once (README, \"Your own recipe\")")
+try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
+    import common  # noqa: F401
+except ModuleNotFoundError:
+    print("error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr)
+    sys.exit(2)
 
 import safetensors.torch
 import torch
@@ -48,7 +39,7 @@ from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTarget
 from timm.optim import create_optimizer_v2
 
 from common import UserError
-from common.config import timm_optimizers
+from common.config import RunConfig, timm_optimizers
 from common.console import cli_main
 from common.data import ClassificationDataset, load_classification
 from common.loaders import eval_loader_for, train_loader_for
@@ -56,24 +47,21 @@ from common.ema import ModelEma
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.images import decode_image, image_files
 from common.loop import Loop, steps_total
-from common.models import (average_bn_statistics, config_with_weights, create_timm_model, load_state, load_weights,
-                           save_weights, sync_batchnorm)
+from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values
+from common.weights import config_with_weights, load_state, load_weights, save_weights
 
 
 # ============================================================================================
 # Config (defaults: the built-in digits demo)
 # ============================================================================================
 @dataclass
-class Config:
-    config: str = ""  # the YAML file this run was read from (set by --config)
+class Config(RunConfig):
     # data
     data: str = "digits"  # built-in name, local folder (imagefolder / saved dataset) or hub name
     image_column: str = ""  # the column holding the images; empty: detected (the first Image column)
     label_column: str = ""  # the column holding the class labels; empty: detected (a ClassLabel, or label)
-    train_split: str = "train"  # the split to train on
-    eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
     img_size: int = 32  # training and evaluation resolution (pixels)
     crop_pct: float = 1.0  # eval: resize to img_size / crop_pct, then centre crop (ImageNet: 0.875 for convnets)
     scale: list[float] = field(default_factory=lambda: [0.6, 1.0])  # RandomResizedCrop area range (timm: 0.08, 1)
@@ -98,7 +86,6 @@ class Config:
     bce_loss: bool = False  # binary cross-entropy per class (timm's BinaryCrossEntropy; ResNet strikes back, DeiT III)
         # instead of softmax cross-entropy; Mixup/CutMix and smoothing targets as with cross-entropy
     bce_target_thresh: float = 0.0  # >0: BCE targets binarised at this threshold (timm's --bce-target-thresh)
-    num_workers: int = 2  # DataLoader worker processes per training process (0: load in the main process)
     # model
     model: str = "resnet18"  # any timm model name (timm.list_models())
     model_kwargs: dict = field(default_factory=dict)  # extra timm.create_model arguments, e.g. {depth: 4}
@@ -115,13 +102,10 @@ class Config:
     channels_last: bool = False  # channels_last memory format: faster convnets on GPUs with tensor cores
     sync_bn: bool = False  # several CUDA processes: batch-norm statistics over the global batch (SyncBatchNorm);
         # otherwise each process's running statistics are averaged over the processes before every evaluation
-    compile: bool = False  # torch.compile through Accelerate (inductor); the first steps are slow while it compiles
     # optimization
     epochs: int = 12  # training epochs
-    max_steps: int = 0  # >0: stop after this many optimizer steps
     batch_size: int = 64  # images per process and micro-step: global batch = this x processes x grad_accum_steps
     eval_batch_size: int = 0  # evaluation images per process; 0: 2 x batch_size
-    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
     grad_accum_switch_epoch: int = 0  # >0: from this epoch on, accumulate grad_accum_steps_after_switch
     grad_accum_steps_after_switch: int = 0  # grad_accum_steps from grad_accum_switch_epoch on (0: no switch)
     opt: str = field(default="adamw", metadata={"choices": timm_optimizers})  # any timm optimizer name:
@@ -141,24 +125,9 @@ class Config:
     clip_grad: float = 0.0  # >0: clip the global gradient norm to this
     ema_decay: float = 0.0  # >0: keep a model EMA and evaluate it too (e.g. 0.9998)
     ema_warmup: bool = True  # the EMA decay ramps as min(ema_decay, (1 + step) / (10 + step)), so the init fades fast
-    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
-    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
-        # full fp32 precision and a fixed convolution algorithm)
     # run
-    output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
-    seed: int = 0  # seeds data order, augmentation and initialisation
-    log_every: int = 20  # log training metrics every this many optimizer steps
-    eval_every: int = 1  # evaluate every this many epochs; also at the end
     checkpoint_every: int = 200  # save a checkpoint every this many optimizer steps; also at the end
-    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
-    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
-    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
-        # metrics.jsonl is written in every case
-    project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
-    run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
-    log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
-    weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
     eval_only: bool = False  # evaluate --weights on the evaluation split (top-1/top-5, per-class accuracy), no training
     predict: str = ""  # an image or a folder of images: with --weights, write predictions.csv (top-5 class names and
         # probabilities per image); no dataset needed
@@ -240,8 +209,10 @@ def load_init_weights(model: torch.nn.Module, path: str) -> None:
     if filter_fn is not None:
         try:
             state = filter_fn(state, model)
-        except Exception:
-            pass  # filters expect the family's own key layout; a plain state dict passes unchanged
+        except (KeyError, RuntimeError, ValueError, TypeError, AttributeError):
+            # a filter written for the family's original release layout: a timm state dict is used as it is,
+            # and what does not fit is named key by key below
+            state = safetensors.torch.load_file(path)
     head = model.pretrained_cfg.get("classifier", "")
     heads = (head,) if isinstance(head, str) else tuple(head)
     own = model.state_dict()

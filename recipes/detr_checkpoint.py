@@ -1,7 +1,8 @@
 """DETR's checkpoint reader for ``recipes/detr.py --init_weights``: the reference's COCO-trained
 detector (facebookresearch/detr's ``.pth``), transformers' conversion of it (``facebook/detr-resnet-50``
 safetensors) or detr.py's own weights, renamed onto detr.py's modules; the class head kept for the
-data's COCO classes or replaced. Beside the recipe as one concern of its own (copy both files)."""
+data's COCO classes or replaced. Beside the recipe as one concern of its own (a copy of detr.py takes its
+siblings detr_model.py, detr_pretrain.py and this file)."""
 
 from __future__ import annotations
 

@@ -29,17 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
-    if (_root / "common" / "__init__.py").is_file():
-        if str(_root) not in sys.path:
-            sys.path.insert(0, str(_root))
-        break
-else:  # a copy outside the repository: common/ must be installed
-    import importlib.util
-
-    if importlib.util.find_spec("common") is None:
-        sys.exit("error: this recipe needs the cv-recipes package common/: run `pip install -e <cv-recipes folder>` "
-                 "once (README, \"Your own recipe\")")
+try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
+    import common  # noqa: F401
+except ModuleNotFoundError:
+    print("error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr)
+    sys.exit(2)
 
 
 import numpy as np
@@ -51,16 +45,18 @@ from torch import nn
 from torchvision import transforms as T
 
 from common import UserError
+from common.config import RunConfig
 from common.console import cli_main
-from common.data import ClassificationDataset, load_classification
+from common.data import ClassificationData, ClassificationDataset, load_classification
 from common.loaders import eval_loader_for, train_loader_for
 from common.ema import ema_update_
 from common.knn import extract, knn_accuracy, knn_predict, shard
 from common.feature_figures import attention_overlay, neighbour_grid
 from common.loop import Loop, steps_total
-from common.models import config_with_weights, create_timm_model, load_weights, save_weights, sync_batchnorm
+from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
+from common.weights import config_with_weights, load_weights, save_weights
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -69,8 +65,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Config (defaults: the built-in demo)
 # ============================================================================================
 @dataclass
-class Config:
-    config: str = ""  # the YAML file this run was read from (set by --config)
+class Config(RunConfig):
     # data
     data: str = "digits_ssl"  # built-in name, local folder or hub name; labels are optional (a folder of plain
         # image files trains), used only by the kNN evaluation
@@ -90,7 +85,6 @@ class Config:
         # range (reference: 0.05, 0.4)
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     blur_radius: list[float] = field(default_factory=lambda: [0.1, 0.6])  # PIL Gaussian radius, px ([0.1, 2] at 224)
-    num_workers: int = 2  # DataLoader worker processes per training process (0: load in the main process)
     # model
     model: str = "resnet10t"  # any timm model (convnet or ViT); the demo: half width (model_kwargs), 1.2 M parameters
     model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256]})  # extra timm.create_model
@@ -110,9 +104,7 @@ class Config:
     center_momentum: float = 0.9  # EMA momentum of the centre subtracted from the teacher's outputs (reference: 0.9)
     # optimization
     epochs: int = 8  # training epochs
-    max_steps: int = 0  # >0: stop after this many optimizer steps
     batch_size: int = 64  # images per process (each gives 2 + local_crops crops)
-    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
     opt: Literal["adamw", "sgd"] = "adamw"  # adamw (ViT), or sgd with momentum 0.9 (the reference's ResNet-50 setting)
     lr: float = 1.6e-2  # per 256 images: peak = lr x global batch / 256 (5e-4 for ViT-S/16 on ImageNet)
     min_lr: float = 1e-5  # learning rate at the end of the cosine (reference: 1e-6)
@@ -123,9 +115,6 @@ class Config:
     freeze_last_layer: int = 0  # epochs during which the last layer gets no gradient (1 on ImageNet)
     momentum_teacher: float = 0.95  # teacher EMA momentum, cosine to 1 (0.996 on ImageNet: 0.95 lets the demo's
         # 360-step teacher move)
-    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
-    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
-        # full fp32 precision and a fixed convolution algorithm)
     compile: bool = False  # torch.compile the student through Accelerate (inductor)
     # evaluation
     knn_k: list[int] = field(default_factory=lambda: [20])  # neighbours that vote in the weighted kNN evaluation:
@@ -141,18 +130,7 @@ class Config:
     plot_images: int = 4  # evaluation images drawn under plots/ at each evaluation: their nearest neighbours in the
         # kNN bank, and for ViTs the [CLS] attention over them (0: none)
     # run
-    output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
-    seed: int = 0  # seeds data order, augmentation and initialisation
-    log_every: int = 20  # log training metrics every this many optimizer steps
     eval_every: int = 1  # evaluate every this many epochs; also at step 0 and at the end
-    checkpoint_every: int = 500  # save a checkpoint every this many optimizer steps; also at the end
-    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
-    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
-    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
-        # metrics.jsonl is written in every case
-    project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
-    run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
-    log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
 
 
 # ============================================================================================
@@ -206,6 +184,31 @@ def eval_transform(size: int, resize: int = 0) -> T.Compose:
     """Shorter side to ``resize`` (the reference: 256 for a 224 crop; 0: to ``size``), centre crop ``size``."""
     return T.Compose([T.Resize(resize or size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(size),
                       T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+
+def knn_loaders(cfg: Config, knn_set: ClassificationData, process_index: int, num_processes: int
+                ) -> tuple[ClassificationDataset, ClassificationDataset, torch.utils.data.DataLoader,
+                           torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
+    """The kNN evaluation's data: ``(bank_set, query_set, bank_loader, query_loader, pixel_loader)``.
+
+    The sets are whole (knn_set's training split as the bank, at most knn_train_limit images, seeded; its
+    evaluation split as the queries), at eval_transform. Each loader reads only this process's shard:
+    of the bank, of the queries, and of the raw-pixel baseline's bank (at most knn_pixel_limit, seeded)."""
+    bank = knn_set.train
+    if 0 < cfg.knn_train_limit < len(bank):
+        bank = bank.shuffle(seed=cfg.seed).select(range(cfg.knn_train_limit))
+    knn_tf = eval_transform(cfg.global_size, cfg.knn_resize)
+    bank_set = ClassificationDataset(bank, knn_set.image_column, knn_set.label_column, knn_tf)
+    query_set = ClassificationDataset(knn_set.eval, knn_set.image_column, knn_set.label_column, knn_tf)
+    here = (process_index, num_processes)
+    bank_loader = eval_loader_for(shard(bank_set, *here), 2 * cfg.batch_size, cfg.num_workers)
+    query_loader = eval_loader_for(shard(query_set, *here), 2 * cfg.batch_size, cfg.num_workers)
+    pixel_bank = bank_set
+    if len(bank_set) > cfg.knn_pixel_limit:
+        chosen = torch.randperm(len(bank_set), generator=torch.Generator().manual_seed(cfg.seed))
+        pixel_bank = torch.utils.data.Subset(bank_set, chosen[:cfg.knn_pixel_limit].tolist())
+    pixel_loader = eval_loader_for(shard(pixel_bank, *here), 2 * cfg.batch_size, cfg.num_workers)
+    return bank_set, query_set, bank_loader, query_loader, pixel_loader
 
 
 # ============================================================================================
@@ -265,6 +268,27 @@ def create_student(cfg: Config) -> MultiCropWrapper:
     backbone = create_backbone(cfg)
     return MultiCropWrapper(backbone, DINOHead(backbone.num_features, cfg.out_dim, cfg.head_hidden_dim,
                                                cfg.head_bottleneck_dim, cfg.norm_last_layer, cfg.head_use_bn))
+
+
+def create_teacher(student: MultiCropWrapper) -> MultiCropWrapper:
+    """The teacher: an exact copy of the (unwrapped) student, never trained by gradients; the reference
+    builds it without drop path or dropout."""
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    for m in teacher.modules():
+        if hasattr(m, "drop_prob"):
+            m.drop_prob = 0.0
+        elif isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return teacher
+
+
+def load_backbone(backbone: nn.Module, path: str, model: str) -> None:
+    """A backbone this recipe saved (teacher_backbone.safetensors) into ``backbone``, every key matching."""
+    state, _ = load_weights(path)
+    missing, unexpected = backbone.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"weights '{path}' do not fit model '{model}': missing {missing[:5]}, "
+                        f"unexpected {unexpected[:5]}")
 
 
 # ============================================================================================
@@ -374,6 +398,54 @@ def unnormalise(images: torch.Tensor) -> torch.Tensor:
     return (images.float().cpu() * std + mean).clamp(0, 1)
 
 
+def knn_metrics(backbone: nn.Module | None, name: str, bank_loader: torch.utils.data.DataLoader,
+                query_loader: torch.utils.data.DataLoader, num_classes: int, cfg: Config,
+                run: Run) -> tuple[dict[str, float], torch.Tensor]:
+    """Weighted kNN on fp32 features, the loaders reading this process's shards of the bank and queries:
+    knn/<name>_top1 (the first of knn_k) and knn/<name>_top1_k<k>, and this process's bank features
+    [n, D]. ``backbone=None``: raw pixels, area-resized to knn_pixel_size."""
+    device = run.accelerator.device
+    bank_f, bank_y = extract(backbone, run.progress(bank_loader, f"kNN bank ({name})"), device, cfg.knn_pixel_size)
+    test_f, test_y = extract(backbone, run.progress(query_loader, f"kNN queries ({name})"), device,
+                             cfg.knn_pixel_size)
+    sims, labels, queries = knn_predict(bank_f, bank_y, test_f, test_y, max(cfg.knn_k))
+    scores = knn_accuracy(sims, labels, queries, [min(k, sims.shape[1]) for k in cfg.knn_k],
+                          cfg.knn_temperature, num_classes)
+    out = {f"knn/{name}_top1": scores[min(cfg.knn_k[0], sims.shape[1])]}
+    out.update({f"knn/{name}_top1_k{k}": scores[min(k, sims.shape[1])] for k in cfg.knn_k[1:]})
+    return out, bank_f
+
+
+def evaluate(backbone: nn.Module, bank_set: ClassificationDataset, query_set: ClassificationDataset,
+             bank_loader: torch.utils.data.DataLoader, query_loader: torch.utils.data.DataLoader,
+             classes: list[str], cfg: Config, run: Run) -> tuple[dict[str, float], dict[str, Image.Image]]:
+    """Teacher kNN top-1; on the main process also the nearest-neighbour grid and (ViT) attention maps,
+    saved under run.plots_dir. The sets are whole, the loaders this process's shards (knn_loaders)."""
+    accelerator = run.accelerator
+    backbone.eval()
+    result, bank_f = knn_metrics(backbone, "teacher", bank_loader, query_loader, len(classes), cfg, run)
+    pictures = {}
+    if cfg.plot_images > 0:  # every process searches its bank shard for the first queries' neighbours
+        count = min(cfg.plot_images, len(query_set))
+        images = torch.stack([query_set[i][0] for i in range(count)])  # [count, 3, H, W]
+        plot_f, _ = extract(backbone, [(images, [0] * count)], accelerator.device)
+        bank_index = torch.arange(accelerator.process_index, len(bank_set), accelerator.num_processes,
+                                  device=accelerator.device)  # this shard's rows in the whole bank
+        similarity, index, _ = knn_predict(bank_f, bank_index, plot_f, bank_index[:count], 5)
+        similarity, index = similarity[:count], index[:count]  # every process asked the same queries
+        if accelerator.is_main_process:
+            neighbours = [[bank_set[j] for j in row] for row in index.tolist()]  # (image, label) pairs
+            pictures["neighbours"] = neighbour_grid(
+                unnormalise(images), unnormalise(torch.stack([torch.stack([x for x, _ in r]) for r in neighbours])),
+                run.plots_dir / "neighbours.png", [classes[query_set[i][1]] for i in range(count)],
+                [[classes[y] for _, y in r] for r in neighbours], similarity.cpu())
+            maps = attention_maps(backbone, images.to(accelerator.device))
+            if maps is not None:  # ViTs: where the [CLS] token looks
+                pictures["attention"] = attention_overlay(unnormalise(images), maps, run.plots_dir / "attention.png")
+    backbone.train()  # the reference's teacher runs in train mode (batch statistics) while training
+    return result, pictures
+
+
 # ============================================================================================
 # Training
 # ============================================================================================
@@ -406,20 +478,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
                                   accelerator.num_processes)
     if knn_set is not None:  # each process reads its own share of the bank and of the queries
-        bank = knn_set.train
-        if 0 < cfg.knn_train_limit < len(bank):
-            bank = bank.shuffle(seed=cfg.seed).select(range(cfg.knn_train_limit))
-        knn_tf = eval_transform(cfg.global_size, cfg.knn_resize)
-        bank_set = ClassificationDataset(bank, knn_set.image_column, knn_set.label_column, knn_tf)
-        query_set = ClassificationDataset(knn_set.eval, knn_set.image_column, knn_set.label_column, knn_tf)
-        here = (accelerator.process_index, accelerator.num_processes)
-        bank_loader = eval_loader_for(shard(bank_set, *here), 2 * cfg.batch_size, cfg.num_workers)
-        query_loader = eval_loader_for(shard(query_set, *here), 2 * cfg.batch_size, cfg.num_workers)
-        pixel_bank = bank_set  # the raw-pixel baseline's bank: at most knn_pixel_limit images, a seeded subset
-        if len(bank_set) > cfg.knn_pixel_limit:
-            chosen = torch.randperm(len(bank_set), generator=torch.Generator().manual_seed(cfg.seed))
-            pixel_bank = torch.utils.data.Subset(bank_set, chosen[:cfg.knn_pixel_limit].tolist())
-        pixel_loader = eval_loader_for(shard(pixel_bank, *here), 2 * cfg.batch_size, cfg.num_workers)
+        bank_set, query_set, bank_loader, query_loader, pixel_loader = knn_loaders(
+            cfg, knn_set, accelerator.process_index, accelerator.num_processes)
 
     # ---- model: the student; the teacher is copied from it once prepared (the same on every process) --
     student = create_student(cfg)
@@ -430,21 +490,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     dino_loss = DINOLoss(cfg.out_dim, ncrops, cfg.warmup_teacher_temp, cfg.teacher_temp,
                          cfg.warmup_teacher_temp_epochs, cfg.epochs, cfg.student_temp, cfg.center_momentum)
 
-    # ---- optimizer and schedules --------------------------------------------------------------
+    # ---- optimizer -------------------------------------------------------------------------------
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     groups = weight_decay_groups(student, cfg.weight_decay)  # lr and decay: per step; none for biases and norms
     optimizer = (torch.optim.AdamW(groups, lr=cfg.lr, **fused) if cfg.opt == "adamw"
                  else torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, **fused))
+
+    # ---- prepare; then the teacher, a copy of the prepared student (DDP has broadcast process 0's weights)
     student, optimizer, train_loader = accelerator.prepare(student, optimizer, train_loader)
     unwrapped = accelerator.unwrap_model(student)
-    # The teacher: an exact copy of the prepared student (DDP has broadcast process 0's weights), never
-    # trained by gradients; the reference builds it without drop path or dropout.
-    teacher = copy.deepcopy(unwrapped).requires_grad_(False)
-    for m in teacher.modules():
-        if hasattr(m, "drop_prob"):
-            m.drop_prob = 0.0
-        elif isinstance(m, nn.Dropout):
-            m.p = 0.0
+    teacher = create_teacher(unwrapped)
     dino_loss.to(accelerator.device)
     accelerator.register_for_checkpointing(teacher)
     accelerator.register_for_checkpointing(dino_loss)  # the centre is training state
@@ -452,6 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     teacher_params = list(teacher.parameters())
     last_layer_params = list(unwrapped.head.last_layer.parameters())
 
+    # ---- schedules: one value per optimizer step, from the prepared loader's length ------------
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
     total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
     global_batch = cfg.batch_size * accelerator.num_processes * cfg.grad_accum_steps
@@ -460,57 +516,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     wd_values = schedule("cosine", cfg.weight_decay, cfg.weight_decay_end, total_steps)
     momentum_values = schedule("cosine", cfg.momentum_teacher, 1.0, total_steps)
 
-    # ---- evaluation: weighted kNN on fp32 features, the bank sharded over the processes -------------
-    def knn_metrics(backbone: nn.Module | None, name: str) -> tuple[dict[str, float], torch.Tensor]:
-        """knn/<name>_top1 (the first of knn_k) and knn/<name>_top1_k<k>, and this process's bank features;
-        ``backbone=None``: raw pixels."""
-        device = accelerator.device
-        bank_f, bank_y = extract(backbone, run.progress(pixel_loader if backbone is None else bank_loader,
-                                                        f"kNN bank ({name})"), device, cfg.knn_pixel_size)
-        test_f, test_y = extract(backbone, run.progress(query_loader, f"kNN queries ({name})"), device,
-                                 cfg.knn_pixel_size)
-        sims, labels, queries = knn_predict(bank_f, bank_y, test_f, test_y, max(cfg.knn_k))
-        scores = knn_accuracy(sims, labels, queries, [min(k, sims.shape[1]) for k in cfg.knn_k],
-                              cfg.knn_temperature, len(knn_set.classes))
-        out = {f"knn/{name}_top1": scores[min(cfg.knn_k[0], sims.shape[1])]}
-        out.update({f"knn/{name}_top1_k{k}": scores[min(k, sims.shape[1])] for k in cfg.knn_k[1:]})
-        return out, bank_f
-
-    def evaluate(backbone: nn.Module) -> tuple[dict[str, float], dict[str, Image.Image]]:
-        """Teacher kNN top-1; on the main process also the nearest-neighbour grid and (ViT) attention maps."""
-        backbone.eval()
-        result, bank_f = knn_metrics(backbone, "teacher")
-        pictures = {}
-        if cfg.plot_images > 0:  # every process searches its bank shard for the first queries' neighbours
-            count = min(cfg.plot_images, len(query_set))
-            images = torch.stack([query_set[i][0] for i in range(count)])
-            plot_f, _ = extract(backbone, [(images, [0] * count)], accelerator.device)
-            bank_index = torch.arange(accelerator.process_index, len(bank_set), accelerator.num_processes,
-                                      device=accelerator.device)  # this shard's rows in the whole bank
-            similarity, index, _ = knn_predict(bank_f, bank_index, plot_f, bank_index[:count], 5)
-            similarity, index = similarity[:count], index[:count]  # every process asked the same queries
-            if accelerator.is_main_process:
-                neighbours = [[bank_set[j] for j in row] for row in index.tolist()]  # (image, label) pairs
-                pictures["neighbours"] = neighbour_grid(
-                    unnormalise(images), unnormalise(torch.stack([torch.stack([x for x, _ in r]) for r in neighbours])),
-                    run.plots_dir / "neighbours.png", [knn_set.classes[query_set[i][1]] for i in range(count)],
-                    [[knn_set.classes[y] for _, y in r] for r in neighbours], similarity.cpu())
-                maps = attention_maps(backbone, images.to(accelerator.device))
-                if maps is not None:  # ViTs: where the [CLS] token looks
-                    pictures["attention"] = attention_overlay(unnormalise(images), maps,
-                                                              run.plots_dir / "attention.png")
-        backbone.train()  # the reference's teacher runs in train mode (batch statistics) while training
-        return result, pictures
-
     # ---- evaluation only: the kNN of a saved backbone --------------------------------------------
     if cfg.eval_only:
-        state, meta = load_weights(cfg.weights)
-        missing, unexpected = teacher.backbone.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise UserError(f"weights '{cfg.weights}' do not fit model '{cfg.model}': missing {missing[:5]}, "
-                            f"unexpected {unexpected[:5]}")
+        load_backbone(teacher.backbone, cfg.weights, cfg.model)
         run.begin()
-        results, pictures = evaluate(teacher.backbone)
+        results, pictures = evaluate(teacher.backbone, bank_set, query_set, bank_loader, query_loader,
+                                     knn_set.classes, cfg, run)
         run.log(results, 0)
         run.log_plots(0, **pictures)
         run.finish()
@@ -526,8 +537,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         baseline: dict[str, float] = {}
         if knn_set is not None:
             if cfg.knn_pixel_limit > 0:
-                baseline.update(knn_metrics(None, "raw_pixels")[0])
-            step0, pictures = evaluate(teacher.backbone)
+                baseline.update(knn_metrics(None, "raw_pixels", pixel_loader, query_loader, len(knn_set.classes),
+                                            cfg, run)[0])
+            step0, pictures = evaluate(teacher.backbone, bank_set, query_set, bank_loader, query_loader,
+                                       knn_set.classes, cfg, run)
             baseline.update({k.replace("teacher", "step0"): v for k, v in step0.items()})
             run.log(baseline, 0)
             run.log_plots(0, **pictures)
@@ -571,7 +584,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation ------------------------------------------------------------------------
         if loop.eval_due() and knn_set is not None:
-            knn, pictures = evaluate(teacher.backbone)
+            knn, pictures = evaluate(teacher.backbone, bank_set, query_set, bank_loader, query_loader,
+                                     knn_set.classes, cfg, run)
             results = {**loop.extra["baseline"], **knn}
             run.log({**results, "epoch": epoch}, loop.step)
             run.log_plots(loop.step, **pictures)  # and the training curves

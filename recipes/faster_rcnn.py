@@ -38,17 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
-for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
-    if (_root / "common" / "__init__.py").is_file():
-        if str(_root) not in sys.path:
-            sys.path.insert(0, str(_root))
-        break
-else:  # a copy outside the repository: common/ must be installed
-    import importlib.util
-
-    if importlib.util.find_spec("common") is None:
-        sys.exit("error: this recipe needs the cv-recipes package common/: run `pip install -e <cv-recipes folder>` "
-                 "once (README, \"Your own recipe\")")
+try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
+    import common  # noqa: F401
+except ModuleNotFoundError:
+    print("error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr)
+    sys.exit(2)
 
 import inspect
 
@@ -68,16 +62,16 @@ from torchvision.transforms import v2
 from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
+from common.config import RunConfig
 from common.console import cli_main
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
-from common.detection_figures import per_class_text
-from common.detection_outputs import check_classes, prediction_batches, report_evaluation, save_predictions
+from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection, prediction_batches
+from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
-from common.models import (config_with_weights, create_timm_model, freeze_stages, load_state, load_weights,
-                           save_weights, sync_batchnorm)
+from common.models import create_timm_model, freeze_stages, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
+from common.weights import config_with_weights, load_state, load_weights, save_weights
 
 # torchvision's Faster R-CNN presets (model = one of these names, each built by its own function) -> the ImageNet
 # weights --pretrained_backbone gives the preset's backbone: IMAGENET1K_V1, which torchvision's reference trained the
@@ -111,12 +105,9 @@ LOSS_NAMES = {"loss_objectness": "loss_rpn_objectness", "loss_rpn_box_reg": "los
 # Config (defaults: the built-in demo)
 # ============================================================================================
 @dataclass
-class Config:
-    config: str = ""  # the YAML file this run was read from (set by --config)
+class Config(RunConfig):
     # data
     data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
-    train_split: str = "train"  # the split to train on
-    eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     color_jitter: bool = False  # torchvision's photometric distortion (SSD), p = 0.5
     num_workers: int = 1  # DataLoader worker processes per training process (0: load in the main process)
@@ -162,9 +153,7 @@ class Config:
         # roi classifier, roi box
     # optimization
     epochs: int = 2  # training epochs
-    max_steps: int = 0  # >0: stop after this many optimizer steps
     batch_size: int = 8  # images per process and micro-step: global batch = this x processes x grad_accum_steps
-    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
     lr: float = 0.02  # peak SGD learning rate (torchvision: 0.02 for 16 images; here 8: more steps in 2 epochs
         # did better)
     momentum: float = 0.9  # SGD momentum (torchvision: 0.9)
@@ -176,9 +165,6 @@ class Config:
     decay_rate: float = 0.1  # factor on the learning rate at each of decay_milestones (sched=step)
     poly_power: float = 0.9  # lr = lr x (1 - progress) ** this after warmup, for sched=poly (seamseg: 0.9)
     clip_grad: float = 10.0  # clip the global gradient norm to this (0: off)
-    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
-    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
-        # full fp32 precision and a fixed convolution algorithm)
     compile: bool = False  # torch.compile the whole model through Accelerate (inductor); graph breaks at NMS and
         # sampling
     # evaluation
@@ -186,25 +172,13 @@ class Config:
     best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
         # COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
-    weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
     eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
         # dataset's category ids), no training
     predict: str = ""  # an image or a folder of images: with --weights, write predictions.json and the images with
         # their boxes drawn (predictions/) in the run folder; no dataset needed
     predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
     # run
-    output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
-    seed: int = 0  # seeds data order, augmentation and initialisation
-    log_every: int = 20  # log training metrics every this many optimizer steps
     eval_every: int = 2  # evaluate every this many epochs; also at the end
-    checkpoint_every: int = 500  # save a checkpoint every this many optimizer steps; also at the end
-    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
-    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
-    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
-        # metrics.jsonl is written in every case
-    project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
-    run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
-    log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
 
 
 # ============================================================================================
@@ -363,75 +337,85 @@ def budgets(cfg: Config, own: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
-    """The detector for ``num_classes`` object classes (background is one more)."""
+def preset_model(cfg: Config, num_classes: int) -> TwoStageDetector:
+    """A torchvision preset (``cfg.model`` in PRESETS): its own backbone + FPN, heads sized as torchvision
+    sizes them, for ``num_classes`` object classes (background is one more)."""
     box_kwargs = dict(box_score_thresh=cfg.box_score_thresh, box_nms_thresh=cfg.box_nms_thresh,
                       box_detections_per_img=cfg.box_detections_per_img)
-    if cfg.model in PRESETS:  # torchvision's own backbone + FPN, heads sized as torchvision sizes them
-        builder = getattr(torchvision.models.detection, cfg.model)
-        # FasterRCNN passes unknown keywords on to its transform, which ignores them: check them here
-        known = set(inspect.signature(FasterRCNN).parameters) | {"size_divisible", "fixed_size"}
-        if set(cfg.model_kwargs) - known:
-            raise UserError(f"model_kwargs {sorted(set(cfg.model_kwargs) - known)} do not fit {cfg.model}: the presets take "
-                            "torchvision's FasterRCNN arguments (--model_kwargs {} for none)")
-        try:
-            m = builder(weights="DEFAULT" if cfg.pretrained else None,
-                        weights_backbone=PRESETS[cfg.model] if cfg.pretrained_backbone else None,
-                        num_classes=91 if cfg.pretrained else num_classes + 1,
-                        trainable_backbone_layers=PRESET_STAGES[cfg.model] - cfg.freeze_at if cfg.pretrained or cfg.pretrained_backbone else None,
-                        min_size=tuple(cfg.min_size), max_size=cfg.max_size, **budgets(cfg, {}), **box_kwargs,
-                        **cfg.model_kwargs)
-        except TypeError as e:
-            raise UserError(f"model_kwargs {cfg.model_kwargs} do not fit {cfg.model} ({e}); "
-                            "the presets take torchvision's FasterRCNN arguments (--model_kwargs {} for none)") from None
-        if cfg.anchor_sizes:  # the preset's anchors replaced; a new RPN head when the count per position changes
-            m.rpn.anchor_generator = AnchorGenerator(tuple(tuple(s) for s in cfg.anchor_sizes),
-                                                     (tuple(cfg.aspect_ratios),) * len(cfg.anchor_sizes))
-            per_position = m.rpn.anchor_generator.num_anchors_per_location()[0]
-            if m.rpn.head.cls_logits.out_channels != per_position:
-                m.rpn.head = RPNHead(m.backbone.out_channels, per_position)
-        if cfg.pretrained:  # COCO's 91-way predictor -> ours
-            m.roi_heads.box_predictor = FastRCNNPredictor(m.roi_heads.box_predictor.cls_score.in_features, num_classes + 1)
-        if cfg.frozen_bn:  # the presets freeze it themselves whenever they load weights
-            m.backbone.body = timm.layers.freeze_batch_norm_2d(m.backbone.body)
-        model = TwoStageDetector(m.transform, m.backbone, m.rpn, m.roi_heads)
-    else:
-        try:
-            body = create_timm_model(cfg.model, also=f" or a torchvision preset ({', '.join(PRESETS)})",
-                                     features_only=True, out_indices=tuple(cfg.out_indices),
-                                     pretrained=cfg.pretrained, **cfg.model_kwargs)
-        except (IndexError, TypeError) as e:
-            raise UserError(f"model '{cfg.model}' does not take out_indices {cfg.out_indices} "
-                            f"and model_kwargs {cfg.model_kwargs}: {e}") from None
-        freeze_stages(body, cfg.freeze_at)
-        if cfg.frozen_bn:
-            body = timm.layers.freeze_batch_norm_2d(body)  # BatchNorm2d -> FrozenBatchNorm2d
-        backbone = TimmFPN(body, cfg.fpn_channels, cfg.extra_pool)
-        strides = body.feature_info.reduction() + ([2 * body.feature_info.reduction()[-1]] if cfg.extra_pool else [])
-        sizes = [tuple(s) for s in cfg.anchor_sizes] or [(8 * s,) for s in strides]
-        if len(sizes) != len(strides) or len({len(s) for s in sizes}) != 1:
-            raise UserError(f"anchor_sizes must give one list of sizes per FPN level, as many at each (the RPN "
-                            f"head is shared); the FPN has {len(strides)} levels (strides {strides}), got {cfg.anchor_sizes}")
-        anchors = AnchorGenerator(tuple(sizes), (tuple(cfg.aspect_ratios),) * len(sizes))
-        budget = budgets(cfg, TIMM_BUDGETS)
-        rpn = RegionProposalNetwork(
-            anchors, RPNHead(cfg.fpn_channels, anchors.num_anchors_per_location()[0]),
-            fg_iou_thresh=0.7, bg_iou_thresh=0.3, batch_size_per_image=budget["rpn_batch_size_per_image"],
-            positive_fraction=0.5, nms_thresh=0.7,
-            pre_nms_top_n=dict(training=budget["rpn_pre_nms_top_n_train"], testing=budget["rpn_pre_nms_top_n_test"]),
-            post_nms_top_n=dict(training=budget["rpn_post_nms_top_n_train"], testing=budget["rpn_post_nms_top_n_test"]))
-        levels = [str(i) for i in range(len(cfg.out_indices))]  # RoIAlign reads the FPN levels, not "pool"
-        roi_heads = RoIHeads(
-            MultiScaleRoIAlign(levels, cfg.roi_size, cfg.roi_sampling_ratio),
-            TwoMLPHead(cfg.fpn_channels * cfg.roi_size ** 2, cfg.box_head_dim),
-            FastRCNNPredictor(cfg.box_head_dim, num_classes + 1),
-            fg_iou_thresh=0.5, bg_iou_thresh=0.5, batch_size_per_image=budget["box_batch_size_per_image"],
-            positive_fraction=0.25, bbox_reg_weights=None, score_thresh=cfg.box_score_thresh,
-            nms_thresh=cfg.box_nms_thresh, detections_per_img=cfg.box_detections_per_img)
-        # the order of min_size matters: training draws one per image, evaluation uses the last
-        transform = GeneralizedRCNNTransform(tuple(cfg.min_size), cfg.max_size, IMAGENET_MEAN, IMAGENET_STD)
-        model = TwoStageDetector(transform, backbone, rpn, roi_heads)
-    return model
+    builder = getattr(torchvision.models.detection, cfg.model)
+    # FasterRCNN passes unknown keywords on to its transform, which ignores them: check them here
+    known = set(inspect.signature(FasterRCNN).parameters) | {"size_divisible", "fixed_size"}
+    if set(cfg.model_kwargs) - known:
+        raise UserError(f"model_kwargs {sorted(set(cfg.model_kwargs) - known)} do not fit {cfg.model}: the presets take "
+                        "torchvision's FasterRCNN arguments (--model_kwargs {} for none)")
+    try:
+        m = builder(weights="DEFAULT" if cfg.pretrained else None,
+                    weights_backbone=PRESETS[cfg.model] if cfg.pretrained_backbone else None,
+                    num_classes=91 if cfg.pretrained else num_classes + 1,
+                    trainable_backbone_layers=PRESET_STAGES[cfg.model] - cfg.freeze_at if cfg.pretrained or cfg.pretrained_backbone else None,
+                    min_size=tuple(cfg.min_size), max_size=cfg.max_size, **budgets(cfg, {}), **box_kwargs,
+                    **cfg.model_kwargs)
+    except TypeError as e:
+        raise UserError(f"model_kwargs {cfg.model_kwargs} do not fit {cfg.model} ({e}); "
+                        "the presets take torchvision's FasterRCNN arguments (--model_kwargs {} for none)") from None
+    if cfg.anchor_sizes:  # the preset's anchors replaced; a new RPN head when the count per position changes
+        m.rpn.anchor_generator = AnchorGenerator(tuple(tuple(s) for s in cfg.anchor_sizes),
+                                                 (tuple(cfg.aspect_ratios),) * len(cfg.anchor_sizes))
+        per_position = m.rpn.anchor_generator.num_anchors_per_location()[0]
+        if m.rpn.head.cls_logits.out_channels != per_position:
+            m.rpn.head = RPNHead(m.backbone.out_channels, per_position)
+    if cfg.pretrained:  # COCO's 91-way predictor -> ours
+        m.roi_heads.box_predictor = FastRCNNPredictor(m.roi_heads.box_predictor.cls_score.in_features, num_classes + 1)
+    if cfg.frozen_bn:  # the presets freeze it themselves whenever they load weights
+        m.backbone.body = timm.layers.freeze_batch_norm_2d(m.backbone.body)
+    return TwoStageDetector(m.transform, m.backbone, m.rpn, m.roi_heads)
+
+
+def timm_model(cfg: Config, num_classes: int) -> TwoStageDetector:
+    """A timm ``features_only`` backbone under TimmFPN, with this recipe's RPN and RoI heads, for
+    ``num_classes`` object classes (background is one more)."""
+    try:
+        body = create_timm_model(cfg.model, also=f" or a torchvision preset ({', '.join(PRESETS)})",
+                                 features_only=True, out_indices=tuple(cfg.out_indices),
+                                 pretrained=cfg.pretrained, **cfg.model_kwargs)
+    except (IndexError, TypeError) as e:
+        raise UserError(f"model '{cfg.model}' does not take out_indices {cfg.out_indices} "
+                        f"and model_kwargs {cfg.model_kwargs}: {e}") from None
+    freeze_stages(body, cfg.freeze_at)
+    if cfg.frozen_bn:
+        body = timm.layers.freeze_batch_norm_2d(body)  # BatchNorm2d -> FrozenBatchNorm2d
+    backbone = TimmFPN(body, cfg.fpn_channels, cfg.extra_pool)
+    strides = body.feature_info.reduction() + ([2 * body.feature_info.reduction()[-1]] if cfg.extra_pool else [])
+    sizes = [tuple(s) for s in cfg.anchor_sizes] or [(8 * s,) for s in strides]
+    if len(sizes) != len(strides) or len({len(s) for s in sizes}) != 1:
+        raise UserError(f"anchor_sizes must give one list of sizes per FPN level, as many at each (the RPN "
+                        f"head is shared); the FPN has {len(strides)} levels (strides {strides}), got {cfg.anchor_sizes}")
+    anchors = AnchorGenerator(tuple(sizes), (tuple(cfg.aspect_ratios),) * len(sizes))
+    budget = budgets(cfg, TIMM_BUDGETS)
+    rpn = RegionProposalNetwork(
+        anchors, RPNHead(cfg.fpn_channels, anchors.num_anchors_per_location()[0]),
+        fg_iou_thresh=0.7, bg_iou_thresh=0.3, batch_size_per_image=budget["rpn_batch_size_per_image"],
+        positive_fraction=0.5, nms_thresh=0.7,
+        pre_nms_top_n=dict(training=budget["rpn_pre_nms_top_n_train"], testing=budget["rpn_pre_nms_top_n_test"]),
+        post_nms_top_n=dict(training=budget["rpn_post_nms_top_n_train"], testing=budget["rpn_post_nms_top_n_test"]))
+    levels = [str(i) for i in range(len(cfg.out_indices))]  # RoIAlign reads the FPN levels, not "pool"
+    roi_heads = RoIHeads(
+        MultiScaleRoIAlign(levels, cfg.roi_size, cfg.roi_sampling_ratio),
+        TwoMLPHead(cfg.fpn_channels * cfg.roi_size ** 2, cfg.box_head_dim),
+        FastRCNNPredictor(cfg.box_head_dim, num_classes + 1),
+        fg_iou_thresh=0.5, bg_iou_thresh=0.5, batch_size_per_image=budget["box_batch_size_per_image"],
+        positive_fraction=0.25, bbox_reg_weights=None, score_thresh=cfg.box_score_thresh,
+        nms_thresh=cfg.box_nms_thresh, detections_per_img=cfg.box_detections_per_img)
+    # the order of min_size matters: training draws one per image, evaluation uses the last
+    transform = GeneralizedRCNNTransform(tuple(cfg.min_size), cfg.max_size, IMAGENET_MEAN, IMAGENET_STD)
+    return TwoStageDetector(transform, backbone, rpn, roi_heads)
+
+
+def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
+    """The detector for ``num_classes`` object classes (background is one more)."""
+    if cfg.model in PRESETS:
+        return preset_model(cfg, num_classes)
+    return timm_model(cfg, num_classes)
 
 
 # ============================================================================================
@@ -486,7 +470,7 @@ def predict(cfg: Config, run: Run) -> dict[str, float]:
 # ============================================================================================
 def check_config(cfg: Config) -> None:
     """Values that would fail deep inside torchvision, as one clear error before anything is made
-    (the anchors are checked against the backbone's levels in ``create_model``)."""
+    (the anchors are checked against the backbone's levels in ``timm_model``)."""
     if len(cfg.loss_weights) != 4 or any(w < 0 for w in cfg.loss_weights):
         raise UserError(f"loss_weights must be 4 non-negative numbers (rpn objectness, rpn box, roi classifier, "
                         f"roi box), got {cfg.loss_weights}")

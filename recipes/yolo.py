@@ -8,6 +8,8 @@ the anchor, objectness and per-class scores. Each ground-truth box is assigned t
 that already overlap a ground truth (IoU > ``ignore_iou``) are not punished for objectness. The
 four losses are GluonCV's: objectness BCE, centre BCE, scale L1 and class BCE, box terms weighted
 by ``2 - w*h`` (box area over image area) so small boxes count more.
+The model, the target assignment, the losses and NMS are in recipes/yolo_model.py; the transforms,
+the multi-scale sampler and k-means anchors in recipes/yolo_data.py.
 
 Training as GluonCV trains YOLOv3: warmup then cosine (or step) learning rate per step, SGD with
 momentum or AdamW, no weight decay on biases and norms, model EMA, mosaic and mixup that switch
@@ -36,57 +38,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
-for _root in Path(__file__).resolve().parents:  # find common/ (README, "Layout")
-    if (_root / "common" / "__init__.py").is_file():
-        if str(_root) not in sys.path:
-            sys.path.insert(0, str(_root))
-        break
-else:  # a copy outside the repository: common/ must be installed
-    import importlib.util
-
-    if importlib.util.find_spec("common") is None:
-        sys.exit("error: this recipe needs the cv-recipes package common/: run `pip install -e <cv-recipes folder>` "
-                 "once (README, \"Your own recipe\")")
+try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
+    import common  # noqa: F401
+except ModuleNotFoundError:
+    print("error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr)
+    sys.exit(2)
 
 import random
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torchvision.ops import batched_nms, clip_boxes_to_image
+from torchvision.ops import clip_boxes_to_image
 
 from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
+from common.config import RunConfig
 from common.console import cli_main
-from common.detection import DetectionDataset, collate, load_detection
-from common.detection_figures import per_class_text
-from common.detection_outputs import check_classes, prediction_batches, report_evaluation, save_predictions
+from common.detection import DetectionDataset, collate, load_detection, prediction_batches
+from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.ema import ModelEma
 from common.loaders import eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
-from common.models import config_with_weights, create_timm_model, load_state, load_weights, save_weights, sync_batchnorm
+from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from recipes.yolo_data import (MultiScaleBatchSampler, detection_transforms,  # YOLO's own helpers, beside this file
+from common.weights import config_with_weights, load_state, load_weights, save_weights
+from yolo_data import (MultiScaleBatchSampler, detection_transforms,  # YOLO's own helpers, beside this file
                                kmeans_anchors)
-
-# YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they are at every input size.
-COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
-LOSS_TERMS = ("loss_obj", "loss_center", "loss_scale", "loss_cls")  # what yolo_loss returns
+from yolo_model import LOSS_TERMS, Exported, YOLOv3, postprocess, yolo_loss  # YOLO's model and loss, beside this file
 
 
 # ============================================================================================
 # Config (defaults: the built-in demo)
 # ============================================================================================
 @dataclass
-class Config:
-    config: str = ""  # the YAML file this run was read from (set by --config)
+class Config(RunConfig):
     # data
     data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
-    train_split: str = "train"  # the split to train on
-    eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
     img_size: int = 96  # training (before multi-scale) and evaluation size, pixels; a multiple of 32
     multiscale: list[int] = field(default_factory=list)  # training sizes, px, one drawn every multiscale_every steps,
         # e.g. [320, 352, ..., 608]; multiples of 32 (empty: img_size only); every image of a batch is transformed
@@ -104,7 +93,6 @@ class Config:
         # are too few)
     mixup: float = 0.0  # probability that a training image is mixed with another (GluonCV: Beta(1.5, 1.5))
     no_aug_epochs: int = 2  # mosaic and mixup are off for the last N epochs
-    num_workers: int = 2  # DataLoader worker processes per training process (0: load in the main process)
     # model
     model: str = "cs3darknet_s"  # any timm model with features_only (darknet53 / cspdarknet53 at scale)
     model_kwargs: dict = field(default_factory=lambda: {"out_indices": [1, 2, 3]})  # extra timm.create_model
@@ -119,9 +107,8 @@ class Config:
     label_smoothing: bool = False  # smooth the class targets by min(1/C, 1/40), as GluonCV
     # optimization
     epochs: int = 8  # training epochs, the last no_aug_epochs included
-    max_steps: int = 0  # >0: stop after this many optimizer steps
-    batch_size: int = 16  # images per process and micro-step: global batch = this x processes x grad_accum_steps
-    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
+    batch_size: int = 16  # images per process and micro-step, all at one multiscale size; global batch = this x
+        # processes x grad_accum_steps
     opt: Literal["adamw", "sgd"] = "adamw"  # adamw, or sgd with momentum (GluonCV: sgd, lr 1e-3 per 64 images)
     lr: float = 4e-3  # peak learning rate (not scaled by batch size)
     min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules
@@ -135,10 +122,6 @@ class Config:
     momentum: float = 0.9  # SGD momentum (GluonCV: 0.9)
     clip_grad: float = 10.0  # clip the global gradient norm to this (0: off)
     ema_decay: float = 0.999  # model EMA decay (0: off); the EMA is what is evaluated, kept and exported
-    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
-    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
-        # full fp32 precision and a fixed convolution algorithm)
-    compile: bool = False  # torch.compile through Accelerate (inductor); the first steps are slow while it compiles
     # evaluation and export
     conf_threshold: float = 0.01  # scores below are dropped before NMS
     nms_iou: float = 0.45  # NMS drops a box overlapping a higher-scoring one of its class above this IoU
@@ -148,25 +131,13 @@ class Config:
         # COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
     export: bool = True  # torch.export (.pt2) and ONNX of the final model, each checked against eager
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
-    weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
     eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
         # dataset's category ids), no training
     predict: str = ""  # an image or a folder of images: with --weights, write predictions.json and the images with
         # their boxes drawn (predictions/) in the run folder; no dataset needed
     predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
     # run
-    output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
-    seed: int = 0  # seeds data order, augmentation, multi-scale sizes and initialisation
-    log_every: int = 20  # log training metrics every this many optimizer steps
     eval_every: int = 2  # evaluate every this many epochs; also at the end
-    checkpoint_every: int = 500  # save a checkpoint every this many optimizer steps; also at the end
-    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
-    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
-    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
-        # metrics.jsonl is written in every case
-    project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
-    run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
-    log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
 
 
 # ============================================================================================
@@ -265,108 +236,8 @@ def train_collate(batch):
 
 
 # ============================================================================================
-# Model: timm backbone -> YOLOv3 feature pyramid -> 3 scales x A anchors x (4 + 1 + C)
+# Model: YOLOv3 (recipes/yolo_model.py) on a timm backbone; anchors from the config or k-means
 # ============================================================================================
-def conv_bn(cin: int, cout: int, k: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout),
-                         nn.LeakyReLU(0.1, inplace=True))
-
-
-def yolo_block(cin: int, c: int) -> nn.Sequential:
-    """YOLOv3's five alternating 1x1 / 3x3 convolutions before each output."""
-    return nn.Sequential(conv_bn(cin, c, 1), conv_bn(c, 2 * c, 3), conv_bn(2 * c, c, 1), conv_bn(c, 2 * c, 3),
-                         conv_bn(2 * c, c, 1))
-
-
-class YOLOv3(nn.Module):
-    """``forward(images [B, 3, H, W]) -> raw [B, N, 5 + C]``, N = sum over the 3 levels (large stride
-    first) of H_l * W_l * A, ordered (level, y, x, anchor); the 5 are (tx, ty, tw, th, objectness).
-    ``anchors`` [3 * A, 2] px, small to large (A anchors per level, 3 in YOLOv3)."""
-
-    def __init__(self, backbone: nn.Module, num_classes: int, anchors: torch.Tensor, neck_channels: int) -> None:
-        super().__init__()
-        self.backbone, self.num_classes = backbone, num_classes
-        c3, c4, c5 = backbone.feature_info.channels()[-3:]
-        self.strides = backbone.feature_info.reduction()[-3:][::-1]  # [32, 16, 8]: the order of the outputs
-        c = [neck_channels, neck_channels // 2, neck_channels // 4]
-        self.num_anchors = a = len(anchors) // 3  # per level
-        self.register_buffer("anchors", anchors.float().view(3, a, 2).flip(0).contiguous())  # large-stride level first
-        self.blocks = nn.ModuleList([yolo_block(c5, c[0]), yolo_block(c4 + c[1], c[1]), yolo_block(c3 + c[2], c[2])])
-        self.transitions = nn.ModuleList([conv_bn(c[0], c[1], 1), conv_bn(c[1], c[2], 1)])
-        self.outputs = nn.ModuleList([nn.Sequential(conv_bn(ci, 2 * ci, 3), nn.Conv2d(2 * ci, a * (5 + num_classes), 1))
-                                      for ci in c])
-        self._tables: dict[tuple, dict[str, torch.Tensor]] = {}  # see tables()
-        for out in self.outputs:  # start with objectness ~0.01 so the first steps are not all false positives,
-            bias = out[-1].bias.view(a, 5 + num_classes)  # and class probabilities at the 1/C prior, so the
-            nn.init.constant_(bias[:, 4], -4.6)  # first steps go to telling digits apart, not to learning the prior
-            nn.init.constant_(bias[:, 5:], -math.log(max(num_classes - 1, 1)))
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        c3, c4, c5 = self.backbone(images)[-3:]
-        route, outs = None, []
-        for level, feature in enumerate((c5, c4, c3)):
-            if route is not None:
-                route = F.interpolate(self.transitions[level - 1](route), size=feature.shape[-2:], mode="nearest")
-                feature = torch.cat([route, feature], dim=1)
-            route = self.blocks[level](feature)
-            out = self.outputs[level](route)  # [B, A * (5 + C), H, W]
-            b, _, h, w = out.shape
-            a = self.num_anchors
-            outs.append(out.view(b, a, 5 + self.num_classes, h, w).permute(0, 3, 4, 1, 2).reshape(b, h * w * a, -1))
-        return torch.cat(outs, dim=1)
-
-    def level_shapes(self, height: int, width: int) -> list[tuple[int, int]]:
-        """(H_l, W_l) of each output for an input of this size (host ints: no device sync)."""
-        return [(math.ceil(height / s), math.ceil(width / s)) for s in self.strides]
-
-    def tables(self, height: int, width: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """Constant tensors for an input size, made once per size and device (multi-scale training
-        uses a few sizes), so a training step copies nothing from the host:
-        per prediction ``cells`` [N, 2] (cell corner x, y), ``strides`` [N, 1] px, ``anchors`` [N, 2] px;
-        per level ``level_offsets``, ``level_w``, ``level_h``, ``level_strides`` [3]."""
-        key = (height, width, str(device))
-        if key in self._tables and not torch.compiler.is_compiling():
-            return self._tables[key]
-        shapes = self.level_shapes(height, width)
-        cells, strides, anchors, k = [], [], [], self.num_anchors
-        for (h, w), s, a in zip(shapes, self.strides, self.anchors):
-            y, x = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
-            cells.append(torch.stack([x, y], dim=-1).view(h * w, 1, 2).expand(h * w, k, 2).reshape(-1, 2).float())
-            strides.append(torch.full((h * w * k, 1), float(s), device=device))
-            anchors.append(a.view(1, k, 2).expand(h * w, k, 2).reshape(-1, 2))
-        offsets = np.cumsum([0] + [h * w * k for h, w in shapes])[:-1].tolist()
-        table = {"cells": torch.cat(cells), "strides": torch.cat(strides), "anchors": torch.cat(anchors),
-                 "level_offsets": torch.tensor(offsets, device=device),
-                 "level_w": torch.tensor([w for _, w in shapes], device=device),
-                 "level_h": torch.tensor([h for h, _ in shapes], device=device),
-                 "level_strides": torch.tensor(self.strides, dtype=torch.float32, device=device)}
-        if not torch.compiler.is_compiling():  # traced tensors must not outlive the trace
-            self._tables[key] = table
-        return table
-
-    def decode(self, raw: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """raw [B, N, 5 + C] -> boxes [B, N, 4] (xyxy px of the input) and scores [B, N, C]
-        (objectness x class probability)."""
-        t = self.tables(height, width, raw.device)
-        raw = raw.float()
-        xy = (raw[..., :2].sigmoid() + t["cells"]) * t["strides"]
-        wh = raw[..., 2:4].clamp(max=8.0).exp() * t["anchors"]  # clamp: exp must not overflow early in training
-        boxes = torch.cat([xy - wh / 2, xy + wh / 2], dim=-1)
-        return boxes, raw[..., 4:5].sigmoid() * raw[..., 5:].sigmoid()
-
-
-class Exported(nn.Module):
-    """What is exported: images -> (boxes [B, N, 4] px, scores [B, N, C]); NMS stays outside (see
-    ``postprocess``), so the graph has static shapes."""
-
-    def __init__(self, model: YOLOv3) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.decode(self.model(images), images.shape[-2], images.shape[-1])
-
-
 def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
     """[3 * A, 2] anchor (w, h) in pixels at img_size, small to large: the config's, or k-means on
     the training boxes (each image resized so that its longer side is img_size, as the transforms do)."""
@@ -387,110 +258,8 @@ def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor) -> YOLOv3
 
 
 # ============================================================================================
-# Loss: GluonCV's YOLOv3 target assignment and four losses
+# Evaluation (NMS: postprocess in recipes/yolo_model.py), prediction and export
 # ============================================================================================
-def batch_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """IoU of xyxy boxes a [B, N, 4] and b [B, M, 4] -> [B, N, M] (torchvision's box_iou is 2-D only)."""
-    lt = torch.maximum(a[:, :, None, :2], b[:, None, :, :2])
-    rb = torch.minimum(a[:, :, None, 2:], b[:, None, :, 2:])
-    inter = (rb - lt).clamp(min=0).prod(-1)
-    area_a = (a[..., 2:] - a[..., :2]).clamp(min=0).prod(-1)
-    area_b = (b[..., 2:] - b[..., :2]).clamp(min=0).prod(-1)
-    return inter / (area_a[:, :, None] + area_b[:, None, :] - inter).clamp(min=1e-9)
-
-
-@torch.no_grad()
-def assign_targets(model: YOLOv3, gt_boxes: torch.Tensor, gt_labels: torch.Tensor, gt_weights: torch.Tensor,
-                   height: int, width: int) -> dict[str, torch.Tensor]:
-    """Each ground truth -> the one anchor (of all 3 * A) with the best shape IoU (both centred at 0),
-    in the cell of its level that holds its centre. Shapes: gt_* [B, M(, 4)], weight 0 = padding.
-
-    Returns dense targets over the N predictions: ``obj`` [B, N] (the box's mixup weight at assigned
-    anchors, else 0), ``center`` [B, N, 2] (offset in the cell, 0..1), ``scale`` [B, N, 2]
-    (log(size / anchor)), ``box_weight`` [B, N] (2 - w*h / (W*H)), ``cls`` [B, N] (class index).
-    When two boxes claim the same anchor of the same cell, one of them wins (as in GluonCV).
-    """
-    b, m = gt_labels.shape
-    a = model.num_anchors
-    n = sum(h * w * a for h, w in model.level_shapes(height, width))  # host ints
-    table = model.tables(height, width, gt_boxes.device)
-    all_anchors = model.anchors.view(3 * a, 2)  # level-major (large stride first), A per level
-    wh = (gt_boxes[..., 2:] - gt_boxes[..., :2]).clamp(min=1.0)  # [B, M, 2]
-    centre = (gt_boxes[..., 2:] + gt_boxes[..., :2]) / 2
-    inter = torch.minimum(wh[..., None, :], all_anchors).prod(-1)  # [B, M, 3A]
-    shape_iou = inter / (wh.prod(-1)[..., None] + all_anchors.prod(-1) - inter)
-    best = shape_iou.argmax(-1)  # [B, M]
-    level, k = best // a, best % a
-    strides = table["level_strides"][level]  # [B, M]
-    grid_w, grid_h = table["level_w"][level], table["level_h"][level]
-    cell = (centre / strides[..., None]).floor().long()
-    cx, cy = torch.minimum(cell[..., 0].clamp(min=0), grid_w - 1), torch.minimum(cell[..., 1].clamp(min=0), grid_h - 1)
-    index = table["level_offsets"][level] + (cy * grid_w + cx) * a + k
-    index = torch.where(gt_weights > 0, index, torch.full_like(index, n))  # padding -> a spare slot, dropped below
-    rows = torch.arange(b, device=gt_boxes.device)[:, None].expand(b, m)
-
-    def scatter(values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        out = torch.full((b, n + 1, *values.shape[2:]), fill, dtype=values.dtype, device=values.device)
-        out[rows, index] = values
-        return out[:, :n]
-
-    return {
-        "obj": scatter(gt_weights),
-        "center": scatter(centre / strides[..., None] - torch.stack([cx, cy], -1).float()),
-        "scale": scatter(torch.log(wh / all_anchors[best])),
-        "box_weight": scatter(2.0 - wh.prod(-1) / (height * width)),
-        "cls": scatter(gt_labels),
-    }
-
-
-def yolo_loss(model: YOLOv3, raw: torch.Tensor, targets: dict[str, torch.Tensor], height: int, width: int,
-              ignore_iou: float, label_smoothing: bool) -> dict[str, torch.Tensor]:
-    """The four YOLOv3 losses, each summed over predictions and averaged over images.
-
-    raw [B, N, 5 + C]; targets from the collate: boxes [B, M, 4], labels [B, M], weights [B, M].
-    """
-    t = assign_targets(model, targets["boxes"], targets["labels"], targets["weights"], height, width)
-    raw = raw.float()
-    batch = raw.shape[0]
-    positive = t["obj"] > 0  # [B, N]
-    with torch.no_grad():  # ignore: negatives whose predicted box already overlaps a ground truth well
-        boxes, _ = model.decode(raw.detach(), height, width)
-        iou = batch_iou(boxes, targets["boxes"]).masked_fill(targets["weights"][:, None, :] <= 0, 0.0)
-        ignored = (iou.amax(-1) > ignore_iou) & ~positive
-    obj_weight = torch.where(positive, t["obj"], (~ignored).float())
-    obj = F.binary_cross_entropy_with_logits(raw[..., 4], positive.float(), weight=obj_weight, reduction="sum")
-    box_w = (t["obj"] * t["box_weight"])[..., None]  # mixup ratio x (2 - wh) at positives, 0 elsewhere
-    center = F.binary_cross_entropy_with_logits(raw[..., :2], t["center"], weight=box_w.expand(-1, -1, 2), reduction="sum")
-    scale = (F.l1_loss(raw[..., 2:4], t["scale"], reduction="none") * box_w).sum()
-    num_classes = raw.shape[-1] - 5
-    cls_t = F.one_hot(t["cls"], num_classes).float()
-    if label_smoothing:
-        eps = min(1.0 / num_classes, 1.0 / 40)
-        cls_t = cls_t * (1 - eps) + (1 - cls_t) * eps
-    cls = F.binary_cross_entropy_with_logits(raw[..., 5:], cls_t, weight=t["obj"][..., None].expand_as(cls_t),
-                                             reduction="sum")
-    return {"loss_obj": obj / batch, "loss_center": center / batch, "loss_scale": scale / batch,
-            "loss_cls": cls / batch}
-
-
-# ============================================================================================
-# Evaluation helpers: NMS post-processing
-# ============================================================================================
-@torch.no_grad()
-def postprocess(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: float, max_det: int) -> list[dict]:
-    """Per image: every (box, class) with score > conf, class-wise NMS, the top ``max_det``.
-    boxes [B, N, 4], scores [B, N, C] -> [{boxes [K, 4], scores [K], labels [K]}]."""
-    results = []
-    for bx, sc in zip(boxes, scores):
-        idx, cls = (sc > conf).nonzero(as_tuple=True)
-        s = sc[idx, cls]
-        top = s.topk(min(len(s), 10 * max_det)).indices  # bounded NMS cost early in training
-        idx, cls, s = idx[top], cls[top], s[top]
-        keep = batched_nms(bx[idx], s, cls, iou)[:max_det]
-        results.append({"boxes": bx[idx[keep]], "scores": s[keep], "labels": cls[keep]})
-    return results
-
-
 @torch.no_grad()
 def detect(model: YOLOv3, loader, accelerator, cfg: Config) -> Iterator[list[dict[str, Any]]]:
     """Per batch of ``loader``, per image: ``image_id`` and the detections (``boxes`` XYXY in the original

@@ -1,7 +1,8 @@
 """YOLO's data helpers, beside recipes/yolo.py (as torchvision keeps its detection references'
 helpers beside their train.py): the box-aware transforms (the letterbox pipeline: scale jitter, crop,
 pad; and GluonCV's YOLOv3 preset: colour, zoom-out, IoU crop, stretch), the multi-scale batch
-sampler and k-means anchors from the training boxes. recipes/yolo.py imports them; copy both files together.
+sampler and k-means anchors from the training boxes. recipes/yolo.py imports them; copy it, this file
+and recipes/yolo_model.py together.
 """
 
 from __future__ import annotations

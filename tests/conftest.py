@@ -98,7 +98,10 @@ def recipe_cmd(recipe: str, args: list[str], nproc: int = 1) -> list[str]:
 
 
 def recipe_env(nproc: int = 1, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    # the repository root first: common/ as `pip install -e .` gives it, whether or not it was installed
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    env.update(extra)
     if nproc > 1:
         env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
     return env
@@ -158,3 +161,22 @@ def assert_pictures(folder: Path, names: list[str]) -> None:
         assert path.is_file(), f"{path} missing; found {sorted(p.name for p in folder.iterdir())}"
         pixels = np.asarray(Image.open(path).convert("L"), np.float32)
         assert min(pixels.shape) >= 200 and pixels.std() > 10, (name, pixels.shape, pixels.std())
+
+
+# A 4-step classifier run on the built-in digits: what the run plumbing tests run.
+TINY_CLASSIFIER = ["--model", "test_vit", "--img_size", "32", "--num_workers", "0", "--opt", "sgd", "--lr", "0.05",
+        "--warmup_epochs", "0", "--smoothing", "0", "--log_every", "2", "--max_steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def wandb_run(tmp_path_factory) -> tuple[Path, str]:
+    """A 4-step classifier run logging to W&B offline (WANDB_MODE=offline, set above), and
+    what it printed."""
+    import contextlib
+    import io
+
+    folder = tmp_path_factory.mktemp("ux") / "run"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        load_recipe("classifier").main(TINY_CLASSIFIER + ["--report_to", "wandb", "--log_weights", "--output_dir", str(folder)])
+    return folder, out.getvalue()

@@ -16,9 +16,10 @@ from PIL import Image
 from common.boxes import crop_box
 from common.builtin import CLASSIFICATION, DETECTION, digits_det, digits_ssl
 from common.builtin.digits import digits_dataset
-from common.data import decode_image, load_classification
+from common.data import load_classification
 from common.detection import load_detection
 from common.detection_sources import features
+from common.images import decode_image
 
 
 def test_registry_names_every_builtin_set():

@@ -274,7 +274,7 @@ def test_weights_of_a_compiled_model_are_saved_with_plain_keys(tmp_path):
     model, through timm and --init_weights alike."""
     import timm
 
-    from common.models import read_metadata, save_weights
+    from common.weights import read_metadata, save_weights
 
     classifier = load_recipe("classifier")
     cfg = parse_config(classifier.Config, TINY)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -11,7 +12,7 @@ from typing import Literal, Optional
 import pytest
 import yaml
 
-from common.config import ConfigError, parse_config, save_config
+from common.config import ConfigError, RunConfig, parse_config, save_config, to_dict
 from common.config_help import field_docs, usage
 
 RECIPES = ["classifier", "dino", "yolo", "detr", "faster_rcnn"]
@@ -243,6 +244,41 @@ def test_recipe_help_shows_every_field(name, capsys):
         if typing.get_origin(hints[f.name]) is Literal:
             assert "choices: " + ", ".join(a or "''" for a in typing.get_args(hints[f.name])) in flat, f.name
     assert "choices: wandb, tensorboard, none" in flat and "choices: '', no, fp16, bf16" in flat
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_config_extends_the_run_contract(name):
+    """The shared fields are written once (common.config.RunConfig); a recipe re-declares one only to give its
+    own default or description, and its own fields come first in --help and config.yaml."""
+    config = recipe(name).Config
+    assert issubclass(config, RunConfig)
+    shared = {f.name: f for f in dataclasses.fields(RunConfig)}
+    docs, shared_docs = field_docs(config), field_docs(RunConfig)
+    for f in dataclasses.fields(config):
+        if f.name in shared and f.name in inspect.get_annotations(config):
+            own_default = f.default != shared[f.name].default
+            own_words = docs[f.name].description != shared_docs[f.name].description
+            assert own_default or own_words, f"recipes/{name}.py re-declares '{f.name}' as RunConfig has it"
+    keys = list(to_dict(config()))
+    assert keys[0] == "data" and keys.index("output_dir") > keys.index("model")
+
+
+def test_a_redeclared_field_keeps_the_shared_description_and_help_lists_own_fields_first():
+    @dataclass
+    class Mine(RunConfig):
+        # data
+        data: str = "digits"
+        img_size: int = 32  # pixels
+        epochs: int = 3
+
+    docs = field_docs(Mine)
+    assert docs["data"].description == field_docs(RunConfig)["data"].description and docs["data"].heading == "data"
+    assert docs["epochs"].description == "training epochs"
+    text = usage(Mine)
+    assert text.index("--data str (default: digits)") < text.index("--img_size") < text.index("--epochs int (default: 3)")
+    assert text.index("--epochs") < text.index("every recipe's fields (common.config.RunConfig):") < text.index(
+        "--output_dir")
+    assert text.count("--epochs") == 1
 
 
 @pytest.mark.parametrize("name, argv, message", [

@@ -10,7 +10,8 @@ from PIL import Image
 
 from common import UserError
 from common.builtin import digits_dataset
-from common.data import ClassificationDataset, decode_image, load_classification
+from common.data import ClassificationDataset, load_classification
+from common.images import decode_image
 from common.loaders import EpochBatchSampler
 
 

@@ -20,10 +20,10 @@ from common import UserError
 from common.boxes import areas, rescale_boxes
 from common.builtin import DETECTION
 from common.coco_eval import CocoEvaluator
-from common.data import decode_image
 from common.detection import DetectionDataset, collate, load_detection
+from common.detection_figures import class_colour, draw_detections, save_detections, wandb_boxes
 from common.detection_sources import features
-from common.plots import class_colour, draw_detections, save_detections, wandb_boxes
+from common.images import decode_image
 from conftest import ROOT, bright_rectangle, detection_table, free_port, recipe_env
 
 

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from common.builtin import DETECTION
-from common.models import read_metadata
+from common.weights import read_metadata
 from conftest import check, error_line, load_recipe, run_recipe
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]

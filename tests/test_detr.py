@@ -1,7 +1,7 @@
-"""recipes/detr.py: the Hungarian matcher against brute force, each loss term against hand-computed
-values, auxiliary losses, the sine position encoding under padding, post-processing back to pixels,
-the box-crop pre-training data, bad input, and a shortened default run through the entry point that
-learns the built-in scenes."""
+"""recipes/detr.py with detr_model.py and detr_pretrain.py beside it: the Hungarian matcher against
+brute force, each loss term against hand-computed values, auxiliary losses, the sine position encoding
+under padding, post-processing back to pixels, the box-crop pre-training data, bad input, and a
+shortened default run through the entry point that learns the built-in scenes."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import torch
 import yaml
 
 from common.config import parse_config
-from common.models import read_metadata
+from common.weights import read_metadata
 from conftest import assert_pictures, check, error_line, load_recipe, run_recipe
+from detr_model import HungarianMatcher, SetCriterion, postprocess, sine_position_encoding  # beside the recipe
+from detr_pretrain import BoxCropDataset, CropClassifier
 
 detr = load_recipe("detr")
 
@@ -39,7 +41,7 @@ def test_matcher_equals_brute_force_over_permutations():
     """4 queries x 0..4 targets: the assignment's total cost is the minimum over every injective
     map of targets to queries (itertools.permutations), and it is that map."""
     gen = torch.Generator().manual_seed(0)
-    matcher = detr.HungarianMatcher(1.0, 5.0, 2.0)
+    matcher = HungarianMatcher(1.0, 5.0, 2.0)
     for trial in range(6):
         counts = [3, 0, 4, 1, 2][trial % 5:] + [3, 0, 4, 1, 2][: trial % 5]
         outputs, targets = _random_case(gen, 4, counts)
@@ -58,7 +60,7 @@ def test_matcher_cost_is_minus_prob_plus_l1_minus_giou_and_batched_equals_per_im
     from torchvision.ops import box_convert, generalized_box_iou
 
     gen = torch.Generator().manual_seed(1)
-    matcher = detr.HungarianMatcher(1.0, 5.0, 2.0)
+    matcher = HungarianMatcher(1.0, 5.0, 2.0)
     outputs, targets = _random_case(gen, 5, [2, 0, 3])
     cost = matcher.cost(outputs, targets)
     assert cost.shape == (3, 5, 5)
@@ -97,7 +99,7 @@ def _hand_case():
 
 def test_each_loss_term_against_hand_computed_values():
     outputs, targets = _hand_case()
-    criterion = detr.SetCriterion(2, detr.HungarianMatcher(1, 5, 2), {"loss_ce": 1, "loss_bbox": 5, "loss_giou": 2},
+    criterion = SetCriterion(2, HungarianMatcher(1, 5, 2), {"loss_ce": 1, "loss_bbox": 5, "loss_giou": 2},
                                   0.1, ["labels", "boxes", "cardinality"])
     losses = criterion(outputs, targets)
     # cross-entropy: image 0 query 0 -> class 1 (weight 1), every other query -> no-object (weight 0.1),
@@ -119,7 +121,7 @@ def test_each_loss_term_against_hand_computed_values():
     total = sum(losses[k] * w for k, w in criterion.weight_dict.items())
     assert float(total) == pytest.approx(expected_ce + 5 * 0.2 + 2 * 0.5, rel=1e-6)
     # eos_coef 1: the plain mean over all four queries
-    plain = detr.SetCriterion(2, detr.HungarianMatcher(), {}, 1.0, ["labels"])(outputs, targets)
+    plain = SetCriterion(2, HungarianMatcher(), {}, 1.0, ["labels"])(outputs, targets)
     assert float(plain["loss_ce"]) == pytest.approx((ce_match + ce_empty + 2 * ce_false) / 4, rel=1e-6)
 
 
@@ -158,7 +160,7 @@ def test_position_encoding_ignores_padding():
     small = torch.zeros(1, 4, 6, dtype=torch.bool)
     padded = torch.ones(1, 7, 9, dtype=torch.bool)
     padded[:, :4, :6] = False
-    a, b = detr.sine_position_encoding(small, 16), detr.sine_position_encoding(padded, 16)
+    a, b = sine_position_encoding(small, 16), sine_position_encoding(padded, 16)
     assert a.shape == (1, 4, 6, 16)
     assert torch.allclose(a, b[:, :4, :6], atol=1e-5)
     # the last valid column is at 2 pi; channel 8 (x, frequency 1) is its sine
@@ -194,13 +196,13 @@ def test_postprocess_round_trips_boxes_to_original_pixels():
     for i, t in enumerate(targets):
         pred[i, : len(t["boxes"])] = t["boxes"]
         logits[i, : len(t["boxes"]), 2] = 5.0
-    results = detr.postprocess({"pred_logits": logits, "pred_boxes": pred}, torch.tensor(sizes))
+    results = postprocess({"pred_logits": logits, "pred_boxes": pred}, torch.tensor(sizes))
     for r, b in zip(results, boxes):
         assert torch.allclose(r["boxes"][: len(b)], torch.tensor(b), atol=1e-3), (r["boxes"], b)
         assert r["labels"][: len(b)].tolist() == [2] * len(b)
         assert float(r["scores"][0]) == pytest.approx(math.exp(5) / (math.exp(5) + 3), rel=1e-5)
     # a query sure of no-object scores low: its best real class has p = 1 / (3 + e^5)
-    results = detr.postprocess({"pred_logits": torch.tensor([[[0.0, 0.0, 0.0, 5.0]]]), "pred_boxes": torch.rand(1, 1, 4)},
+    results = postprocess({"pred_logits": torch.tensor([[[0.0, 0.0, 0.0, 5.0]]]), "pred_boxes": torch.rand(1, 1, 4)},
                                torch.tensor([[10, 10]]))
     assert float(results[0]["scores"][0]) == pytest.approx(1 / (3 + math.exp(5)), rel=1e-5)
 
@@ -216,18 +218,18 @@ def test_box_crop_dataset_is_the_crops_set_normalised_and_shifts_reproducibly():
 
     train = load_detection("digits_det").train
     crops = digits_det_crops_dataset()
-    plain = detr.BoxCropDataset(train, 32, 0.15)
+    plain = BoxCropDataset(train, 32, 0.15)
     assert len(plain) == len(crops["train"]) and [plain.items[i][2] for i in range(50)] == crops["train"]["label"][:50]
     image, label = plain[3]
     expected = TF.to_dtype(TF.pil_to_tensor(crops["train"][3]["image"].convert("RGB")), torch.float32, scale=True)
     assert label == crops["train"][3]["label"] and image.shape == (3, 32, 32)
     assert torch.allclose(image, TF.normalize(expected, IMAGENET_MEAN, IMAGENET_STD))
-    shifted = detr.BoxCropDataset(train, 32, 0.15, shift=0.1, seed=0)
+    shifted = BoxCropDataset(train, 32, 0.15, shift=0.1, seed=0)
     assert torch.equal(shifted[(2, 3)][0], shifted[(2, 3)][0]) and not torch.equal(shifted[(2, 3)][0], shifted[(3, 3)][0])
     assert not torch.equal(shifted[(2, 3)][0], image) and shifted[(2, 3)][1] == label
     crowd = train.select(range(2)).map(
         lambda row: {"objects": {**row["objects"], "iscrowd": [1] + row["objects"]["iscrowd"][1:]}})
-    assert len(detr.BoxCropDataset(crowd)) == sum(len(o["bbox"]) for o in crowd["objects"]) - 2
+    assert len(BoxCropDataset(crowd)) == sum(len(o["bbox"]) for o in crowd["objects"]) - 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,14 +403,14 @@ def test_max_steps_caps_the_backbone_pretraining_and_its_errors_name_its_flag(tm
     """--max_steps 3 is a smoke test: the crop pre-training takes 3 steps as well (it took minutes), and
     a crop batch larger than the boxes names --pretrain_crops_batch_size, not --batch_size."""
     steps = []
-    forward = detr.CropClassifier.forward
+    forward = CropClassifier.forward
 
     def counted(self, images):
         if self.training:
             steps.append(len(images))
         return forward(self, images)
 
-    monkeypatch.setattr(detr.CropClassifier, "forward", counted)
+    monkeypatch.setattr(CropClassifier, "forward", counted)
     args = ["--report_to", "none", "--num_workers", "0", "--plot_images", "0"]
     detr.main(args + ["--max_steps", "3", "--best_metric", "map", "--output_dir", str(tmp_path / "run")])
     assert len(steps) == 3

@@ -17,7 +17,7 @@ from PIL import Image
 
 from common import UserError
 from conftest import error_line, load_recipe
-from recipes import detr_checkpoint as checkpoint  # the reader beside the recipe
+import detr_checkpoint as checkpoint  # the reader beside the recipe
 
 detr = load_recipe("detr")
 
@@ -297,7 +297,7 @@ def test_coco_classes_keep_their_rows_and_other_classes_get_a_new_head(tmp_path,
 def test_own_weights_keep_their_head_for_their_classes(tmp_path):
     """A safetensors file this recipe saved (its own names): everything loads; the head stays when the
     file's classes are the data's, and is new otherwise."""
-    from common.models import save_weights
+    from common.weights import save_weights
 
     cfg = detr.Config()
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 from common.config import parse_config
-from common.models import read_metadata
+from common.weights import read_metadata
 from conftest import assert_pictures, check, error_line, load_recipe, run_recipe
 
 frcnn = load_recipe("faster_rcnn")

@@ -1,6 +1,7 @@
-"""The pictures of an evaluation: common/figures (curves, confusion matrix, tables), common/plots and
-common/detection_figures (detections, PR curves), common/feature_figures (attention, neighbours), and
-the details of one COCO evaluation pass (common/coco_eval)."""
+"""The pictures of an evaluation: common/figures (curves, confusion matrix, tables),
+common/detection_figures (detections, PR curves) and the set one detection evaluation writes
+(common/detection_outputs), common/feature_figures (attention, neighbours), and the details of one COCO
+evaluation pass (common/coco_eval)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import torch
 from PIL import Image, ImageDraw
 
 from common.coco_eval import CocoEvaluator, detection_confusion
-from common.detection_figures import plot_pr_curves, save_evaluation_figures
+from common.detection_figures import class_colour, font, plot_pr_curves, save_detections
+from common.detection_outputs import evaluation_samples, save_evaluation_figures
 from common.feature_figures import attention_overlay, neighbour_grid
 from common.figures import (_panels, confusion_counts, format_table, plot_confusion_matrix, plot_curves,
                             read_metrics, save_table_csv)
-from common.plots import class_colour, evaluation_samples, font, save_detections
 from conftest import ROOT, detection_table
 
 
@@ -296,7 +297,7 @@ def test_neighbour_grid(tmp_path):
 
 def test_figures_do_not_import_matplotlib_until_they_draw():
     """Recipes import these modules; matplotlib's import time is paid only by a run that plots."""
-    code = ("import sys\nimport common.figures, common.plots, common.coco_eval, common.detection_figures, "
+    code = ("import sys\nimport common.figures, common.coco_eval, common.detection_figures, common.detection_outputs, "
             "common.feature_figures\nassert 'matplotlib' not in sys.modules, 'imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]

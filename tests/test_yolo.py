@@ -1,6 +1,6 @@
-"""recipes/yolo.py: target assignment and losses against hand-computed cases, the box-aware transforms,
-k-means anchors, the method's own augmentations, evaluation, and runs through the entry point
-(learning, export, resume)."""
+"""recipes/yolo.py with yolo_model.py and yolo_data.py beside it: target assignment and losses against
+hand-computed cases, the box-aware transforms, k-means anchors, the method's own augmentations,
+evaluation, and runs through the entry point (learning, export, resume)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
 from common.config import parse_config
-from common.models import read_metadata
+from common.weights import read_metadata
 from conftest import assert_pictures, bright_rectangle, check, detection_table, error_line, load_recipe, run_recipe
+from yolo_model import Exported, YOLOv3, assign_targets, postprocess, yolo_loss  # the model beside the recipe
 
 yolo = load_recipe("yolo")
 
@@ -30,7 +31,7 @@ ANCHORS = torch.tensor([[4, 4], [8, 8], [12, 12], [16, 16], [20, 20], [24, 24], 
                        dtype=torch.float32)
 
 
-def _model(num_classes: int = 10) -> yolo.YOLOv3:
+def _model(num_classes: int = 10) -> YOLOv3:
     torch.manual_seed(0)
     cfg = parse_config(yolo.Config, ["--neck_channels", "32", "--model_kwargs", "{}"])  # strides 8, 16, 32
     return yolo.create_model(cfg, num_classes, ANCHORS).eval()
@@ -54,7 +55,7 @@ def test_target_assignment_by_hand():
                           [[40.0, 40.0, 88.0, 88.0], [50.0, 10.0, 54.0, 14.0]]])  # 48x48 and 4x4
     labels = torch.tensor([[3, 0], [7, 1]])
     weights = torch.tensor([[1.0, 0.0], [1.0, 0.5]])  # 0.5: a box from a mixed-up image
-    t = yolo.assign_targets(model, boxes, labels, weights, 96, 96)
+    t = assign_targets(model, boxes, labels, weights, 96, 96)
     # Outputs are ordered level (stride 32, 16, 8), then y, x, anchor: level offsets 0, 27, 135.
     # 16x16 -> anchor [16, 16] = stride-16 level, k 0; centre (18, 28) / 16 -> cell (1, 1), offset (.125, .75)
     # 48x48 -> anchor [48, 48] = stride-32 level, k 1; centre (64, 64) / 32 -> cell (2, 2), offset (0, 0)
@@ -71,8 +72,8 @@ def test_target_assignment_by_hand():
         assert float(t["box_weight"][b, n]) == pytest.approx(box_weight)
         assert int(t["cls"][b, n]) == cls
     # A 64x32 box: best shape IoU with [48, 48] (1536 / 2816 = 0.55, [32, 32] gives 0.5); log-size targets.
-    t = yolo.assign_targets(model, torch.tensor([[[0.0, 0.0, 64.0, 32.0]]]), torch.tensor([[0]]),
-                            torch.tensor([[1.0]]), 96, 96)
+    t = assign_targets(model, torch.tensor([[[0.0, 0.0, 64.0, 32.0]]]), torch.tensor([[0]]),
+                       torch.tensor([[1.0]]), 96, 96)
     n = int((t["obj"][0] > 0).nonzero())
     assert t["scale"][0, n].tolist() == pytest.approx([math.log(64 / 48), math.log(32 / 48)], abs=1e-6)
 
@@ -87,7 +88,7 @@ def test_one_anchor_per_level_at_strides_4_8_16():
     # 8x8 box centred at (30, 50) -> anchor [8, 8] = stride-4 level (offset 36 + 144 = 180), cell (7, 12)
     # 32x32 box centred at (70, 20) -> anchor [32, 32] = stride-16 level (offset 0), cell (4, 1)
     boxes = torch.tensor([[[26.0, 46.0, 34.0, 54.0], [54.0, 4.0, 86.0, 36.0]]])
-    t = yolo.assign_targets(model, boxes, torch.tensor([[4, 9]]), torch.ones(1, 2), 96, 96)
+    t = assign_targets(model, boxes, torch.tensor([[4, 9]]), torch.ones(1, 2), 96, 96)
     assert {n for _, n in (t["obj"] > 0).nonzero().tolist()} == {180 + 12 * 24 + 7, 1 * 6 + 4}
     assert t["center"][0, 180 + 12 * 24 + 7].tolist() == pytest.approx([0.5, 0.5])
     assert t["center"][0, 1 * 6 + 4].tolist() == pytest.approx([70 / 16 - 4, 20 / 16 - 1])
@@ -105,7 +106,7 @@ def test_each_loss_term_by_hand():
     raw = torch.zeros(1, n, 8)
     index = 27 + (1 * 6 + 1) * 3 + 0
     raw[0, index, 5:] = torch.tensor([-1.0, 0.5, 2.0])
-    losses = yolo.yolo_loss(model, raw, targets, 96, 96, ignore_iou=0.7, label_smoothing=False)
+    losses = yolo_loss(model, raw, targets, 96, 96, ignore_iou=0.7, label_smoothing=False)
     box_weight = 2 - 256 / 9216
     assert float(losses["loss_obj"]) == pytest.approx(n * math.log(2), rel=1e-5)  # no other prediction overlaps > 0.7
     assert float(losses["loss_center"]) == pytest.approx(2 * math.log(2) * box_weight, rel=1e-5)
@@ -113,20 +114,20 @@ def test_each_loss_term_by_hand():
     assert float(losses["loss_cls"]) == pytest.approx(_bce(-1.0, 0) + _bce(0.5, 0) + _bce(2.0, 1), rel=1e-5)
 
     # Label smoothing (GluonCV): targets eps = min(1/C, 1/40) and 1 - eps.
-    smoothed = yolo.yolo_loss(model, raw, targets, 96, 96, ignore_iou=0.7, label_smoothing=True)
+    smoothed = yolo_loss(model, raw, targets, 96, 96, ignore_iou=0.7, label_smoothing=True)
     eps = 1 / 40
     assert float(smoothed["loss_cls"]) == pytest.approx(_bce(-1.0, eps) + _bce(0.5, eps) + _bce(2.0, 1 - eps), rel=1e-5)
 
     # A 32x16 box: best anchor [24, 24] (IoU 384 / 704); scale loss |log(32/24)| + |log(16/24)|, x box weight.
     wide = {**targets, "boxes": torch.tensor([[[8.0, 16.0, 40.0, 32.0]]])}
     expected_scale = (abs(math.log(32 / 24)) + abs(math.log(16 / 24))) * (2 - 512 / 9216)
-    assert float(yolo.yolo_loss(model, torch.zeros(1, n, 8), wide, 96, 96, 0.7, False)["loss_scale"]) == pytest.approx(
+    assert float(yolo_loss(model, torch.zeros(1, n, 8), wide, 96, 96, 0.7, False)["loss_scale"]) == pytest.approx(
         expected_scale, rel=1e-5)
 
     # Ignore: a negative whose decoded box overlaps the ground truth above ignore_iou gets no
     # objectness loss. Raw 0 at the same cell's anchor [20, 20] decodes to a 20x20 box at the same
     # centre: IoU 256/400 = 0.64 with the 16x16 box, ignored at a threshold of 0.6, not at 0.7.
-    assert float(yolo.yolo_loss(model, raw, targets, 96, 96, 0.6, False)["loss_obj"]) == pytest.approx(
+    assert float(yolo_loss(model, raw, targets, 96, 96, 0.6, False)["loss_obj"]) == pytest.approx(
         (n - 1) * math.log(2), rel=1e-5)
 
 
@@ -135,10 +136,10 @@ def test_mixup_weights_scale_the_box_losses():
     n = sum(h * w * 3 for h, w in model.level_shapes(96, 96))
     raw = torch.zeros(1, n, 8)
     box = torch.tensor([[[16.0, 16.0, 32.0, 32.0]]])
-    full = yolo.yolo_loss(model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[1.0]])},
-                          96, 96, 0.7, False)
-    half = yolo.yolo_loss(model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[0.5]])},
-                          96, 96, 0.7, False)
+    full = yolo_loss(model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[1.0]])},
+                     96, 96, 0.7, False)
+    half = yolo_loss(model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[0.5]])},
+                     96, 96, 0.7, False)
     assert float(half["loss_center"]) == pytest.approx(0.5 * float(full["loss_center"]))
     assert float(half["loss_cls"]) == pytest.approx(0.5 * float(full["loss_cls"]))
     # objectness: the positive's term is weighted by its ratio, the negatives are unchanged
@@ -150,7 +151,7 @@ def test_decode_inverts_the_targets():
     back to the ground-truth box."""
     model = _model(num_classes=2)
     box = torch.tensor([[[13.0, 30.0, 41.0, 50.0]]])
-    t = yolo.assign_targets(model, box, torch.tensor([[1]]), torch.tensor([[1.0]]), 96, 96)
+    t = assign_targets(model, box, torch.tensor([[1]]), torch.tensor([[1.0]]), 96, 96)
     n = int((t["obj"][0] > 0).nonzero())
     raw = torch.zeros(1, t["obj"].shape[1], 7)
     raw[0, n, :2] = torch.logit(t["center"][0, n].clamp(1e-6, 1 - 1e-6))
@@ -163,7 +164,7 @@ def test_decode_inverts_the_targets():
 def test_postprocess_nms_and_threshold():
     boxes = torch.tensor([[[0.0, 0, 10, 10], [1, 1, 11, 11], [50, 50, 60, 60], [0, 0, 10, 10]]])
     scores = torch.tensor([[[0.9, 0.0], [0.8, 0.0], [0.0, 0.7], [0.0, 0.005]]])  # the last is below conf
-    (result,) = yolo.postprocess(boxes, scores, conf=0.01, iou=0.45, max_det=10)
+    (result,) = postprocess(boxes, scores, conf=0.01, iou=0.45, max_det=10)
     assert result["labels"].tolist() == [0, 1]  # the 0.8 box is suppressed by the 0.9 one
     assert result["scores"].tolist() == pytest.approx([0.9, 0.7])
 
@@ -331,7 +332,7 @@ def test_export_round_trip(short_run):
     model.load_state_dict(weights)
     images = torch.randn(3, 3, 96, 96)  # another batch size than the export's example
     with torch.no_grad():
-        expected = yolo.Exported(model.eval())(images)
+        expected = Exported(model.eval())(images)
         got = torch.export.load(str(short_run / "model.pt2")).module()(images)
     for g, e in zip(got, expected):
         assert torch.allclose(g, e, atol=1e-4)
@@ -368,7 +369,7 @@ def test_export_from_a_single_evaluation_image(tmp_path, monkeypatch):
     assert set(diffs) == {"export/torch_export_max_abs_diff"} and diffs["export/torch_export_max_abs_diff"] < 1e-4
     images = torch.rand(3, 3, 96, 96)
     with torch.no_grad():
-        expected = yolo.Exported(model)(images)
+        expected = Exported(model)(images)
         got = torch.export.load(str(tmp_path / "model.pt2")).module()(images)
     assert all(torch.allclose(g, e, atol=1e-4) for g, e in zip(got, expected))
 
@@ -384,7 +385,7 @@ def _sizes(sampler) -> list[int]:
 
 def test_multiscale_sizes_depend_on_seed_epoch_and_batch_only():
     from common.loaders import EpochBatchSampler
-    from recipes.yolo_data import MultiScaleBatchSampler
+    from yolo_data import MultiScaleBatchSampler
 
     sizes = [32, 64, 96, 128]
     one = MultiScaleBatchSampler(96, 4, sizes, every=2, seed=0)
@@ -410,7 +411,7 @@ def test_every_image_of_a_batch_is_transformed_at_the_batch_size(augment):
     the batches are the same with 0 and 2 workers."""
     import functools
 
-    from recipes.yolo_data import MultiScaleBatchSampler
+    from yolo_data import MultiScaleBatchSampler
 
     data = load_detection("digits_det")
     transform_at = functools.partial(yolo.detection_transforms, True, hflip=0.0, preset=augment)

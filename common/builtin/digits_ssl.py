@@ -3,7 +3,7 @@
 Each image shows one digit of :func:`.digits.digits_dataset` drawn 4-6 times on a 32x32 RGB canvas:
 every copy has its own height (7-11 px), width (0.8-1.2 of it), tilt (up to 0.3 rad) and place, and
 no two copies' boxes overlap. Colours and the sensor-noise level are the same in every image. Why
-(the earlier versions' story: docs/dino.md, "How digits_ssl came to be"):
+(the earlier versions' story: docs/notes/dino.md, "How digits_ssl came to be"):
 
 - whatever differs between images and is shared by all crops of one image becomes the cue a
   self-supervised method matches crops by, instead of the digit: per-image colours, clutter, noise

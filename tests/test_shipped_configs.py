@@ -142,7 +142,7 @@ def stand_in(data: str, root: Path) -> tuple[str, list[str]]:
         return _coco_folder(root / "coco", {"train2017": 4, "val2017": 2}, (640, 480), COCO_CATEGORIES), []
     if data == "/data/voc_coco":
         return _coco_folder(root / "voc", {"train": 4, "val": 2}, (500, 375), list(range(1, 21))), []
-    raise AssertionError(f"no stand-in for data '{data}': add one to tests/test_configs.py")
+    raise AssertionError(f"no stand-in for data '{data}': add one to tests/test_shipped_configs.py")
 
 
 def weights_stand_in(model: str, model_kwargs: dict, path: Path) -> str:

@@ -1,0 +1,104 @@
+"""Weights files: safetensors with one metadata schema for every recipe, their tensors loaded back into
+a model (``--weights``), and a config rebuilt from their metadata.
+
+Every weights file a recipe writes has the same metadata schema (all values strings, as
+safetensors requires): ``recipe`` (the script's name), ``config`` (the resolved config as JSON:
+enough to rebuild the model with the recipe's own ``create_model``), ``classes`` (JSON list of
+class names, index = the model's class index) and, from the detectors, ``category_ids`` (JSON list:
+the dataset's own id of each class, as its COCO json numbers them). :func:`read_metadata` returns
+them decoded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from common import UserError
+from common.config import parse_config, to_dict
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, cfg: Any, classes: Sequence[str] = (),
+                 recipe: str = "", category_ids: Sequence[int] | None = None) -> None:
+    """Write ``state_dict`` as safetensors with the metadata schema of the module docstring; written
+    to a temporary file and renamed, so a kill never leaves half a file. Call on the main process."""
+    import safetensors.torch
+
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    # torch.compile's wrapper prefixes every key with `_orig_mod.`: saved without it, the weights load
+    # into the plain model (timm, --init_weights) whether or not the run compiled
+    tensors = {k.replace("_orig_mod.", ""): v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    meta = {"recipe": recipe, "config": json.dumps(to_dict(cfg)), "classes": json.dumps(list(classes))}
+    if category_ids is not None:
+        meta["category_ids"] = json.dumps([int(i) for i in category_ids])
+    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of a weights file written by :func:`save_weights`: ``recipe`` (str), ``config``
+    (dict), ``classes`` (list) and ``category_ids`` (list; the class indices where the file has none);
+    an unreadable file is one :class:`UserError`."""
+    import safetensors
+
+    try:
+        with safetensors.safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:
+        raise UserError(f"weights '{path}' could not be read: {type(e).__name__}: {e}") from None
+    classes = json.loads(meta.get("classes", "[]"))
+    return {"recipe": meta.get("recipe", ""), "config": json.loads(meta.get("config", "{}")), "classes": classes,
+            "category_ids": json.loads(meta.get("category_ids", "null")) or list(range(len(classes)))}
+
+
+def load_weights(path: str | Path, model_of: str = "", tensors: Sequence[str] = ()
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors (CPU) and metadata (:func:`read_metadata`) of a weights file, for ``--eval_only`` and
+    ``--predict``; a missing or unreadable file is one :class:`UserError`. With ``model_of`` (what the
+    recipe trains, for the message), the file must be one: class names, and the ``tensors`` named."""
+    import safetensors.torch
+
+    if not Path(path).is_file():
+        raise UserError(f"weights '{path}' does not exist")
+    meta = read_metadata(path)
+    state = safetensors.torch.load_file(str(path))
+    if model_of and (not meta["classes"] or any(k not in state for k in tensors)):
+        lacking = "class names" + "".join(f" or '{k}'" for k in tensors)
+        raise UserError(f"weights '{path}' carry no {lacking}: not a {model_of}'s weights file")
+    return state, meta
+
+
+def config_with_weights(cls: type, argv: Sequence[str] | None, fields: Sequence[str]) -> Any:
+    """Parse ``cls`` from ``argv`` (:func:`common.config.parse_config`); when it names ``--weights``, the
+    ``fields`` that define the model (name, size, classes...) default to the values saved in that file's
+    metadata, so ``--eval_only --weights W`` rebuilds the trained model without repeating its flags.
+    A config file and flags still override them. ``eval_only`` or ``predict`` without ``weights`` is
+    one :class:`UserError`."""
+    cfg = parse_config(cls, argv)
+    if (getattr(cfg, "eval_only", False) or getattr(cfg, "predict", "")) and not getattr(cfg, "weights", ""):
+        mode = "eval_only" if getattr(cfg, "eval_only", False) else "predict"
+        raise UserError(f"{mode} needs --weights (a weights file this recipe saved)")
+    if not getattr(cfg, "weights", ""):
+        return cfg
+    if not Path(cfg.weights).is_file():
+        raise UserError(f"weights '{cfg.weights}' does not exist")
+    saved = read_metadata(cfg.weights)["config"]
+    return parse_config(cls, argv, base={k: saved[k] for k in fields if k in saved})
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor], path: str | Path, recipe: str = "") -> nn.Module:
+    """``model`` with ``state`` loaded strictly (the tensors of the weights file ``path``, saved by
+    ``recipe``); weights of another architecture or size are one :class:`UserError` naming the first
+    difference."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])
+        by = f" (saved by {recipe})" if recipe else ""
+        raise UserError(f"weights '{path}'{by} do not fit this model: {detail[:300]}") from None
+    return model

@@ -1,0 +1,228 @@
+"""YOLO's model and loss, beside recipes/yolo.py (as recipes/yolo_data.py holds its data helpers):
+the YOLOv3 feature pyramid on a timm ``features_only`` backbone with its per-size tables and box
+decoding, the exported wrapper (images -> boxes, scores), GluonCV's target assignment and four
+losses, and the NMS post-processing. recipes/yolo.py builds the model from its Config
+(``create_model``) and imports the rest; copy yolo.py, yolo_data.py and yolo_model.py together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops import batched_nms
+
+# YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they are at every input size.
+COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
+LOSS_TERMS = ("loss_obj", "loss_center", "loss_scale", "loss_cls")  # what yolo_loss returns
+
+
+# ============================================================================================
+# Model: timm backbone -> YOLOv3 feature pyramid -> 3 scales x A anchors x (4 + 1 + C)
+# ============================================================================================
+def conv_bn(cin: int, cout: int, k: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout),
+                         nn.LeakyReLU(0.1, inplace=True))
+
+
+def yolo_block(cin: int, c: int) -> nn.Sequential:
+    """YOLOv3's five alternating 1x1 / 3x3 convolutions before each output."""
+    return nn.Sequential(conv_bn(cin, c, 1), conv_bn(c, 2 * c, 3), conv_bn(2 * c, c, 1), conv_bn(c, 2 * c, 3),
+                         conv_bn(2 * c, c, 1))
+
+
+class YOLOv3(nn.Module):
+    """``forward(images [B, 3, H, W]) -> raw [B, N, 5 + C]``, N = sum over the 3 levels (large stride
+    first) of H_l * W_l * A, ordered (level, y, x, anchor); the 5 are (tx, ty, tw, th, objectness).
+    ``anchors`` [3 * A, 2] px, small to large (A anchors per level, 3 in YOLOv3)."""
+
+    def __init__(self, backbone: nn.Module, num_classes: int, anchors: torch.Tensor, neck_channels: int) -> None:
+        super().__init__()
+        self.backbone, self.num_classes = backbone, num_classes
+        c3, c4, c5 = backbone.feature_info.channels()[-3:]
+        self.strides = backbone.feature_info.reduction()[-3:][::-1]  # [32, 16, 8]: the order of the outputs
+        c = [neck_channels, neck_channels // 2, neck_channels // 4]
+        self.num_anchors = a = len(anchors) // 3  # per level
+        self.register_buffer("anchors", anchors.float().view(3, a, 2).flip(0).contiguous())  # large-stride level first
+        self.blocks = nn.ModuleList([yolo_block(c5, c[0]), yolo_block(c4 + c[1], c[1]), yolo_block(c3 + c[2], c[2])])
+        self.transitions = nn.ModuleList([conv_bn(c[0], c[1], 1), conv_bn(c[1], c[2], 1)])
+        self.outputs = nn.ModuleList([nn.Sequential(conv_bn(ci, 2 * ci, 3), nn.Conv2d(2 * ci, a * (5 + num_classes), 1))
+                                      for ci in c])
+        self._tables: dict[tuple, dict[str, torch.Tensor]] = {}  # see tables()
+        for out in self.outputs:  # start with objectness ~0.01 so the first steps are not all false positives,
+            bias = out[-1].bias.view(a, 5 + num_classes)  # and class probabilities at the 1/C prior, so the
+            nn.init.constant_(bias[:, 4], -4.6)  # first steps go to telling digits apart, not to learning the prior
+            nn.init.constant_(bias[:, 5:], -math.log(max(num_classes - 1, 1)))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        c3, c4, c5 = self.backbone(images)[-3:]
+        route, outs = None, []
+        for level, feature in enumerate((c5, c4, c3)):
+            if route is not None:
+                route = F.interpolate(self.transitions[level - 1](route), size=feature.shape[-2:], mode="nearest")
+                feature = torch.cat([route, feature], dim=1)
+            route = self.blocks[level](feature)
+            out = self.outputs[level](route)  # [B, A * (5 + C), H, W]
+            b, _, h, w = out.shape
+            a = self.num_anchors
+            outs.append(out.view(b, a, 5 + self.num_classes, h, w).permute(0, 3, 4, 1, 2).reshape(b, h * w * a, -1))
+        return torch.cat(outs, dim=1)
+
+    def level_shapes(self, height: int, width: int) -> list[tuple[int, int]]:
+        """(H_l, W_l) of each output for an input of this size (host ints: no device sync)."""
+        return [(math.ceil(height / s), math.ceil(width / s)) for s in self.strides]
+
+    def tables(self, height: int, width: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Constant tensors for an input size, made once per size and device (multi-scale training
+        uses a few sizes), so a training step copies nothing from the host:
+        per prediction ``cells`` [N, 2] (cell corner x, y), ``strides`` [N, 1] px, ``anchors`` [N, 2] px;
+        per level ``level_offsets``, ``level_w``, ``level_h``, ``level_strides`` [3]."""
+        key = (height, width, str(device))
+        if key in self._tables and not torch.compiler.is_compiling():
+            return self._tables[key]
+        shapes = self.level_shapes(height, width)
+        cells, strides, anchors, k = [], [], [], self.num_anchors
+        for (h, w), s, a in zip(shapes, self.strides, self.anchors):
+            y, x = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+            cells.append(torch.stack([x, y], dim=-1).view(h * w, 1, 2).expand(h * w, k, 2).reshape(-1, 2).float())
+            strides.append(torch.full((h * w * k, 1), float(s), device=device))
+            anchors.append(a.view(1, k, 2).expand(h * w, k, 2).reshape(-1, 2))
+        offsets = np.cumsum([0] + [h * w * k for h, w in shapes])[:-1].tolist()
+        table = {"cells": torch.cat(cells), "strides": torch.cat(strides), "anchors": torch.cat(anchors),
+                 "level_offsets": torch.tensor(offsets, device=device),
+                 "level_w": torch.tensor([w for _, w in shapes], device=device),
+                 "level_h": torch.tensor([h for h, _ in shapes], device=device),
+                 "level_strides": torch.tensor(self.strides, dtype=torch.float32, device=device)}
+        if not torch.compiler.is_compiling():  # traced tensors must not outlive the trace
+            self._tables[key] = table
+        return table
+
+    def decode(self, raw: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """raw [B, N, 5 + C] -> boxes [B, N, 4] (xyxy px of the input) and scores [B, N, C]
+        (objectness x class probability)."""
+        t = self.tables(height, width, raw.device)
+        raw = raw.float()
+        xy = (raw[..., :2].sigmoid() + t["cells"]) * t["strides"]
+        wh = raw[..., 2:4].clamp(max=8.0).exp() * t["anchors"]  # clamp: exp must not overflow early in training
+        boxes = torch.cat([xy - wh / 2, xy + wh / 2], dim=-1)
+        return boxes, raw[..., 4:5].sigmoid() * raw[..., 5:].sigmoid()
+
+
+class Exported(nn.Module):
+    """What is exported: images -> (boxes [B, N, 4] px, scores [B, N, C]); NMS stays outside (see
+    ``postprocess``), so the graph has static shapes."""
+
+    def __init__(self, model: YOLOv3) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.decode(self.model(images), images.shape[-2], images.shape[-1])
+
+
+# ============================================================================================
+# Loss: GluonCV's YOLOv3 target assignment and four losses
+# ============================================================================================
+def batch_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """IoU of xyxy boxes a [B, N, 4] and b [B, M, 4] -> [B, N, M] (torchvision's box_iou is 2-D only)."""
+    lt = torch.maximum(a[:, :, None, :2], b[:, None, :, :2])
+    rb = torch.minimum(a[:, :, None, 2:], b[:, None, :, 2:])
+    inter = (rb - lt).clamp(min=0).prod(-1)
+    area_a = (a[..., 2:] - a[..., :2]).clamp(min=0).prod(-1)
+    area_b = (b[..., 2:] - b[..., :2]).clamp(min=0).prod(-1)
+    return inter / (area_a[:, :, None] + area_b[:, None, :] - inter).clamp(min=1e-9)
+
+
+@torch.no_grad()
+def assign_targets(model: YOLOv3, gt_boxes: torch.Tensor, gt_labels: torch.Tensor, gt_weights: torch.Tensor,
+                   height: int, width: int) -> dict[str, torch.Tensor]:
+    """Each ground truth -> the one anchor (of all 3 * A) with the best shape IoU (both centred at 0),
+    in the cell of its level that holds its centre. Shapes: gt_* [B, M(, 4)], weight 0 = padding.
+
+    Returns dense targets over the N predictions: ``obj`` [B, N] (the box's mixup weight at assigned
+    anchors, else 0), ``center`` [B, N, 2] (offset in the cell, 0..1), ``scale`` [B, N, 2]
+    (log(size / anchor)), ``box_weight`` [B, N] (2 - w*h / (W*H)), ``cls`` [B, N] (class index).
+    When two boxes claim the same anchor of the same cell, one of them wins (as in GluonCV).
+    """
+    b, m = gt_labels.shape
+    a = model.num_anchors
+    n = sum(h * w * a for h, w in model.level_shapes(height, width))  # host ints
+    table = model.tables(height, width, gt_boxes.device)
+    all_anchors = model.anchors.view(3 * a, 2)  # level-major (large stride first), A per level
+    wh = (gt_boxes[..., 2:] - gt_boxes[..., :2]).clamp(min=1.0)  # [B, M, 2]
+    centre = (gt_boxes[..., 2:] + gt_boxes[..., :2]) / 2
+    inter = torch.minimum(wh[..., None, :], all_anchors).prod(-1)  # [B, M, 3A]
+    shape_iou = inter / (wh.prod(-1)[..., None] + all_anchors.prod(-1) - inter)
+    best = shape_iou.argmax(-1)  # [B, M]
+    level, k = best // a, best % a
+    strides = table["level_strides"][level]  # [B, M]
+    grid_w, grid_h = table["level_w"][level], table["level_h"][level]
+    cell = (centre / strides[..., None]).floor().long()
+    cx, cy = torch.minimum(cell[..., 0].clamp(min=0), grid_w - 1), torch.minimum(cell[..., 1].clamp(min=0), grid_h - 1)
+    index = table["level_offsets"][level] + (cy * grid_w + cx) * a + k
+    index = torch.where(gt_weights > 0, index, torch.full_like(index, n))  # padding -> a spare slot, dropped below
+    rows = torch.arange(b, device=gt_boxes.device)[:, None].expand(b, m)
+
+    def scatter(values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        out = torch.full((b, n + 1, *values.shape[2:]), fill, dtype=values.dtype, device=values.device)
+        out[rows, index] = values
+        return out[:, :n]
+
+    return {
+        "obj": scatter(gt_weights),
+        "center": scatter(centre / strides[..., None] - torch.stack([cx, cy], -1).float()),
+        "scale": scatter(torch.log(wh / all_anchors[best])),
+        "box_weight": scatter(2.0 - wh.prod(-1) / (height * width)),
+        "cls": scatter(gt_labels),
+    }
+
+
+def yolo_loss(model: YOLOv3, raw: torch.Tensor, targets: dict[str, torch.Tensor], height: int, width: int,
+              ignore_iou: float, label_smoothing: bool) -> dict[str, torch.Tensor]:
+    """The four YOLOv3 losses, each summed over predictions and averaged over images.
+
+    raw [B, N, 5 + C]; targets from the collate: boxes [B, M, 4], labels [B, M], weights [B, M].
+    """
+    t = assign_targets(model, targets["boxes"], targets["labels"], targets["weights"], height, width)
+    raw = raw.float()
+    batch = raw.shape[0]
+    positive = t["obj"] > 0  # [B, N]
+    with torch.no_grad():  # ignore: negatives whose predicted box already overlaps a ground truth well
+        boxes, _ = model.decode(raw.detach(), height, width)
+        iou = batch_iou(boxes, targets["boxes"]).masked_fill(targets["weights"][:, None, :] <= 0, 0.0)
+        ignored = (iou.amax(-1) > ignore_iou) & ~positive
+    obj_weight = torch.where(positive, t["obj"], (~ignored).float())
+    obj = F.binary_cross_entropy_with_logits(raw[..., 4], positive.float(), weight=obj_weight, reduction="sum")
+    box_w = (t["obj"] * t["box_weight"])[..., None]  # mixup ratio x (2 - wh) at positives, 0 elsewhere
+    center = F.binary_cross_entropy_with_logits(raw[..., :2], t["center"], weight=box_w.expand(-1, -1, 2), reduction="sum")
+    scale = (F.l1_loss(raw[..., 2:4], t["scale"], reduction="none") * box_w).sum()
+    num_classes = raw.shape[-1] - 5
+    cls_t = F.one_hot(t["cls"], num_classes).float()
+    if label_smoothing:
+        eps = min(1.0 / num_classes, 1.0 / 40)
+        cls_t = cls_t * (1 - eps) + (1 - cls_t) * eps
+    cls = F.binary_cross_entropy_with_logits(raw[..., 5:], cls_t, weight=t["obj"][..., None].expand_as(cls_t),
+                                             reduction="sum")
+    return {"loss_obj": obj / batch, "loss_center": center / batch, "loss_scale": scale / batch,
+            "loss_cls": cls / batch}
+
+
+# ============================================================================================
+# Evaluation helpers: NMS post-processing
+# ============================================================================================
+@torch.no_grad()
+def postprocess(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: float, max_det: int) -> list[dict]:
+    """Per image: every (box, class) with score > conf, class-wise NMS, the top ``max_det``.
+    boxes [B, N, 4], scores [B, N, C] -> [{boxes [K, 4], scores [K], labels [K]}]."""
+    results = []
+    for bx, sc in zip(boxes, scores):
+        idx, cls = (sc > conf).nonzero(as_tuple=True)
+        s = sc[idx, cls]
+        top = s.topk(min(len(s), 10 * max_det)).indices  # bounded NMS cost early in training
+        idx, cls, s = idx[top], cls[top], s[top]
+        keep = batched_nms(bx[idx], s, cls, iou)[:max_det]
+        results.append({"boxes": bx[idx[keep]], "scores": s[keep], "labels": cls[keep]})
+    return results

@@ -1,0 +1,90 @@
+"""common/trackers.py: W&B (offline) and TensorBoard as a run's trackers: the W&B run kept across
+--resume, weights as artifacts, project and run names, credentials for any host, pictures as images."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, load_recipe
+from conftest import TINY_CLASSIFIER as TINY
+
+
+def test_wandb_run_id_is_kept_across_resume(wandb_run, capsys):
+    """--resume auto continues the same W&B run: the id in the run folder is reused, and the offline
+    run directories of both sessions carry it."""
+    folder, _ = wandb_run
+    copy = folder.parent / "resumed"
+    shutil.copytree(folder, copy)
+    run_id = (copy / "wandb_run_id.txt").read_text().strip()
+    assert len(run_id) >= 8
+    load_recipe("classifier").main(TINY[:-2] + ["--max_steps", "6", "--report_to", "wandb", "--output_dir", str(copy),
+                                                "--resume", "auto"])
+    out = capsys.readouterr().out
+    assert "resume with changed max_steps 4 -> 6" in out and "resumed from" in out
+    assert (copy / "wandb_run_id.txt").read_text().strip() == run_id
+    sessions = sorted(p.name for p in (copy / "wandb").glob("offline-run-*"))
+    assert len(sessions) == 2 and all(name.endswith(run_id) for name in sessions), sessions
+
+
+def test_weights_are_logged_as_wandb_artifacts(wandb_run):
+    folder, _ = wandb_run
+    (record,) = (folder / "wandb").glob("offline-run-*/run-*.wandb")
+    data = record.read_bytes()
+    assert b"classifier-run-best" in data and b"classifier-run-final" in data
+
+
+def test_tracker_project_and_run_name_defaults(monkeypatch, tmp_path):
+    """The config's fields, else W&B's own environment variables, else the recipe and run folder names."""
+    from types import SimpleNamespace
+
+    from common.trackers import project_name, run_name
+
+    cfg = SimpleNamespace(project="", run_name="")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    monkeypatch.delenv("WANDB_NAME", raising=False)
+    assert (project_name(cfg, "my_recipe"), run_name(cfg, tmp_path / "exp-2")) == ("my_recipe", "exp-2")
+    monkeypatch.setenv("WANDB_PROJECT", "team-project")
+    monkeypatch.setenv("WANDB_NAME", "lr-sweep-3")
+    assert (project_name(cfg, "my_recipe"), run_name(cfg, tmp_path / "exp-2")) == ("team-project", "lr-sweep-3")
+    cfg = SimpleNamespace(project="p", run_name="n")
+    assert (project_name(cfg, "my_recipe"), run_name(cfg, tmp_path / "exp-2")) == ("p", "n")
+
+
+@pytest.mark.parametrize("netrc_host, base_url, expected", [
+    ("api.wandb.ai", "", True),
+    ("wandb.example.com", "https://wandb.example.com", True),  # a self-hosted server
+    ("wandb.example.com", "", False),  # credentials for another host than the one wandb would use
+    ("", "", False),
+])
+def test_wandb_credentials_are_found_for_any_host(netrc_host, base_url, expected, tmp_path):
+    """Through wandb's own login lookup, without a prompt or a network call (a fresh process: wandb
+    keeps its login in process-wide state)."""
+    if netrc_host:
+        (tmp_path / ".netrc").write_text(f"machine {netrc_host}\n  login user\n  password {'k' * 40}\n")
+        (tmp_path / ".netrc").chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), NETRC=str(tmp_path / ".netrc"), PYTHONPATH=str(ROOT))
+    if base_url:
+        env["WANDB_BASE_URL"] = base_url
+    code = "from common.trackers import wandb_has_credentials as f; print(f())"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == str(expected), proc.stderr[-2000:]
+
+
+def test_tensorboard_gets_the_pictures_as_images(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder = tmp_path / "run"
+    load_recipe("classifier").main(TINY + ["--report_to", "tensorboard", "--output_dir", str(folder)])
+    tags = set()
+    for events in folder.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"images": 0})
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["images"])
+    assert {"plots/curves", "plots/confusion_matrix"} <= tags, tags
+    assert "tracker   tensorboard (tensorboard --logdir <run folder>); metrics.jsonl" in capsys.readouterr().out
