@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import argparse
 
-import timing  # same folder; puts the repository root on sys.path
 import torch
+
+import timing  # same folder; puts the repository root on sys.path
 
 
 def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.loaders import train_loader_for
     from common.detection import DetectionDataset, load_detection
+    from common.loaders import train_loader_for
 
     device = torch.device(args.device)
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
@@ -42,8 +43,11 @@ def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     weight_dict = criterion.weight_dict
     backbone = [p for p in model.backbone.parameters() if p.requires_grad]
     rest = [p for n, p in model.named_parameters() if not n.startswith("backbone.") and p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": rest, "lr": cfg.lr}, {"params": backbone, "lr": cfg.lr_backbone}],
-                                  lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        [{"params": rest, "lr": cfg.lr}, {"params": backbone, "lr": cfg.lr_backbone}],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+    )
     spe = len(loader)
     drop = (cfg.lr_drop_epochs or -(-2 * cfg.epochs // 3)) * spe
     factor = recipe.schedule("step", 1.0, 0.0, args.steps, round(cfg.warmup_epochs * spe), 0.0, [drop], 0.1)
@@ -72,10 +76,30 @@ def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    return timing.compare("detr", "reference", reference_run, __doc__, argv, steps=(60, 120), log_every=(10, 20),
-                          repeats=4, show=("model", "model_kwargs", "out_index", "d_model", "enc_layers", "dec_layers",
-                                           "num_queries", "scales", "max_size"), note="reference fp32",
-                          defaults=("--pretrain_crops_epochs", "0"), last=("--plot_images", "0"))
+    return timing.compare(
+        "detr",
+        "reference",
+        reference_run,
+        __doc__,
+        argv,
+        steps=(60, 120),
+        log_every=(10, 20),
+        repeats=4,
+        show=(
+            "model",
+            "model_kwargs",
+            "out_index",
+            "d_model",
+            "enc_layers",
+            "dec_layers",
+            "num_queries",
+            "scales",
+            "max_size",
+        ),
+        note="reference fp32",
+        defaults=("--pretrain_crops_epochs", "0"),
+        last=("--plot_images", "0"),
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ import argparse
 import copy
 import math
 
-import timing  # same folder; puts the repository root on sys.path
 import torch
+
+import timing  # same folder; puts the repository root on sys.path
 
 
 def clip_gradients(model: torch.nn.Module, clip: float) -> None:  # the reference's utils.clip_gradients
@@ -49,8 +50,9 @@ def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from common.schedules import schedule
 
     device = torch.device(args.device)
-    data = load_classification(cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split,
-                               seed=cfg.seed)
+    data = load_classification(
+        cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed
+    )
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, recipe.MultiCrop(cfg), cfg.seed)
     data_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1)
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
@@ -61,16 +63,28 @@ def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
             m.drop_prob = 0.0
         elif isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    dino_loss = recipe.DINOLoss(cfg.out_dim, 2 + cfg.local_crops, cfg.warmup_teacher_temp, cfg.teacher_temp,
-                                cfg.warmup_teacher_temp_epochs, cfg.epochs, cfg.student_temp, cfg.center_momentum)
+    dino_loss = recipe.DINOLoss(
+        cfg.out_dim,
+        2 + cfg.local_crops,
+        cfg.warmup_teacher_temp,
+        cfg.teacher_temp,
+        cfg.warmup_teacher_temp_epochs,
+        cfg.epochs,
+        cfg.student_temp,
+        cfg.center_momentum,
+    )
     dino_loss.to(device)
     groups = recipe.weight_decay_groups(student, cfg.weight_decay)  # = utils.get_params_groups
-    optimizer = (torch.optim.AdamW(groups, foreach=False) if cfg.opt == "adamw"
-                 else torch.optim.SGD(groups, lr=0, momentum=0.9, foreach=False))
+    optimizer = (
+        torch.optim.AdamW(groups, foreach=False)
+        if cfg.opt == "adamw"
+        else torch.optim.SGD(groups, lr=0, momentum=0.9, foreach=False)
+    )
     fp16_scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda" and cfg.mixed_precision != "no")
     steps_per_epoch = len(data_loader)
-    lr_schedule = schedule("cosine", cfg.lr * cfg.batch_size / 256, cfg.min_lr, args.steps,
-                           round(cfg.warmup_epochs * steps_per_epoch))
+    lr_schedule = schedule(
+        "cosine", cfg.lr * cfg.batch_size / 256, cfg.min_lr, args.steps, round(cfg.warmup_epochs * steps_per_epoch)
+    )
     wd_schedule = schedule("cosine", cfg.weight_decay, cfg.weight_decay_end, args.steps)
     momentum_schedule = schedule("cosine", cfg.momentum_teacher, 1.0, args.steps)
     student.train()
@@ -112,12 +126,21 @@ def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    return timing.compare("dino", "reference", reference_run, __doc__, argv, steps=(20, 120), log_every=(5, 20),
-                          repeats=4, show=("model", "model_kwargs", "global_size", "local_size", "local_crops",
-                                           "out_dim"),
-                          note="reference: fp32, or fp16 + GradScaler under mixed precision on cuda",
-                          defaults=("--data", "digits", "--batch_size", "32", "--knn_train_limit", "64",
-                                    "--plot_images", "0"), synthetic="global_size", target=(1.0, 1.3))
+    return timing.compare(
+        "dino",
+        "reference",
+        reference_run,
+        __doc__,
+        argv,
+        steps=(20, 120),
+        log_every=(5, 20),
+        repeats=4,
+        show=("model", "model_kwargs", "global_size", "local_size", "local_crops", "out_dim"),
+        note="reference: fp32, or fp16 + GradScaler under mixed precision on cuda",
+        defaults=("--data", "digits", "--batch_size", "32", "--knn_train_limit", "64", "--plot_images", "0"),
+        synthetic="global_size",
+        target=(1.0, 1.3),
+    )
 
 
 if __name__ == "__main__":

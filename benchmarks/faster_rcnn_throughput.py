@@ -21,29 +21,41 @@ from __future__ import annotations
 
 import argparse
 
-import timing  # same folder; puts the repository root on sys.path
 import torch
+
+import timing  # same folder; puts the repository root on sys.path
 
 
 def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.loaders import loader_kwargs
     from common.detection import DetectionDataset, load_detection
+    from common.loaders import loader_kwargs
 
     device = torch.device(args.device)
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     train_set = DetectionDataset(data.train, recipe.data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed)
-    sampler = recipe.AspectRatioBatchSampler([w / h for w, h in zip(data.train["width"], data.train["height"])],
-                                             cfg.batch_size, cfg.seed)
-    loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=recipe.list_collate,
-                                         **loader_kwargs(cfg.num_workers))
+    sampler = recipe.AspectRatioBatchSampler(
+        [w / h for w, h in zip(data.train["width"], data.train["height"])], cfg.batch_size, cfg.seed
+    )
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_sampler=sampler, collate_fn=recipe.list_collate, **loader_kwargs(cfg.num_workers)
+    )
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
     model = recipe.create_model(cfg, len(data.classes)).to(device).train()
     optimizer = torch.optim.SGD(recipe.weight_decay_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=cfg.momentum)
     spe = len(loader)
-    lr = recipe.schedule(cfg.sched, cfg.lr, 0.0, args.steps, round(cfg.warmup_epochs * spe), cfg.lr * cfg.warmup_factor,
-                         [m * spe for m in cfg.decay_milestones], cfg.decay_rate, cfg.poly_power)
+    lr = recipe.schedule(
+        cfg.sched,
+        cfg.lr,
+        0.0,
+        args.steps,
+        round(cfg.warmup_epochs * spe),
+        cfg.lr * cfg.warmup_factor,
+        [m * spe for m in cfg.decay_milestones],
+        cfg.decay_rate,
+        cfg.poly_power,
+    )
 
     def train_step(step: int, batch) -> tuple[float, int]:
         images = [im.to(device, non_blocking=True) for im in batch[0]]
@@ -62,9 +74,19 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    return timing.compare("faster_rcnn", "bare", bare_run, __doc__, argv, steps=(60, 120), log_every=(10, 20),
-                          repeats=4, show=("model", "model_kwargs", "fpn_channels", "min_size", "max_size"),
-                          note="bare fp32", last=("--plot_images", "0"))
+    return timing.compare(
+        "faster_rcnn",
+        "bare",
+        bare_run,
+        __doc__,
+        argv,
+        steps=(60, 120),
+        log_every=(10, 20),
+        repeats=4,
+        show=("model", "model_kwargs", "fpn_channels", "min_size", "max_size"),
+        note="bare fp32",
+        last=("--plot_images", "0"),
+    )
 
 
 if __name__ == "__main__":

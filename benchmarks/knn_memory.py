@@ -30,7 +30,7 @@ class PeakAnonymous:
     """The largest anonymous resident memory (RssAnon, MiB) while the block runs, sampled every 5 ms.
     Anonymous: the memory-mapped dataset file's pages, which the kernel can drop, do not count."""
 
-    def __enter__(self) -> "PeakAnonymous":
+    def __enter__(self) -> PeakAnonymous:
         import threading
 
         self.start, self.peak, self._stop = _status("RssAnon"), 0.0, threading.Event()
@@ -55,10 +55,13 @@ def make_images(folder: Path, count: int) -> None:
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    table = datasets.Dataset.from_dict({"image": [Image.fromarray(rng.integers(0, 255, (256, 256, 3), np.uint8))
-                                                  for _ in range(count)], "label": [i % 10 for i in range(count)]},
-                                       features=datasets.Features({"image": datasets.Image(),
-                                                                   "label": datasets.Value("int64")}))
+    table = datasets.Dataset.from_dict(
+        {
+            "image": [Image.fromarray(rng.integers(0, 255, (256, 256, 3), np.uint8)) for _ in range(count)],
+            "label": [i % 10 for i in range(count)],
+        },
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}),
+    )
     table.save_to_disk(str(folder))
 
 
@@ -70,8 +73,8 @@ def measure(folder: str, bank_images: int, mode: str) -> float:
     import torch
 
     from common.data import ClassificationDataset
-    from common.loaders import eval_loader_for
     from common.knn import extract, knn_accuracy, knn_predict
+    from common.loaders import eval_loader_for
 
     torch.manual_seed(0)
     table = datasets.load_from_disk(folder).cast_column("image", datasets.Image(decode=False))
@@ -105,8 +108,12 @@ def main() -> None:
         make_images(Path(tmp) / "images", 1900)
         for mode in ("knn", "full_pixels"):
             for n in (300, 1800):
-                out = subprocess.run([sys.executable, __file__, "--one", str(Path(tmp) / "images"), str(n), mode],
-                                     capture_output=True, text=True, check=True)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--one", str(Path(tmp) / "images"), str(n), mode],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 results[(mode, n)] = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{'evaluation':<34} {'300 bank':>10} {'1,800 bank':>11} {'extra for 1,500 images':>24}")
     for mode, label in (("knn", "recipe (fp32 features, 32 px pixels)"), ("full_pixels", "whole 224 px pixel bank")):

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 
-import timing  # same folder; puts the repository root on sys.path
 import torch
+
+import timing  # same folder; puts the repository root on sys.path
 
 
 def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
@@ -33,16 +34,26 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from common.loaders import train_loader_for
 
     device = torch.device(args.device)
-    data = load_classification(cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split,
-                               seed=cfg.seed)
+    data = load_classification(
+        cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed
+    )
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model = recipe.create_model(cfg, len(data.classes)).to(device, memory_format=memory_format).train()
-    data_cfg = resolve_data_config({"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct,
-                                    "interpolation": cfg.interpolation}, model=model)
-    train_tf = create_transform(**data_cfg, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
-                                hflip=cfg.hflip, color_jitter=cfg.color_jitter or None,
-                                auto_augment=cfg.auto_augment or None, re_prob=cfg.reprob)
+    data_cfg = resolve_data_config(
+        {"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct, "interpolation": cfg.interpolation},
+        model=model,
+    )
+    train_tf = create_transform(
+        **data_cfg,
+        is_training=True,
+        scale=tuple(cfg.scale),
+        ratio=tuple(cfg.ratio),
+        hflip=cfg.hflip,
+        color_jitter=cfg.color_jitter or None,
+        auto_augment=cfg.auto_augment or None,
+        re_prob=cfg.reprob,
+    )
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed)
     loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1)
     fused = {"fused": True} if device.type == "cuda" else {}
@@ -65,9 +76,20 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    return timing.compare("classifier", "bare", bare_run, __doc__, argv, steps=(30, 200), log_every=(5, 20),
-                          repeats=5, show=("model", "img_size", "channels_last"), defaults=("--smoothing", "0"),
-                          synthetic="img_size", target=(0.97, 0.97))
+    return timing.compare(
+        "classifier",
+        "bare",
+        bare_run,
+        __doc__,
+        argv,
+        steps=(30, 200),
+        log_every=(5, 20),
+        repeats=5,
+        show=("model", "img_size", "channels_last"),
+        defaults=("--smoothing", "0"),
+        synthetic="img_size",
+        target=(0.97, 0.97),
+    )
 
 
 if __name__ == "__main__":

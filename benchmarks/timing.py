@@ -27,8 +27,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -72,10 +73,23 @@ def timed_loop(args: argparse.Namespace, loader: Any, train_step: Callable[[int,
             tick = time.perf_counter()
 
 
-def compare(recipe_name: str, other: str, other_run: Callable[[argparse.Namespace, Any, Any], Intervals],
-            doc: str, argv: list[str] | None, *, steps: tuple[int, int], log_every: tuple[int, int], repeats: int,
-            show: tuple[str, ...], note: str = "", defaults: tuple[str, ...] = (), last: tuple[str, ...] = (),
-            synthetic: str = "", target: tuple[float, float] | None = None) -> dict[str, float]:
+def compare(
+    recipe_name: str,
+    other: str,
+    other_run: Callable[[argparse.Namespace, Any, Any], Intervals],
+    doc: str,
+    argv: list[str] | None,
+    *,
+    steps: tuple[int, int],
+    log_every: tuple[int, int],
+    repeats: int,
+    show: tuple[str, ...],
+    note: str = "",
+    defaults: tuple[str, ...] = (),
+    last: tuple[str, ...] = (),
+    synthetic: str = "",
+    target: tuple[float, float] | None = None,
+) -> dict[str, float]:
     """Time ``recipes/<recipe_name>.py``'s ``main()`` against ``other_run(args, recipe, cfg)`` and print the
     comparison, with the config fields ``show`` and ``note``. ``steps``, ``log_every``, ``target``: (cpu,
     cuda). The recipe's command line, parsed into the ``cfg`` both sides use: fp32 and DataLoader workers
@@ -89,9 +103,28 @@ def compare(recipe_name: str, other: str, other_run: Callable[[argparse.Namespac
 
     def config(extra: list[str]) -> tuple[list[str], Any]:
         workers = "1" if args.device == "cpu" else str(max(1, CORES - 2))
-        argv = ["--mixed_precision", "no", "--num_workers", workers, *defaults, *args.recipe_args, *last, *extra,
-                "--report_to", "none", "--max_steps", str(args.steps), "--log_every", str(args.log_every),
-                "--epochs", "1000", "--eval_every", "100000", "--checkpoint_every", "1000000000"]
+        argv = [
+            "--mixed_precision",
+            "no",
+            "--num_workers",
+            workers,
+            *defaults,
+            *args.recipe_args,
+            *last,
+            *extra,
+            "--report_to",
+            "none",
+            "--max_steps",
+            str(args.steps),
+            "--log_every",
+            str(args.log_every),
+            "--epochs",
+            "1000",
+            "--eval_every",
+            "100000",
+            "--checkpoint_every",
+            "1000000000",
+        ]
         try:
             return argv, parse_config(recipe.Config, argv)
         except UserError as e:  # a typo in a recipe flag: one line, as the recipe's own command line says it
@@ -105,7 +138,7 @@ def compare(recipe_name: str, other: str, other_run: Callable[[argparse.Namespac
             n, size = (args.synthetic_batches or args.steps + 1) * cfg.batch_size, getattr(cfg, synthetic)
             argv, cfg = config(["--data", synthetic_images(Path(work) / "data", n, size)])
         for r in range(args.repeats):
-            for side in (other, "recipe")[::-1 if r % 2 else 1]:
+            for side in (other, "recipe")[:: -1 if r % 2 else 1]:
                 torch.set_num_threads(args.threads)
                 wall = time.perf_counter()
                 run = other_run(args, recipe, cfg) if side == other else run_recipe(recipe, argv, work, r, args)
@@ -113,35 +146,60 @@ def compare(recipe_name: str, other: str, other_run: Callable[[argparse.Namespac
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
                 results[side].append(run)
-                print(f"repeat {r + 1}/{args.repeats}  {side:<9} {rate(run):9.1f} img/s  data wait "
-                      f"{100 * total(run, 3) / total(run, 0):4.1f} %  timed {total(run, 0):5.1f} s of "
-                      f"{time.perf_counter() - wall:5.1f} s  last-interval loss {run[-1][2]:.4f}", flush=True)
+                print(
+                    f"repeat {r + 1}/{args.repeats}  {side:<9} {rate(run):9.1f} img/s  data wait "
+                    f"{100 * total(run, 3) / total(run, 0):4.1f} %  timed {total(run, 0):5.1f} s of "
+                    f"{time.perf_counter() - wall:5.1f} s  last-interval loss {run[-1][2]:.4f}",
+                    flush=True,
+                )
     data = f"synthetic {getattr(cfg, synthetic)} px" if args.synthetic else cfg.data
     print("\n" + ", ".join(f"{k} {getattr(cfg, k)}" for k in show) + (f"; {note}" if note else ""))
-    print(f"batch {cfg.batch_size}, {args.device}, data {data}, {cfg.num_workers} workers, recipe precision "
-          f"{cfg.mixed_precision}{' + compile' if cfg.compile else ''}")
+    print(
+        f"batch {cfg.batch_size}, {args.device}, data {data}, {cfg.num_workers} workers, recipe precision "
+        f"{cfg.mixed_precision}{' + compile' if cfg.compile else ''}"
+    )
     return report(results, args, target and target[args.device == "cuda"])
 
 
-def parse(doc: str, argv: list[str] | None, steps: tuple[int, int], log_every: tuple[int, int], repeats: int,
-          synthetic: str) -> argparse.Namespace:
+def parse(
+    doc: str, argv: list[str] | None, steps: tuple[int, int], log_every: tuple[int, int], repeats: int, synthetic: str
+) -> argparse.Namespace:
     """The benchmark's flags; every other flag (also after ``--``) is the recipe's, ``args.recipe_args``.
     On CPU, hides any GPU from the recipe's Accelerator before anything initialises CUDA."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Every other flag is the recipe's config, for both sides (the recipe's --help)")
+    p = argparse.ArgumentParser(
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every other flag is the recipe's config, for both sides (the recipe's --help)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--steps", type=int, default=0,
-                   help=f"optimizer steps per run, warm-up included (0: {steps[0]} on cpu, {steps[1]} on cuda)")
-    p.add_argument("--log_every", type=int, default=0,
-                   help=f"steps per timed interval, the first: warm-up (0: {log_every[0]} cpu, {log_every[1]} cuda)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help=f"optimizer steps per run, warm-up included (0: {steps[0]} on cpu, {steps[1]} on cuda)",
+    )
+    p.add_argument(
+        "--log_every",
+        type=int,
+        default=0,
+        help=f"steps per timed interval, the first: warm-up (0: {log_every[0]} cpu, {log_every[1]} cuda)",
+    )
     p.add_argument("--repeats", type=int, default=repeats, help="runs of each side, in ABBA order")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the cores the loader workers leave)")
     p.add_argument("--verbose", action="store_true", help="show the recipe's own output")
     if synthetic:
-        p.add_argument("--synthetic", action=argparse.BooleanOptionalAction, default=None,
-                       help=f"random {synthetic}-px JPEGs as the data of both sides (default: on for cuda)")
-        p.add_argument("--synthetic_batches", type=int, default=0,
-                       help="synthetic images = this x batch_size (0: steps + 1, one epoch covers the run)")
+        p.add_argument(
+            "--synthetic",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"random {synthetic}-px JPEGs as the data of both sides (default: on for cuda)",
+        )
+        p.add_argument(
+            "--synthetic_batches",
+            type=int,
+            default=0,
+            help="synthetic images = this x batch_size (0: steps + 1, one epoch covers the run)",
+        )
     args, rest = p.parse_known_args(argv)
     args.recipe_args, cuda = [a for a in rest if a != "--"], args.device == "cuda"
     args.steps, args.log_every = args.steps or steps[cuda], args.log_every or log_every[cuda]
@@ -187,11 +245,22 @@ def report(results: dict[str, list[Intervals]], args: argparse.Namespace, target
         cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), cpu)
     gpu = [torch.cuda.get_device_name()] if args.device == "cuda" else []
     other, n = next(iter(results)), len(results["recipe"][0])
-    print(f"{args.repeats} repeats in ABBA order, each of {args.steps} steps: {args.log_every} warm-up, then {n} "
-          f"timed intervals of {args.log_every}\nmachine: " + "; ".join([
-              f"{cpu}, {os.cpu_count()} cores", *gpu, f"python {platform.python_version()}",
-              f"torch {torch.__version__}", f"torchvision {torchvision.__version__}", f"timm {timm.__version__}",
-              f"accelerate {accelerate.__version__}", f"torch threads {args.threads}"]))
+    print(
+        f"{args.repeats} repeats in ABBA order, each of {args.steps} steps: {args.log_every} warm-up, then {n} "
+        f"timed intervals of {args.log_every}\nmachine: "
+        + "; ".join(
+            [
+                f"{cpu}, {os.cpu_count()} cores",
+                *gpu,
+                f"python {platform.python_version()}",
+                f"torch {torch.__version__}",
+                f"torchvision {torchvision.__version__}",
+                f"timm {timm.__version__}",
+                f"accelerate {accelerate.__version__}",
+                f"torch threads {args.threads}",
+            ]
+        )
+    )
     med = {side: statistics.median(rate(run) for run in runs) for side, runs in results.items()}
     pooled = {side: statistics.median(x[1] / x[0] for run in runs for x in run) for side, runs in results.items()}
     pairs = statistics.median(rate(b) / rate(a) for a, b in zip(results[other], results["recipe"]))
@@ -200,11 +269,18 @@ def report(results: dict[str, list[Intervals]], args: argparse.Namespace, target
     ratio = med["recipe"] / med[other]
     verdict = "" if target is None else f", target >= {target}: {'ok' if ratio >= target else 'BELOW TARGET'}"
     print(f"{'ratio':<9} {ratio:9.3f}         recipe / {other}{verdict}")
-    print(f"check: all {n * args.repeats} timed intervals pooled: {other} {pooled[other]:.1f}, recipe "
-          f"{pooled['recipe']:.1f} img/s, ratio {pooled['recipe'] / pooled[other]:.3f}; median of the "
-          f"{args.repeats} per-repeat ratios {pairs:.3f}")
-    return {other: med[other], "recipe": med["recipe"], "ratio": ratio,
-            "ratio_intervals": pooled["recipe"] / pooled[other], "ratio_pairs": pairs}
+    print(
+        f"check: all {n * args.repeats} timed intervals pooled: {other} {pooled[other]:.1f}, recipe "
+        f"{pooled['recipe']:.1f} img/s, ratio {pooled['recipe'] / pooled[other]:.3f}; median of the "
+        f"{args.repeats} per-repeat ratios {pairs:.3f}"
+    )
+    return {
+        other: med[other],
+        "recipe": med["recipe"],
+        "ratio": ratio,
+        "ratio_intervals": pooled["recipe"] / pooled[other],
+        "ratio_pairs": pairs,
+    }
 
 
 def synthetic_images(folder: Path, images: int, size: int, eval_images: int = 64, classes: int = 10) -> str:
@@ -224,8 +300,9 @@ def synthetic_images(folder: Path, images: int, size: int, eval_images: int = 64
             noise.resize((size, size), Image.BILINEAR).save(buffer, format="JPEG", quality=90)
             jpegs.append({"bytes": buffer.getvalue(), "path": None})
         features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=classes)})
-        return datasets.Dataset.from_dict({"image": jpegs, "label": rng.integers(0, classes, n).tolist()},
-                                          features=features)
+        return datasets.Dataset.from_dict(
+            {"image": jpegs, "label": rng.integers(0, classes, n).tolist()}, features=features
+        )
 
     datasets.DatasetDict({"train": split(images), "validation": split(eval_images)}).save_to_disk(str(folder))
     return str(folder)

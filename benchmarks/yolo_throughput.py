@@ -20,42 +20,62 @@ from __future__ import annotations
 
 import argparse
 
-import timing  # same folder; puts the repository root on sys.path
 import torch
+
+import timing  # same folder; puts the repository root on sys.path
 
 
 def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.loaders import train_loader_for
     from common.detection import DetectionDataset, load_detection
     from common.ema import ModelEma
+    from common.loaders import train_loader_for
     from yolo_model import yolo_loss  # beside the recipe (timing puts recipes/ on sys.path)
 
     device = torch.device(args.device)
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
-    train_tf = recipe.detection_transforms(True, cfg.img_size, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip,
-                                           color_jitter=cfg.color_jitter)
-    train_set = recipe.YoloTrainSet(DetectionDataset(data.train, train_tf, cfg.seed), cfg.img_size, cfg.mosaic,
-                                    cfg.mixup, cfg.epochs - cfg.no_aug_epochs, cfg.seed)
+    train_tf = recipe.detection_transforms(
+        True, cfg.img_size, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip, color_jitter=cfg.color_jitter
+    )
+    train_set = recipe.YoloTrainSet(
+        DetectionDataset(data.train, train_tf, cfg.seed),
+        cfg.img_size,
+        cfg.mosaic,
+        cfg.mixup,
+        cfg.epochs - cfg.no_aug_epochs,
+        cfg.seed,
+    )
     loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1, collate_fn=recipe.train_collate)
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
     model = recipe.create_model(cfg, len(data.classes), recipe.anchors_for(cfg, data.train)).to(device).train()
     groups = recipe.weight_decay_groups(model, cfg.weight_decay)
-    optimizer = (torch.optim.AdamW(groups, lr=cfg.lr) if cfg.opt == "adamw"
-                 else torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum))
+    optimizer = (
+        torch.optim.AdamW(groups, lr=cfg.lr)
+        if cfg.opt == "adamw"
+        else torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    )
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
     spe = len(loader)
-    lr = recipe.schedule(cfg.sched, cfg.lr, cfg.min_lr, args.steps, round(cfg.warmup_epochs * spe), cfg.warmup_lr,
-                         [m * spe for m in cfg.decay_milestones], cfg.decay_rate)
+    lr = recipe.schedule(
+        cfg.sched,
+        cfg.lr,
+        cfg.min_lr,
+        args.steps,
+        round(cfg.warmup_epochs * spe),
+        cfg.warmup_lr,
+        [m * spe for m in cfg.decay_milestones],
+        cfg.decay_rate,
+    )
 
     def train_step(step: int, batch) -> tuple[float, int]:
         images = batch[0].to(device, non_blocking=True)
         targets = {k: batch[1][k].to(device, non_blocking=True) for k in ("boxes", "labels", "weights")}
         for group in optimizer.param_groups:
             group["lr"] = float(lr[step])
-        losses = yolo_loss(model, model(images), targets, cfg.img_size, cfg.img_size, cfg.ignore_iou,
-                           cfg.label_smoothing)
+        losses = yolo_loss(
+            model, model(images), targets, cfg.img_size, cfg.img_size, cfg.ignore_iou, cfg.label_smoothing
+        )
         loss = sum(losses.values())
         optimizer.zero_grad()
         loss.backward()
@@ -70,10 +90,28 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    return timing.compare("yolo", "bare", bare_run, __doc__, argv, steps=(60, 120), log_every=(10, 20), repeats=4,
-                          show=("model", "model_kwargs", "neck_channels", "anchors_per_level", "img_size",
-                                "multiscale", "ema_decay", "clip_grad"), note="bare fp32",
-                          last=("--export", "false", "--plot_images", "0"))
+    return timing.compare(
+        "yolo",
+        "bare",
+        bare_run,
+        __doc__,
+        argv,
+        steps=(60, 120),
+        log_every=(10, 20),
+        repeats=4,
+        show=(
+            "model",
+            "model_kwargs",
+            "neck_channels",
+            "anchors_per_level",
+            "img_size",
+            "multiscale",
+            "ema_decay",
+            "clip_grad",
+        ),
+        note="bare fp32",
+        last=("--export", "false", "--plot_images", "0"),
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ name says otherwise (COCO ``xywh``: top-left corner, width, height)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from PIL import Image
@@ -23,8 +23,9 @@ def rescale_boxes(boxes_xyxy: torch.Tensor, size: tuple[int, int], orig_size: tu
     return boxes_xyxy.float() * scale
 
 
-def crop_box(image: Image.Image, xywh: Sequence[float], size: int, margin: float = 0.15,
-             shift: tuple[float, float] = (0.0, 0.0)) -> Image.Image:
+def crop_box(
+    image: Image.Image, xywh: Sequence[float], size: int, margin: float = 0.15, shift: tuple[float, float] = (0.0, 0.0)
+) -> Image.Image:
     """The COCO box ``xywh`` (pixels) of ``image`` grown by ``margin`` of its longer side on every
     side, moved by ``shift`` (fractions of the grown window's width and height), clipped to the
     image and resized to ``size`` x ``size`` (bicubic): a detection box as a classification sample."""

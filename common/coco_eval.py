@@ -7,7 +7,8 @@ import contextlib
 import dataclasses
 import functools
 import io
-from typing import Any, Iterable, Literal, Sequence, overload
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -47,8 +48,14 @@ class EvalDetails:
     def predictions(self) -> dict[int, dict[str, np.ndarray]]:
         """image_id -> the predictions scored for it, for drawing: ``boxes`` [N, 4] float32 XYXY in original
         pixels, ``scores`` [N] float32, ``labels`` [N] int64 (class indices)."""
-        return {image_id: {"boxes": _xyxy(rows).astype(np.float32), "scores": rows[:, 4].astype(np.float32),
-                           "labels": rows[:, 5].astype(np.int64)} for image_id, rows in self.rows.items()}
+        return {
+            image_id: {
+                "boxes": _xyxy(rows).astype(np.float32),
+                "scores": rows[:, 4].astype(np.float32),
+                "labels": rows[:, 5].astype(np.int64),
+            }
+            for image_id, rows in self.rows.items()
+        }
 
     def coco_results(self, category_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
         """The scored predictions in the COCO results format (``image_id``, ``category_id``, ``bbox``
@@ -56,13 +63,23 @@ class EvalDetails:
         ``category_ids[i]`` (the dataset's own ids; the class indices when None). pycocotools scoring
         this list against the split's original json gives the metrics of this pass."""
         ids = list(range(len(self.classes))) if category_ids is None else [int(i) for i in category_ids]
-        return [{"image_id": image_id, "category_id": ids[int(row[5])], "bbox": [float(v) for v in row[:4]],
-                 "score": float(row[4])} for image_id in sorted(self.rows) for row in self.rows[image_id]]
+        return [
+            {
+                "image_id": image_id,
+                "category_id": ids[int(row[5])],
+                "bbox": [float(v) for v in row[:4]],
+                "score": float(row[4]),
+            }
+            for image_id in sorted(self.rows)
+            for row in self.rows[image_id]
+        ]
 
     def table(self) -> list[dict[str, Any]]:
         """One row per class (class, instances, ap50, ap), for :func:`common.figures.format_table`."""
-        return [{"class": name, "instances": int(n), "ap50": float(a50), "ap": float(a)}
-                for name, n, a50, a in zip(self.classes, self.instances, self.ap50, self.ap)]
+        return [
+            {"class": name, "instances": int(n), "ap50": float(a50), "ap": float(a)}
+            for name, n, a50, a in zip(self.classes, self.instances, self.ap50, self.ap)
+        ]
 
 
 class CocoEvaluator:
@@ -84,30 +101,45 @@ class CocoEvaluator:
         images, annotations = [], []
         for image_id, w, h, objects in zip(ids, meta["width"], meta["height"], meta["objects"]):
             images.append({"id": image_id, "width": int(w), "height": int(h)})
-            for box, category, area, crowd in zip(objects["bbox"], objects["category"], objects["area"],
-                                                  objects["iscrowd"]):
+            for box, category, area, crowd in zip(
+                objects["bbox"], objects["category"], objects["area"], objects["iscrowd"]
+            ):
                 # ids from 1: COCOeval takes a matched id of 0 for "unmatched"
-                annotations.append({"id": len(annotations) + 1, "image_id": image_id, "bbox": list(box),
-                                    "category_id": int(category), "area": float(area), "iscrowd": int(crowd)})
+                annotations.append(
+                    {
+                        "id": len(annotations) + 1,
+                        "image_id": image_id,
+                        "bbox": list(box),
+                        "category_id": int(category),
+                        "area": float(area),
+                        "iscrowd": int(crowd),
+                    }
+                )
         count = len(classes) if classes is not None else 1 + max((a["category_id"] for a in annotations), default=0)
         names = list(classes) if classes is not None else [str(i) for i in range(count)]
         self.gt = COCO()
-        self.gt.dataset = {"images": images, "annotations": annotations,
-                           "categories": [{"id": i, "name": n} for i, n in enumerate(names)]}
+        self.gt.dataset = {
+            "images": images,
+            "annotations": annotations,
+            "categories": [{"id": i, "name": n} for i, n in enumerate(names)],
+        }
         with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
             self.gt.createIndex()
         self.image_ids = frozenset(ids)
 
     @overload
-    def evaluate(self, batches: Iterable[Sequence[dict[str, Any]]], accelerator: Any = None,
-                 details: Literal[False] = False) -> dict[str, float]: ...
+    def evaluate(
+        self, batches: Iterable[Sequence[dict[str, Any]]], accelerator: Any = None, details: Literal[False] = False
+    ) -> dict[str, float]: ...
 
     @overload
-    def evaluate(self, batches: Iterable[Sequence[dict[str, Any]]], accelerator: Any = None, *,
-                 details: Literal[True]) -> tuple[dict[str, float], EvalDetails]: ...
+    def evaluate(
+        self, batches: Iterable[Sequence[dict[str, Any]]], accelerator: Any = None, *, details: Literal[True]
+    ) -> tuple[dict[str, float], EvalDetails]: ...
 
-    def evaluate(self, batches: Iterable[Sequence[dict[str, Any]]], accelerator: Any = None,
-                 details: bool = False) -> dict[str, float] | tuple[dict[str, float], EvalDetails]:
+    def evaluate(
+        self, batches: Iterable[Sequence[dict[str, Any]]], accelerator: Any = None, details: bool = False
+    ) -> dict[str, float] | tuple[dict[str, float], EvalDetails]:
         """COCO metrics of the predictions in ``batches``: an iterable (a generator over the evaluation
         loader, say) of per-batch lists, one dict per image: ``image_id`` (int), ``boxes`` [N, 4] XYXY in
         original pixels, ``scores`` [N], ``labels`` [N] (class indices); tensors on any device, copied to
@@ -144,15 +176,21 @@ class CocoEvaluator:
             merged.setdefault(image_id, rows)
         # A fixed order (images by id, each image's detections as the model gave them): COCOeval breaks
         # score ties by input order, so the order of arrival must not matter.
-        results = [{"image_id": image_id, "bbox": row[:4].tolist(), "score": float(row[4]), "category_id": int(row[5])}
-                   for image_id in sorted(merged) for row in merged[image_id]]
+        results = [
+            {"image_id": image_id, "bbox": row[:4].tolist(), "score": float(row[4]), "category_id": int(row[5])}
+            for image_id in sorted(merged)
+            for row in merged[image_id]
+        ]
         with contextlib.redirect_stdout(io.StringIO()):
             if results:
                 dt = self.gt.loadRes(results)
             else:  # loadRes rejects an empty list; no detections scores 0 wherever there is ground truth
                 dt = COCO()
-                dt.dataset = {"images": list(self.gt.dataset["images"]), "annotations": [],
-                              "categories": list(self.gt.dataset["categories"])}
+                dt.dataset = {
+                    "images": list(self.gt.dataset["images"]),
+                    "annotations": [],
+                    "categories": list(self.gt.dataset["categories"]),
+                }
                 dt.createIndex()
             evaluation = COCOeval(self.gt, dt, iouType="bbox")
             evaluation.evaluate()
@@ -179,7 +217,9 @@ class CocoEvaluator:
         scored = {image_id: merged.get(image_id, np.zeros((0, 6))) for image_id in sorted(self.image_ids)}
         for image_id, rows in scored.items():
             annotations = self.gt.imgToAnns.get(image_id, [])
-            gt = np.array([a["bbox"] + [a["category_id"], a["iscrowd"]] for a in annotations], np.float64).reshape(-1, 6)
+            gt = np.array([a["bbox"] + [a["category_id"], a["iscrowd"]] for a in annotations], np.float64).reshape(
+                -1, 6
+            )
             gt[:, 2:4] += gt[:, :2]  # COCO xywh -> XYXY
             confusion += detection_confusion(_xyxy(rows), rows[:, 4], rows[:, 5], gt[:, :4], gt[:, 4], k, gt[:, 5] > 0)
         return EvalDetails([c["name"] for c in categories], ap, ap50, instances, precision, confusion, scored)
@@ -200,9 +240,17 @@ def voc07_ap50(precision: np.ndarray) -> float:
     return float(points[:, valid].mean()) if valid.any() else -1.0
 
 
-def detection_confusion(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, gt_boxes: np.ndarray,
-                        gt_labels: np.ndarray, num_classes: int, gt_crowd: np.ndarray | None = None,
-                        score_threshold: float = CONFUSION_SCORE, iou_threshold: float = CONFUSION_IOU) -> np.ndarray:
+def detection_confusion(
+    boxes: np.ndarray,
+    scores: np.ndarray,
+    labels: np.ndarray,
+    gt_boxes: np.ndarray,
+    gt_labels: np.ndarray,
+    num_classes: int,
+    gt_crowd: np.ndarray | None = None,
+    score_threshold: float = CONFUSION_SCORE,
+    iou_threshold: float = CONFUSION_IOU,
+) -> np.ndarray:
     """One image's detection confusion matrix [K+1, K+1] int64 (rows true class, columns predicted,
     index K = background). Predictions (XYXY ``boxes`` [N, 4], ``scores``, ``labels`` [N]) with score >=
     ``score_threshold``, in order of decreasing score, each take the unmatched ground-truth box (XYXY

@@ -25,8 +25,9 @@ import difflib
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -93,8 +94,11 @@ def _closest(key: str, valid: Sequence[str]) -> str:
 
 
 def _choices_error(name: str, value: Any, allowed: Sequence[Any], source: str = "") -> ConfigError:
-    listed = ", ".join(_show(a) for a in allowed) if len(allowed) <= 12 else (
-        f"the {len(allowed)} names {source or 'its choices'} lists")
+    listed = (
+        ", ".join(_show(a) for a in allowed)
+        if len(allowed) <= 12
+        else (f"the {len(allowed)} names {source or 'its choices'} lists")
+    )
     hint = _closest(str(value), [str(a) for a in allowed])
     return ConfigError(f"config field '{name}' must be one of {listed}; got {value!r}{hint}")
 
@@ -268,8 +272,9 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, base: dict[str
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain YAML-serialisable values (tuples become lists), the recipe's own fields first."""
     out = dataclasses.asdict(cfg)
-    return {f.name: list(out[f.name]) if isinstance(out[f.name], tuple) else out[f.name]
-            for f in ordered_fields(type(cfg))}
+    return {
+        f.name: list(out[f.name]) if isinstance(out[f.name], tuple) else out[f.name] for f in ordered_fields(type(cfg))
+    }
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

@@ -112,7 +112,7 @@ def ordered_fields(cls: type) -> list[dataclasses.Field]:
     return [fields[n] for n in own if n in fields] + [f for f in fields.values() if f.name not in own]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def field_docs(cls: type) -> dict[str, FieldDoc]:
     """Field name -> FieldDoc (description and group heading), from the comments in the source of
     ``cls`` and of the dataclasses it derives from (a re-declaration without a comment keeps the base's
@@ -165,12 +165,22 @@ def usage(cls: type) -> str:
     summary = (inspect.getdoc(module) or "").strip().split("\n")[0] if module is not None else ""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
-    wrap = functools.partial(textwrap.fill, width=HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6,
-                             break_on_hyphens=False, break_long_words=False)
+    wrap = functools.partial(
+        textwrap.fill,
+        width=HELP_WIDTH,
+        initial_indent=" " * 6,
+        subsequent_indent=" " * 6,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
     lines = [summary, ""] if summary else []
-    lines += [f"usage: {script} [--config FILE.yaml] [--FIELD VALUE ...]", "",
-              "Every field is a flag and a key of the YAML file; flags win over the file. Lists: --scale 0.5,1.0",
-              "or --scale '[0.5, 1.0]'; mappings: --model_kwargs '{depth: 4}'; a bool flag alone means true.", ""]
+    lines += [
+        f"usage: {script} [--config FILE.yaml] [--FIELD VALUE ...]",
+        "",
+        "Every field is a flag and a key of the YAML file; flags win over the file. Lists: --scale 0.5,1.0",
+        "or --scale '[0.5, 1.0]'; mappings: --model_kwargs '{depth: 4}'; a bool flag alone means true.",
+        "",
+    ]
     own = set(inspect.get_annotations(cls))
     for f in ordered_fields(cls):
         doc = docs[f.name]
@@ -189,5 +199,3 @@ def usage(cls: type) -> str:
         if choices:
             lines.append(wrap(f"choices: {choices}"))
     return "\n".join(lines)
-
-

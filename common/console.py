@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from common import UserError
 from common.guard import NonFiniteLoss
@@ -42,9 +43,21 @@ def tracker_line(report_to: str, project: str, name: str) -> str:
     return "metrics.jsonl only (report_to none)"
 
 
-def banner(recipe: str, folder: str, device: str, processes: int, precision: str, train_images: int,
-           eval_images: int | None, classes: Sequence[str] | None, steps_per_epoch: int, epochs: int,
-           total_steps: int, global_batch: int, tracker: str) -> str:
+def banner(
+    recipe: str,
+    folder: str,
+    device: str,
+    processes: int,
+    precision: str,
+    train_images: int,
+    eval_images: int | None,
+    classes: Sequence[str] | None,
+    steps_per_epoch: int,
+    epochs: int,
+    total_steps: int,
+    global_batch: int,
+    tracker: str,
+) -> str:
     """The run at a glance, before its first step: where it writes, on what it runs, on what data, for
     how long, and where to watch it."""
     data = f"{train_images:,} training images"
@@ -74,8 +87,9 @@ def _value(v: Any) -> str:
     return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
-def summary(folder: str, seconds: float, final: Mapping[str, Any], best: Mapping[str, tuple[float, int]],
-            weights: Sequence[str]) -> str:
+def summary(
+    folder: str, seconds: float, final: Mapping[str, Any], best: Mapping[str, tuple[float, int]], weights: Sequence[str]
+) -> str:
     """The end of a run: its final evaluation as a table, the best value of each tracked metric and
     the step it came from, the weights written, and the wall time of this session."""
     lines = [f"done in {format_seconds(seconds)}: {folder}"]
@@ -111,4 +125,3 @@ def cli_main(main: Callable[[], Any]) -> None:
         _fail(message, 2)
     except NonFiniteLoss as e:
         _fail(str(e), 1)
-

@@ -13,8 +13,9 @@ batches, crops and flips the uninterrupted run would have seen.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +37,12 @@ def _load_source(data: str):
         return CLASSIFICATION[data]()
     if Path(data).is_file():
         raise UserError(f"data '{data}' is a file; expected a folder (imagefolder layout or a saved dataset)")
-    return load_saved_or_hub(data, "dataset", f"one of {', '.join(CLASSIFICATION)}, an existing folder, or a "
-                             "hub dataset name (with network, or already in the cache)")
+    return load_saved_or_hub(
+        data,
+        "dataset",
+        f"one of {', '.join(CLASSIFICATION)}, an existing folder, or a "
+        "hub dataset name (with network, or already in the cache)",
+    )
 
 
 def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
@@ -106,8 +111,10 @@ def _hold_out(train: Any, label_column: str, fraction: float, seed: int, data: s
     names = train.features[label_column].names
     lonely = [names[i] for i, n in enumerate(counts) if n == 1]
     if lonely:
-        raise UserError(f"'{data}' has no evaluation split and class {lonely[0]!r} has a single image, too few to "
-                        "hold one out: add images (2 per class at least) or name a split with --eval_split")
+        raise UserError(
+            f"'{data}' has no evaluation split and class {lonely[0]!r} has a single image, too few to "
+            "hold one out: add images (2 per class at least) or name a split with --eval_split"
+        )
     held_out = max(int(np.ceil(fraction * len(train))), int((counts > 0).sum()))
     parts = train.train_test_split(test_size=held_out, seed=seed, stratify_by_column=label_column)
     return parts["train"], parts["test"]
@@ -147,8 +154,9 @@ def load_classification(
     if not label_column:
         if len(train) == 0:
             raise UserError(f"the training split of '{data}' is empty")
-        return ClassificationData(train.cast_column(image_column, datasets.Image(decode=False)), None,
-                                  image_column, "", [])
+        return ClassificationData(
+            train.cast_column(image_column, datasets.Image(decode=False)), None, image_column, "", []
+        )
     if eval_split:
         evaluation = source[eval_split]
     else:
@@ -165,13 +173,17 @@ def load_classification(
     eval_feature = evaluation.features.get(label_column)
     if isinstance(eval_feature, datasets.ClassLabel) and isinstance(feature, datasets.ClassLabel):
         if list(eval_feature.names) != classes:
-            raise UserError(f"the evaluation split of '{data}' has classes {eval_feature.names[:5]}... "
-                            f"but the training split has {classes[:5]}... ({len(eval_feature.names)} vs {len(classes)})")
+            raise UserError(
+                f"the evaluation split of '{data}' has classes {eval_feature.names[:5]}... "
+                f"but the training split has {classes[:5]}... ({len(eval_feature.names)} vs {len(classes)})"
+            )
     elif eval_feature is not None:
         top = int(max(evaluation[label_column]))
         if top >= len(classes):
-            raise UserError(f"the evaluation split of '{data}' has label {top}, "
-                            f"but the training split has only {len(classes)} classes")
+            raise UserError(
+                f"the evaluation split of '{data}' has label {top}, "
+                f"but the training split has only {len(classes)} classes"
+            )
     train = train.cast_column(image_column, datasets.Image(decode=False))
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False))
     return ClassificationData(train, evaluation, image_column, label_column, classes)

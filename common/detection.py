@@ -19,8 +19,9 @@ Reproducibility is that of :mod:`common.data`: each sample's augmentation is see
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torchvision import tv_tensors
@@ -62,18 +63,25 @@ def _sources(data: str) -> tuple[dict[str, Callable[[], tuple[Any, list[str] | N
         raise UserError(f"data '{data}' is a file; expected a folder (COCO-json layout or a saved dataset)")
     if path.is_dir() and ((path / "annotations").is_dir() or any(path.glob("*/_annotations.coco.json"))):
         where = f"COCO folder '{data}' (annotations/instances_<split>.json or <split>/_annotations.coco.json)"
-        return {split: (lambda p=p, dirs=dirs: load_coco_split(p, dirs, data))
-                for split, (p, dirs) in coco_splits(path).items()}, where
-    table = load_saved_or_hub(data, "detection dataset", f"{', '.join(DETECTION)}, a COCO-json folder, a saved "
-                              "dataset, or a hub dataset name (with network, or already in the cache)")
+        return {
+            split: (lambda p=p, dirs=dirs: load_coco_split(p, dirs, data))
+            for split, (p, dirs) in coco_splits(path).items()
+        }, where
+    table = load_saved_or_hub(
+        data,
+        "detection dataset",
+        f"{', '.join(DETECTION)}, a COCO-json folder, a saved "
+        "dataset, or a hub dataset name (with network, or already in the cache)",
+    )
     if not hasattr(table, "keys"):  # a single Dataset: the training split
         table = {"train": table}
     # no ids: a ClassLabel's index is its id (load_detection's default)
     return {split: (lambda split=split: (*normalise(table[split], data, split), None)) for split in table}, f"'{data}'"
 
 
-def load_detection(data: str, train_split: str = "train", eval_split: str = "", seed: int = 0,
-                   eval_fraction: float = 0.1) -> DetectionData:
+def load_detection(
+    data: str, train_split: str = "train", eval_split: str = "", seed: int = 0, eval_fraction: float = 0.1
+) -> DetectionData:
     """Load train and evaluation splits of a detection dataset in the normalised schema.
 
     ``data``: ``digits_det``, a COCO-json folder, a ``save_to_disk`` folder, a local copy of a hub
@@ -95,12 +103,15 @@ def load_detection(data: str, train_split: str = "train", eval_split: str = "", 
     if eval_split:
         evaluation, eval_names, eval_ids = sources[eval_split]()
         if names is not None and eval_names is not None and (eval_names, eval_ids) != (names, ids):
-            raise UserError(f"the evaluation split of '{data}' has classes {eval_names[:5]}... but the training "
-                            f"split has {names[:5]}... ({len(eval_names)} vs {len(names)})")
+            raise UserError(
+                f"the evaluation split of '{data}' has classes {eval_names[:5]}... but the training "
+                f"split has {names[:5]}... ({len(eval_names)} vs {len(names)})"
+            )
     else:
         if len(train) < 2:
-            raise UserError(f"the training split of '{data}' has {len(train)} images: "
-                            "too few to carve an evaluation split")
+            raise UserError(
+                f"the training split of '{data}' has {len(train)} images: too few to carve an evaluation split"
+            )
         parts = train.train_test_split(test_size=eval_fraction, seed=seed)
         train, evaluation = parts["train"], parts["test"]
     for name, ds in (("training", train), ("evaluation", evaluation)):
@@ -153,19 +164,25 @@ class DetectionDataset(torch.utils.data.Dataset):
         keep = [i for i, crowd in enumerate(objects["iscrowd"]) if not crowd]
         xywh = torch.tensor([objects["bbox"][i] for i in keep], dtype=torch.float32).reshape(-1, 4)
         boxes = tv_tensors.BoundingBoxes(xywh, format="XYWH", canvas_size=(image.height, image.width))
-        target = {"boxes": F.convert_bounding_box_format(boxes, new_format=tv_tensors.BoundingBoxFormat.XYXY),
-                  "labels": torch.tensor([objects["category"][i] for i in keep], dtype=torch.int64)}
+        target = {
+            "boxes": F.convert_bounding_box_format(boxes, new_format=tv_tensors.BoundingBoxFormat.XYXY),
+            "labels": torch.tensor([objects["category"][i] for i in keep], dtype=torch.int64),
+        }
         with seeded(sample_seed(self.seed, epoch, index)):
             out, target = self.transform(image, target)
         out = out.as_subclass(torch.Tensor)
-        target.update(image_id=int(row["image_id"]), orig_size=(image.height, image.width),
-                      dropped=len(keep) - len(target["boxes"]))
+        target.update(
+            image_id=int(row["image_id"]),
+            orig_size=(image.height, image.width),
+            dropped=len(keep) - len(target["boxes"]),
+        )
         target.setdefault("size", tuple(out.shape[-2:]))
         return out, target
 
 
-def collate(batch: Sequence[tuple[torch.Tensor, dict[str, Any]]]
-            ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, Any]]]:
+def collate(
+    batch: Sequence[tuple[torch.Tensor, dict[str, Any]]],
+) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, Any]]]:
     """Images [B, 3, Hmax, Wmax] zero-padded right and bottom, mask [B, Hmax, Wmax] (True = padding:
     outside each image's ``target["size"]``, so the transforms' padding counts too), targets list."""
     images, targets = zip(*batch)
@@ -180,8 +197,9 @@ def collate(batch: Sequence[tuple[torch.Tensor, dict[str, Any]]]
     return out, mask, list(targets)
 
 
-def prediction_batches(run: Any, path: str, transform: Callable, collate: Callable, batch_size: int,
-                       num_workers: int) -> tuple[Any, Iterator[Any]]:
+def prediction_batches(
+    run: Any, path: str, transform: Callable, collate: Callable, batch_size: int, num_workers: int
+) -> tuple[Any, Iterator[Any]]:
     """``--predict``'s input: the images ``path`` names (one file or a folder) as a split without objects
     (:func:`common.detection_sources.image_table`) and its batches through the recipe's evaluation
     ``transform`` and ``collate``, on the run's device (``run``: :class:`common.run.Run`), with a progress

@@ -9,8 +9,9 @@ photo reduced, so that labels are equally legible on both.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,8 +20,7 @@ from PIL import Image, ImageDraw, ImageFont
 from common.figures import new_figure, save_figure
 
 # Matplotlib's "tab10": ten colours told apart by most readers, colour-blind ones included.
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf"]
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 MAX_DRAWN = 30  # predictions drawn per image, the most confident: an untrained detector's hundreds hide the image
 RECALL = np.linspace(0.0, 1.0, 101)  # COCOeval's recall thresholds (params.recThrs)
 _LEGEND_CLASSES = 20  # more curves than this: thin grey lines, no legend (80 COCO names hide the plot)
@@ -82,20 +82,28 @@ def _dashed_rectangle(draw: ImageDraw.ImageDraw, box: Sequence[float], width: in
         length = max(abs(bx - ax), abs(by - ay))
         for start in np.arange(0, length, 2 * dash):
             t0, t1 = start / max(length, 1e-9), min(start + dash, length) / max(length, 1e-9)
-            draw.line([(ax + (bx - ax) * t0, ay + (by - ay) * t0), (ax + (bx - ax) * t1, ay + (by - ay) * t1)],
-                      fill=(255, 255, 255), width=max(1, width - 1))
+            draw.line(
+                [(ax + (bx - ax) * t0, ay + (by - ay) * t0), (ax + (bx - ax) * t1, ay + (by - ay) * t1)],
+                fill=(255, 255, 255),
+                width=max(1, width - 1),
+            )
 
 
-def _place(candidates: list[tuple[float, float]], size: tuple[int, int], bounds: tuple[int, int],
-           placed: list[tuple[float, float, float, float]]) -> tuple[float, float, float, float]:
+def _place(
+    candidates: list[tuple[float, float]],
+    size: tuple[int, int],
+    bounds: tuple[int, int],
+    placed: list[tuple[float, float, float, float]],
+) -> tuple[float, float, float, float]:
     """The first candidate top-left corner whose label rectangle (``size``) lies inside ``bounds`` and
     overlaps no rectangle already ``placed``; else the one overlapping them least. Appended to ``placed``."""
     w, h = size
 
     def cost(x: float, y: float) -> float:
         inside = 0.0 if 0 <= y and y + h <= bounds[1] else 1e9
-        return inside + sum(max(0.0, min(x + w, c) - max(x, a)) * max(0.0, min(y + h, d) - max(y, b))
-                            for a, b, c, d in placed)
+        return inside + sum(
+            max(0.0, min(x + w, c) - max(x, a)) * max(0.0, min(y + h, d) - max(y, b)) for a, b, c, d in placed
+        )
 
     shifted = [(min(max(x, 0), bounds[0] - w), y) for x, y in candidates]  # slid sideways into the picture
     best = next((xy for xy in shifted if cost(*xy) == 0), min(shifted, key=lambda xy: cost(*xy)))
@@ -103,9 +111,18 @@ def _place(candidates: list[tuple[float, float]], size: tuple[int, int], bounds:
     return placed[-1]
 
 
-def draw_detections(image: Any, target_boxes: Any, target_labels: Any, pred_boxes: Any, pred_labels: Any,
-                    pred_scores: Any, classes: Sequence[str], score_threshold: float = 0.3, size: int = 512,
-                    max_predictions: int = MAX_DRAWN) -> Image.Image:
+def draw_detections(
+    image: Any,
+    target_boxes: Any,
+    target_labels: Any,
+    pred_boxes: Any,
+    pred_labels: Any,
+    pred_scores: Any,
+    classes: Sequence[str],
+    score_threshold: float = 0.3,
+    size: int = 512,
+    max_predictions: int = MAX_DRAWN,
+) -> Image.Image:
     """One image with its ground truth and predictions, drawn at ``size`` px on its longer side (an
     image under half that is enlarged by a whole factor, so somewhat less).
 
@@ -140,8 +157,10 @@ def draw_detections(image: Any, target_boxes: Any, target_labels: Any, pred_boxe
 
     placed: list[tuple[float, float, float, float]] = []
     labels = [(box, name, (255, 255, 255), True) for box, name in zip(gt, gt_names)]
-    labels += [(box, f"{_name(classes, c)} {scores[i]:.2f}", class_colour(c), False)
-               for box, c, i in zip(pred, pred_classes, keep)]
+    labels += [
+        (box, f"{_name(classes, c)} {scores[i]:.2f}", class_colour(c), False)
+        for box, c, i in zip(pred, pred_classes, keep)
+    ]
     for (x0, y0, x1, y1), caption, fill, is_gt in labels:
         w = text.getlength(caption) + 6
         above, top_in, below, bottom_in = (x0, y0 - label_h), (x0, y0), (x0, y1), (x0, y1 - label_h)
@@ -157,8 +176,10 @@ def draw_detections(image: Any, target_boxes: Any, target_labels: Any, pred_boxe
 def _legend(width: int, classes: Sequence[str], score_threshold: float, text: Any) -> Image.Image:
     """A strip explaining the marks: ground truth, prediction, and each class's colour (up to 20)."""
     height, pad = text.getbbox("Ag")[3] + 12, 10
-    items: list[tuple[str, Any]] = [("ground truth", None),
-                                    (f"prediction, score \u2265 {score_threshold:.2f} (colour = class)", -1)]
+    items: list[tuple[str, Any]] = [
+        ("ground truth", None),
+        (f"prediction, score \u2265 {score_threshold:.2f} (colour = class)", -1),
+    ]
     items += [(str(name), i) for i, name in enumerate(classes)] if len(classes) <= 20 else []
     rows, x = [[]], pad
     for caption, key in items:  # wrapped into as many rows as the width needs
@@ -184,9 +205,18 @@ def _legend(width: int, classes: Sequence[str], score_threshold: float, text: An
     return strip
 
 
-def save_detections(images: Sequence[Any], targets: Sequence[dict[str, Any]], predictions: Sequence[dict[str, Any]],
-                    classes: Sequence[str], path: Path, score_threshold: float = 0.3, *, size: int = 512,
-                    wandb_run: Any = None, step: int = 0) -> Image.Image:
+def save_detections(
+    images: Sequence[Any],
+    targets: Sequence[dict[str, Any]],
+    predictions: Sequence[dict[str, Any]],
+    classes: Sequence[str],
+    path: Path,
+    score_threshold: float = 0.3,
+    *,
+    size: int = 512,
+    wandb_run: Any = None,
+    step: int = 0,
+) -> Image.Image:
     """A grid of :func:`draw_detections` pictures, titled and with a legend, as one PNG at ``path``;
     returns it. ``images``: the original images (PIL, or what :func:`to_pil` takes); ``targets``:
     ``boxes`` and ``labels`` (and ``image_id``, for the titles); ``predictions``: ``boxes``, ``labels``
@@ -197,13 +227,16 @@ def save_detections(images: Sequence[Any], targets: Sequence[dict[str, Any]], pr
     title_h = text.getbbox("Ag")[3] + 10
     tiles = []
     for k, (image, t, p) in enumerate(zip(images, targets, predictions)):
-        drawn = draw_detections(image, t["boxes"], t["labels"], p["boxes"], p["labels"], p["scores"], classes,
-                                score_threshold, size)
+        drawn = draw_detections(
+            image, t["boxes"], t["labels"], p["boxes"], p["labels"], p["scores"], classes, score_threshold, size
+        )
         shown = sum(s >= score_threshold for s in _values(p["scores"]))
         objects = len(_values(t["labels"]))
-        title = (f"image {t.get('image_id', k)}: {objects} object{'s' * (objects != 1)}, "
-                 f"{shown} prediction{'s' * (shown != 1)} \u2265 {score_threshold:.2f}"
-                 + (f" ({MAX_DRAWN} drawn)" if shown > MAX_DRAWN else ""))
+        title = (
+            f"image {t.get('image_id', k)}: {objects} object{'s' * (objects != 1)}, "
+            f"{shown} prediction{'s' * (shown != 1)} \u2265 {score_threshold:.2f}"
+            + (f" ({MAX_DRAWN} drawn)" if shown > MAX_DRAWN else "")
+        )
         tile = Image.new("RGB", (drawn.width, drawn.height + title_h), (255, 255, 255))
         tile.paste(drawn, (0, title_h))
         ImageDraw.Draw(tile).text((4, 5), title, font=text, fill=(0, 0, 0))
@@ -224,15 +257,28 @@ def save_detections(images: Sequence[Any], targets: Sequence[dict[str, Any]], pr
     if wandb_run is not None:
         import wandb
 
-        logged = [wandb.Image(to_pil(image), boxes=wandb_boxes(t["boxes"], t["labels"], p["boxes"], p["labels"],
-                                                                p["scores"], classes, score_threshold))
-                  for image, t, p in zip(images, targets, predictions)]
+        logged = [
+            wandb.Image(
+                to_pil(image),
+                boxes=wandb_boxes(
+                    t["boxes"], t["labels"], p["boxes"], p["labels"], p["scores"], classes, score_threshold
+                ),
+            )
+            for image, t, p in zip(images, targets, predictions)
+        ]
         wandb_run.log({"detections": logged}, step=step)
     return grid
 
 
-def wandb_boxes(target_boxes: Any, target_labels: Any, pred_boxes: Any, pred_labels: Any, pred_scores: Any,
-                classes: Sequence[str], score_threshold: float = 0.3) -> dict[str, Any]:
+def wandb_boxes(
+    target_boxes: Any,
+    target_labels: Any,
+    pred_boxes: Any,
+    pred_labels: Any,
+    pred_scores: Any,
+    classes: Sequence[str],
+    score_threshold: float = 0.3,
+) -> dict[str, Any]:
     """``boxes=`` for ``wandb.Image(image, boxes=...)``: ground truth and predictions (score >=
     ``score_threshold``), XYXY in the image's pixels, with the class-id -> name mapping."""
     class_labels = {i: name for i, name in enumerate(classes)}
@@ -242,17 +288,25 @@ def wandb_boxes(target_boxes: Any, target_labels: Any, pred_boxes: Any, pred_lab
         for i, (box, c) in enumerate(zip(_boxes(boxes).tolist(), _values(labels))):
             if scores is not None and scores[i] < score_threshold:
                 continue
-            entry = {"position": {"minX": box[0], "minY": box[1], "maxX": box[2], "maxY": box[3]},
-                     "domain": "pixel", "class_id": int(c), "box_caption": class_labels.get(int(c), str(int(c)))}
+            entry = {
+                "position": {"minX": box[0], "minY": box[1], "maxX": box[2], "maxY": box[3]},
+                "domain": "pixel",
+                "class_id": int(c),
+                "box_caption": class_labels.get(int(c), str(int(c))),
+            }
             if scores is not None:
                 entry["scores"] = {"score": scores[i]}
                 entry["box_caption"] += f" {scores[i]:.2f}"
             out.append(entry)
         return out
 
-    return {"ground_truth": {"box_data": box_data(target_boxes, target_labels, None), "class_labels": class_labels},
-            "predictions": {"box_data": box_data(pred_boxes, pred_labels, _values(pred_scores)),
-                            "class_labels": class_labels}}
+    return {
+        "ground_truth": {"box_data": box_data(target_boxes, target_labels, None), "class_labels": class_labels},
+        "predictions": {
+            "box_data": box_data(pred_boxes, pred_labels, _values(pred_scores)),
+            "class_labels": class_labels,
+        },
+    }
 
 
 def plot_pr_curves(precision: Any, classes: Sequence[str], ap50: Any, path: Path) -> Image.Image:
@@ -279,15 +333,27 @@ def plot_pr_curves(precision: Any, classes: Sequence[str], ap50: Any, path: Path
         else:
             ax.plot(RECALL, curves[:, k], lw=0.6, color="grey", alpha=0.45)
     if len(shown):
-        ax.plot(RECALL, curves[:, shown].mean(1), lw=3.0, color="#08306b",
-                label=f"all classes mAP@0.5 {np.nanmean(ap[shown]):.3f}")
+        ax.plot(
+            RECALL,
+            curves[:, shown].mean(1),
+            lw=3.0,
+            color="#08306b",
+            label=f"all classes mAP@0.5 {np.nanmean(ap[shown]):.3f}",
+        )
     ax.set(xlim=(0, 1), ylim=(0, 1.02), xlabel="recall", ylabel="precision")
     missing = len(classes) - len(shown)
-    ax.set_title(f"precision-recall at IoU 0.5, {len(shown)} classes"
-                 + (" (grey: each class)" if not legend and len(shown) else "")
-                 + (f"; {missing} without ground truth" if missing else ""), fontsize=11)
+    ax.set_title(
+        f"precision-recall at IoU 0.5, {len(shown)} classes"
+        + (" (grey: each class)" if not legend and len(shown) else "")
+        + (f"; {missing} without ground truth" if missing else ""),
+        fontsize=11,
+    )
     ax.grid(alpha=0.3)
     if len(shown):
-        ax.legend(fontsize=8 if len(shown) > 10 else 9, loc="upper left" if legend else "lower left",
-                  bbox_to_anchor=(1.02, 1.0) if legend else None, frameon=False if legend else True)
+        ax.legend(
+            fontsize=8 if len(shown) > 10 else 9,
+            loc="upper left" if legend else "lower left",
+            bbox_to_anchor=(1.02, 1.0) if legend else None,
+            frameon=False if legend else True,
+        )
     return save_figure(figure, path)

@@ -10,8 +10,9 @@ the weights' metadata), so the files can be scored or used with the user's own t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -32,9 +33,17 @@ def write_json(value: Any, path: Path) -> None:
     tmp.replace(path)
 
 
-def report_evaluation(run: Any, metrics: Mapping[str, float], details: Any, data: Any, plot_images: int, step: int,
-                      best: Mapping[str, float] | None = None, epoch: int | None = None,
-                      final: bool = False) -> dict[str, float]:
+def report_evaluation(
+    run: Any,
+    metrics: Mapping[str, float],
+    details: Any,
+    data: Any,
+    plot_images: int,
+    step: int,
+    best: Mapping[str, float] | None = None,
+    epoch: int | None = None,
+    final: bool = False,
+) -> dict[str, float]:
     """Everything one evaluation pass leaves behind: ``eval/<metric>`` (and ``best``) logged at ``step``;
     on the main process ``predictions.json`` (:meth:`common.coco_eval.EvalDetails.coco_results` in
     ``data.category_ids``) and the pictures (:func:`save_evaluation_figures`),
@@ -45,8 +54,9 @@ def report_evaluation(run: Any, metrics: Mapping[str, float], details: Any, data
     pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
     if run.accelerator.is_main_process:
         write_json(details.coco_results(data.category_ids), run.dir / PREDICTIONS)
-        pictures = save_evaluation_figures(details, run.plots_dir, data.eval, plot_images,
-                                           wandb_run=run.wandb_run(), step=step)
+        pictures = save_evaluation_figures(
+            details, run.plots_dir, data.eval, plot_images, wandb_run=run.wandb_run(), step=step
+        )
     run.log_plots(step, **pictures)  # and the training curves
     if final:
         run.print(per_class_text(details))
@@ -55,8 +65,15 @@ def report_evaluation(run: Any, metrics: Mapping[str, float], details: Any, data
     return results
 
 
-def save_evaluation_figures(details: Any, folder: Path, eval_split: Any = None, plot_images: int = 0,
-                            score_threshold: float = 0.3, wandb_run: Any = None, step: int = 0) -> dict[str, Image.Image]:
+def save_evaluation_figures(
+    details: Any,
+    folder: Path,
+    eval_split: Any = None,
+    plot_images: int = 0,
+    score_threshold: float = 0.3,
+    wandb_run: Any = None,
+    step: int = 0,
+) -> dict[str, Image.Image]:
     """Every picture of one detection evaluation under ``folder``, replacing the previous evaluation's
     (the trackers keep the history): ``pr_curves.png``, ``confusion_matrix.png`` (with the background
     row and column), ``per_class_ap.csv`` and, with ``eval_split`` (the normalised dataset that was
@@ -70,19 +87,24 @@ def save_evaluation_figures(details: Any, folder: Path, eval_split: Any = None, 
     pictures = {
         "pr_curves": plot_pr_curves(details.precision, details.classes, details.ap50, folder / "pr_curves.png"),
         "confusion_matrix": plot_confusion_matrix(
-            details.confusion, [*details.classes, "background"], folder / "confusion_matrix.png",
-            f"detections (score \u2265 {CONFUSION_SCORE}, IoU \u2265 {CONFUSION_IOU}) against ground truth"),
+            details.confusion,
+            [*details.classes, "background"],
+            folder / "confusion_matrix.png",
+            f"detections (score \u2265 {CONFUSION_SCORE}, IoU \u2265 {CONFUSION_IOU}) against ground truth",
+        ),
     }
     save_table_csv(details.table(), folder / "per_class_ap.csv")
     if eval_split is not None and plot_images > 0:
         samples = evaluation_samples(eval_split, details.predictions, plot_images)
-        pictures["detections"] = save_detections(*samples, details.classes, folder / "detections.png",
-                                                 score_threshold, wandb_run=wandb_run, step=step)
+        pictures["detections"] = save_detections(
+            *samples, details.classes, folder / "detections.png", score_threshold, wandb_run=wandb_run, step=step
+        )
     return pictures
 
 
-def evaluation_samples(ds: Any, predictions: dict[int, dict[str, Any]], count: int
-                       ) -> tuple[list[Image.Image], list[dict[str, Any]], list[dict[str, Any]]]:
+def evaluation_samples(
+    ds: Any, predictions: dict[int, dict[str, Any]], count: int
+) -> tuple[list[Image.Image], list[dict[str, Any]], list[dict[str, Any]]]:
     """The first ``count`` images of a normalised detection split ``ds``
     (:mod:`common.detection_sources`), their ground truth (XYXY, crowd regions left out, ``image_id``)
     and their ``predictions`` (:attr:`common.coco_eval.EvalDetails.predictions`; none where an image
@@ -94,8 +116,13 @@ def evaluation_samples(ds: Any, predictions: dict[int, dict[str, Any]], count: i
         keep = [i for i, crowd in enumerate(objects["iscrowd"]) if not crowd]
         xywh = np.array([objects["bbox"][i] for i in keep], np.float64).reshape(-1, 4)
         images.append(decode_image(row["image"], f"image_id {row['image_id']}"))
-        targets.append({"boxes": np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], 1), "image_id": row["image_id"],
-                        "labels": np.array([objects["category"][i] for i in keep], np.int64)})
+        targets.append(
+            {
+                "boxes": np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], 1),
+                "image_id": row["image_id"],
+                "labels": np.array([objects["category"][i] for i in keep], np.int64),
+            }
+        )
         found.append(predictions.get(int(row["image_id"]), {"boxes": np.zeros((0, 4)), "labels": [], "scores": []}))
     return images, targets, found
 
@@ -119,8 +146,14 @@ def _kept(prediction: dict[str, Any], score_threshold: float) -> tuple[int, np.n
     return int(prediction["image_id"]), boxes.numpy(), scores[keep].numpy(), labels.numpy().astype(np.int64)
 
 
-def save_predictions(run: Any, batches: Iterable[Sequence[dict[str, Any]]], table: Any, meta: Mapping[str, Any],
-                     score_threshold: float, root: str | Path) -> dict[str, float]:
+def save_predictions(
+    run: Any,
+    batches: Iterable[Sequence[dict[str, Any]]],
+    table: Any,
+    meta: Mapping[str, Any],
+    score_threshold: float,
+    root: str | Path,
+) -> dict[str, float]:
     """``--predict``: the detections of ``batches`` (the recipe's detection pass over ``table``,
     :func:`common.detection.prediction_batches`: per image ``image_id``, ``boxes`` XYXY in original pixels, ``scores``,
     ``labels`` as class indices of ``meta["classes"]``, the weights' metadata) scoring at least
@@ -152,13 +185,28 @@ def save_predictions(run: Any, batches: Iterable[Sequence[dict[str, Any]]], tabl
                 continue
             seen.add(image_id)
             (w, h), file = sizes[image_id], files[image_id]
-            detections = [{"class": str(classes[int(c)]), "category_id": int(category_ids[int(c)]),
-                           "score": round(float(s), 5), "box": [round(float(v), 2) for v in b]}
-                          for b, s, c in zip(boxes, scores, labels)]
+            detections = [
+                {
+                    "class": str(classes[int(c)]),
+                    "category_id": int(category_ids[int(c)]),
+                    "score": round(float(s), 5),
+                    "box": [round(float(v), 2) for v in b],
+                }
+                for b, s, c in zip(boxes, scores, labels)
+            ]
             entries.append({"file": str(file), "width": w, "height": h, "detections": detections})
             image = decode_image({"path": str(file)}, str(file))  # the original, for drawing
-            drawn = draw_detections(image, np.zeros((0, 4)), [], boxes, labels, scores, classes, score_threshold,
-                                    size=max(512, min(max(w, h), 1600)))
+            drawn = draw_detections(
+                image,
+                np.zeros((0, 4)),
+                [],
+                boxes,
+                labels,
+                scores,
+                classes,
+                score_threshold,
+                size=max(512, min(max(w, h), 1600)),
+            )
             relative = file.relative_to(root) if root.is_dir() else Path(file.name)
             out = (folder / relative).with_suffix(".png")
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,8 +215,10 @@ def save_predictions(run: Any, batches: Iterable[Sequence[dict[str, Any]]], tabl
     if accelerator.is_main_process:
         entries.sort(key=lambda e: e["file"])
         write_json(entries, run.dir / PREDICTIONS)
-        run.print(f"{len(entries)} images, {int(totals['detections'])} detections scoring \u2265 {score_threshold}: "
-                  f"{run.dir / PREDICTIONS}, pictures in {folder}")
+        run.print(
+            f"{len(entries)} images, {int(totals['detections'])} detections scoring \u2265 {score_threshold}: "
+            f"{run.dir / PREDICTIONS}, pictures in {folder}"
+        )
     run.finish()
     return totals
 
@@ -180,7 +230,12 @@ def check_classes(weights: str, meta: Mapping[str, Any], data: Any) -> None:
     if data is None:
         return
     if list(meta["classes"]) != list(data.classes) or list(meta["category_ids"]) != list(data.category_ids):
-        pairs = lambda names, ids: ", ".join(f"{i}:{n}" for i, n in list(zip(ids, names))[:5])
-        raise UserError(f"weights '{weights}' were trained on classes {pairs(meta['classes'], meta['category_ids'])}... "
-                        f"({len(meta['classes'])}); the data has {pairs(data.classes, data.category_ids)}... "
-                        f"({len(data.classes)})")
+
+        def pairs(names: Sequence[str], ids: Sequence[int]) -> str:
+            return ", ".join(f"{i}:{n}" for i, n in list(zip(ids, names))[:5])
+
+        raise UserError(
+            f"weights '{weights}' were trained on classes {pairs(meta['classes'], meta['category_ids'])}... "
+            f"({len(meta['classes'])}); the data has {pairs(data.classes, data.category_ids)}... "
+            f"({len(data.classes)})"
+        )

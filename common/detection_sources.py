@@ -18,8 +18,9 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
@@ -33,18 +34,20 @@ def features() -> datasets.Features:
     """The normalised schema of every detection split (the module docstring)."""
     import datasets
 
-    return datasets.Features({
-        "image": datasets.Image(decode=False),
-        "image_id": datasets.Value("int64"),
-        "width": datasets.Value("int32"),
-        "height": datasets.Value("int32"),
-        "objects": {
-            "bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float64"), length=4)),
-            "category": datasets.Sequence(datasets.Value("int64")),
-            "area": datasets.Sequence(datasets.Value("float64")),
-            "iscrowd": datasets.Sequence(datasets.Value("int8")),
-        },
-    })
+    return datasets.Features(
+        {
+            "image": datasets.Image(decode=False),
+            "image_id": datasets.Value("int64"),
+            "width": datasets.Value("int32"),
+            "height": datasets.Value("int32"),
+            "objects": {
+                "bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float64"), length=4)),
+                "category": datasets.Sequence(datasets.Value("int64")),
+                "area": datasets.Sequence(datasets.Value("float64")),
+                "iscrowd": datasets.Sequence(datasets.Value("int8")),
+            },
+        }
+    )
 
 
 def _image_size(value: dict[str, Any] | Image.Image, name: str) -> tuple[int, int]:
@@ -64,7 +67,7 @@ def coco_splits(folder: Path) -> dict[str, tuple[Path, list[Path]]]:
     ``images/`` or relative to the folder) and ``<split>/_annotations.coco.json`` (Roboflow)."""
     splits: dict[str, tuple[Path, list[Path]]] = {}
     for path in sorted((folder / "annotations").glob("instances_*.json")):
-        name = path.stem[len("instances_"):]
+        name = path.stem[len("instances_") :]
         base = re.sub(r"20\d\d$", "", name)  # instances_val2017.json also answers to 'val'
         dirs = [folder / name, folder / f"{base}2017", folder / "images" / name, folder / "images", folder]
         splits[name] = (path, list(dict.fromkeys(dirs)))
@@ -102,11 +105,15 @@ def load_coco_split(json_path: Path, image_dirs: list[Path], data: str) -> tuple
     for ann in coco.get("annotations") or []:
         objects = rows.get(ann.get("image_id"))
         if objects is None:
-            raise UserError(f"annotation {ann.get('id')} in '{json_path}' refers to image_id "
-                            f"{ann.get('image_id')}, which is not in its 'images'")
+            raise UserError(
+                f"annotation {ann.get('id')} in '{json_path}' refers to image_id "
+                f"{ann.get('image_id')}, which is not in its 'images'"
+            )
         if ann.get("category_id") not in index:
-            raise UserError(f"annotation {ann.get('id')} in '{json_path}' has category_id "
-                            f"{ann.get('category_id')}, which is not in its 'categories'")
+            raise UserError(
+                f"annotation {ann.get('id')} in '{json_path}' has category_id "
+                f"{ann.get('category_id')}, which is not in its 'categories'"
+            )
         bbox = ann.get("bbox")
         if not isinstance(bbox, list) or len(bbox) != 4:
             raise UserError(f"annotation {ann.get('id')} in '{json_path}' has bbox {bbox!r}; expected [x, y, w, h]")
@@ -116,8 +123,10 @@ def load_coco_split(json_path: Path, image_dirs: list[Path], data: str) -> tuple
         objects["iscrowd"].append(int(ann.get("iscrowd", 0)))
 
     paths = [str(folder / img["file_name"]) for img in images] if folder else []
-    sizes = [(img["width"], img["height"]) if "width" in img and "height" in img
-             else _image_size({"path": p}, p) for img, p in zip(images, paths)]
+    sizes = [
+        (img["width"], img["height"]) if "width" in img and "height" in img else _image_size({"path": p}, p)
+        for img, p in zip(images, paths)
+    ]
     table = {
         "image": [{"path": p, "bytes": None} for p in paths],
         "image_id": [img["id"] for img in images],
@@ -142,14 +151,18 @@ def normalise(ds: Any, data: str, split: str) -> tuple[Any, list[str] | None]:
     objects_feature = columns.get("objects")
     inner = objects_feature if isinstance(objects_feature, dict) else getattr(objects_feature, "feature", None)
     if not isinstance(inner, dict):
-        raise UserError(f"split '{split}' of '{data}' has no 'objects' column (it has {list(columns)}); expected a "
-                        "COCO-json folder (annotations/instances_<split>.json or <split>/_annotations.coco.json) "
-                        "or a dataset whose 'objects' hold COCO [x, y, w, h] boxes and categories")
+        raise UserError(
+            f"split '{split}' of '{data}' has no 'objects' column (it has {list(columns)}); expected a "
+            "COCO-json folder (annotations/instances_<split>.json or <split>/_annotations.coco.json) "
+            "or a dataset whose 'objects' hold COCO [x, y, w, h] boxes and categories"
+        )
     box_key = next((k for k in _BOX_KEYS if k in inner), None)
     category_key = next((k for k in _CATEGORY_KEYS if k in inner), None)
     if box_key is None or category_key is None:
-        raise UserError(f"the 'objects' of '{data}' have keys {list(inner)}; expected a box key "
-                        f"({'/'.join(_BOX_KEYS)}) and a category key ({'/'.join(_CATEGORY_KEYS)})")
+        raise UserError(
+            f"the 'objects' of '{data}' have keys {list(inner)}; expected a box key "
+            f"({'/'.join(_BOX_KEYS)}) and a category key ({'/'.join(_CATEGORY_KEYS)})"
+        )
     image_column = next((k for k, f in columns.items() if isinstance(f, datasets.Image)), None)
     if image_column is None:
         raise UserError(f"split '{split}' of '{data}' has no image column (it has {list(columns)})")
@@ -159,20 +172,26 @@ def normalise(ds: Any, data: str, split: str) -> tuple[Any, list[str] | None]:
 
     images = ds.select_columns([image_column]).cast_column(image_column, datasets.Image(decode=False))
     meta = ds.select_columns([c for c in ("image_id", "width", "height", "objects") if c in columns])[:]
-    table: dict[str, list] = {"image_id": meta.get("image_id") or list(range(len(ds))), "width": [], "height": [],
-                              "objects": []}
+    table: dict[str, list] = {
+        "image_id": meta.get("image_id") or list(range(len(ds))),
+        "width": [],
+        "height": [],
+        "objects": [],
+    }
     for i, objects in enumerate(meta["objects"]):
         if isinstance(objects, list):  # a list of per-object dicts rather than a dict of lists
             objects = {k: [o[k] for o in objects] for k in inner}
         boxes = [[float(v) for v in box] for box in objects[box_key]]
         if any(len(box) != 4 for box in boxes):
             raise UserError(f"row {i} of split '{split}' of '{data}' has a box that is not [x, y, w, h]")
-        table["objects"].append({
-            "bbox": boxes,
-            "category": [int(c) for c in objects[category_key]],
-            "area": [float(a) for a in objects["area"]] if "area" in objects else [b[2] * b[3] for b in boxes],
-            "iscrowd": [int(c) for c in objects["iscrowd"]] if "iscrowd" in objects else [0] * len(boxes),
-        })
+        table["objects"].append(
+            {
+                "bbox": boxes,
+                "category": [int(c) for c in objects[category_key]],
+                "area": [float(a) for a in objects["area"]] if "area" in objects else [b[2] * b[3] for b in boxes],
+                "iscrowd": [int(c) for c in objects["iscrowd"]] if "iscrowd" in objects else [0] * len(boxes),
+            }
+        )
     if "width" in meta and "height" in meta:
         table["width"], table["height"] = meta["width"], meta["height"]
     else:  # read each image's header: slower, but needed only once per load
@@ -198,22 +217,27 @@ def check_box_format(table: dict[str, list], where: str) -> None:
     columns of the normalised schema (module docstring)."""
     import numpy as np
 
-    boxes = [(b, w, h) for objects, w, h in zip(table["objects"], table["width"], table["height"])
-             for b in objects["bbox"]]
+    boxes = [
+        (b, w, h) for objects, w, h in zip(table["objects"], table["width"], table["height"]) for b in objects["bbox"]
+    ]
     if not boxes:
         return
     xywh = np.array([b for b, _, _ in boxes], np.float64)  # [N, 4]
     size = np.array([[w, h] for _, w, h in boxes], np.float64)  # [N, 2] image width, height
     if np.abs(xywh).max() <= 1.5 and np.median(size) > 4:
-        raise UserError(f"the boxes of {where} are all within 0..1 ({len(xywh)} boxes): they look normalised; "
-                        "detection data needs COCO [x, y, w, h] boxes in pixels of the original image")
+        raise UserError(
+            f"the boxes of {where} are all within 0..1 ({len(xywh)} boxes): they look normalised; "
+            "detection data needs COCO [x, y, w, h] boxes in pixels of the original image"
+        )
     slack = 0.02 * size + 1.0  # annotation tools round and overshoot edges by a pixel or so
     past = ((xywh[:, :2] + xywh[:, 2:]) > size + slack).any(1)
     corners = (xywh[:, 2:] > xywh[:, :2]).all(1) & (xywh[:, 2:] <= size + slack).all(1) & (xywh[:, :2] >= -slack).all(1)
     if past.mean() > 0.1 and corners.all():
-        raise UserError(f"{past.sum()} of the {len(xywh)} boxes of {where} reach past their image when read as "
-                        "[x, y, w, h], and every one is a box inside it as [x0, y0, x1, y1]: they look like corner "
-                        "boxes; detection data needs COCO [x, y, w, h] boxes in pixels (w = x1 - x0, h = y1 - y0)")
+        raise UserError(
+            f"{past.sum()} of the {len(xywh)} boxes of {where} reach past their image when read as "
+            "[x, y, w, h], and every one is a box inside it as [x0, y0, x1, y1]: they look like corner "
+            "boxes; detection data needs COCO [x, y, w, h] boxes in pixels (w = x1 - x0, h = y1 - y0)"
+        )
 
 
 def image_table(files: Sequence[Path]) -> Any:
@@ -222,7 +246,11 @@ def image_table(files: Sequence[Path]) -> Any:
     import datasets
 
     sizes = [_image_size({"path": str(f)}, str(f)) for f in files]
-    table = {"image": [{"path": str(f), "bytes": None} for f in files], "image_id": list(range(len(files))),
-             "width": [w for w, _ in sizes], "height": [h for _, h in sizes],
-             "objects": [{"bbox": [], "category": [], "area": [], "iscrowd": []} for _ in files]}
+    table = {
+        "image": [{"path": str(f), "bytes": None} for f in files],
+        "image_id": list(range(len(files))),
+        "width": [w for w, _ in sizes],
+        "height": [h for _, h in sizes],
+        "objects": [{"bbox": [], "category": [], "area": [], "iscrowd": []} for _ in files],
+    }
     return datasets.Dataset.from_dict(table, features=features())

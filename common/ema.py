@@ -7,7 +7,8 @@ of kernel launches per step instead of one per parameter as a Python loop would 
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -8,8 +8,9 @@ are 32 px), so the figures read the same for 32-px digits and 224-px photos.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -34,8 +35,7 @@ def _upsample(image: np.ndarray, size: int) -> np.ndarray:
     return image.repeat(factor, 0).repeat(factor, 1)
 
 
-def attention_overlay(images: Any, maps: Any, path: Path, colormap: str = "inferno",
-                      alpha: float = 0.5) -> Image.Image:
+def attention_overlay(images: Any, maps: Any, path: Path, colormap: str = "inferno", alpha: float = 0.5) -> Image.Image:
     """Each image beside itself overlaid with its attention map, as one PNG at ``path``.
 
     ``images``: float [B, 3, H, W] in 0..1. ``maps``: non-negative attention [B, h, w] (a ViT's [CLS]
@@ -60,8 +60,9 @@ def attention_overlay(images: Any, maps: Any, path: Path, colormap: str = "infer
         # mode "F" keeps the float values through PIL's bilinear resize
         up = np.asarray(Image.fromarray(scaled, mode="F").resize(shown.shape[1::-1], Image.BILINEAR))
         blended = (1 - alpha) * shown + alpha * cmap(np.clip(up, 0, 1))[..., :3]
-        for column, (picture, title) in enumerate(((shown, f"image {b}"), (blended, f"attention ({heat.shape[1]}x"
-                                                                                     f"{heat.shape[2]})"))):
+        for column, (picture, title) in enumerate(
+            ((shown, f"image {b}"), (blended, f"attention ({heat.shape[1]}x{heat.shape[2]})"))
+        ):
             ax = figure.add_subplot(rows, 2 * pairs, (b // pairs) * 2 * pairs + (b % pairs) * 2 + column + 1)
             ax.imshow(picture, interpolation="antialiased")
             ax.set_title(title, fontsize=9)
@@ -69,21 +70,33 @@ def attention_overlay(images: Any, maps: Any, path: Path, colormap: str = "infer
     return save_figure(figure, path)
 
 
-def neighbour_grid(queries: Any, neighbours: Any, path: Path, query_labels: Sequence[str] | None = None,
-                   neighbour_labels: Sequence[Sequence[str]] | None = None, similarities: Any = None) -> Image.Image:
+def neighbour_grid(
+    queries: Any,
+    neighbours: Any,
+    path: Path,
+    query_labels: Sequence[str] | None = None,
+    neighbour_labels: Sequence[Sequence[str]] | None = None,
+    similarities: Any = None,
+) -> Image.Image:
     """Each query and its nearest neighbours, one row per query, as one PNG at ``path``.
 
     ``queries``: float [Q, 3, H, W] in 0..1, drawn first in each row inside a blue frame;
     ``neighbours``: [Q, k, 3, H, W], nearest first. Optional captions: ``query_labels`` [Q] and
     ``neighbour_labels`` [Q][k] class names (a neighbour's name in green with a tick when it is
-    the query's, red with a cross when not), ``similarities`` [Q, k] (cosine similarity, written under each neighbour)."""
+    the query's, red with a cross when not), ``similarities`` [Q, k] (cosine similarity, written under
+    each neighbour)."""
     from matplotlib.patches import Rectangle
 
     query_pixels, bank = _hwc(queries), _hwc(neighbours)
     if bank.ndim != 5 or len(bank) != len(query_pixels):
         raise ValueError(f"neighbours must be [Q, k, 3, H, W] for {len(query_pixels)} queries; got {bank.shape}")
-    sims = None if similarities is None else np.asarray(
-        similarities.detach().float().cpu() if hasattr(similarities, "detach") else similarities, np.float64)
+    sims = (
+        None
+        if similarities is None
+        else np.asarray(
+            similarities.detach().float().cpu() if hasattr(similarities, "detach") else similarities, np.float64
+        )
+    )
     count, k = bank.shape[:2]
     captions = query_labels is not None or neighbour_labels is not None or sims is not None
     row_height = _CELL + (0.45 if captions else 0.3)
@@ -94,11 +107,18 @@ def neighbour_grid(queries: Any, neighbours: Any, path: Path, query_labels: Sequ
         ax = figure.add_subplot(grid[q, 0])
         shown = _upsample(query_pixels[q], 190)
         ax.imshow(shown, interpolation="antialiased")
-        ax.add_patch(Rectangle((-0.5, -0.5), shown.shape[1], shown.shape[0], fill=False, edgecolor="#2166ac",
-                               lw=5, clip_on=False))
+        ax.add_patch(
+            Rectangle(
+                (-0.5, -0.5), shown.shape[1], shown.shape[0], fill=False, edgecolor="#2166ac", lw=5, clip_on=False
+            )
+        )
         ax.set_axis_off()
-        ax.set_title(f"query: {query_labels[q]}" if query_labels is not None else f"query {q}", fontsize=10,
-                     color="#2166ac", fontweight="bold")
+        ax.set_title(
+            f"query: {query_labels[q]}" if query_labels is not None else f"query {q}",
+            fontsize=10,
+            color="#2166ac",
+            fontweight="bold",
+        )
         for j in range(k):
             ax = figure.add_subplot(grid[q, j + 2])
             ax.imshow(_upsample(bank[q, j], 190), interpolation="antialiased")

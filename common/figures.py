@@ -14,8 +14,9 @@ import csv
 import json
 import math
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -24,8 +25,10 @@ DPI = 100  # figure inches * DPI = PNG pixels
 
 # Keys of metrics.jsonl that are bookkeeping, not training dynamics: best-so-far copies, the epoch
 # counter, throughput and timing (images_per_s, data_wait, s_per_step, eta_s) and per-image data counts.
-_SKIP = re.compile(r"^(best|best_step)/|(^|/)(epoch|step)$|per_s$|data_wait|data_time|s_per_step|(^|/)eta(_s)?$"
-                   r"|_per_image$")
+_SKIP = re.compile(
+    r"^(best|best_step)/|(^|/)(epoch|step)$|per_s$|data_wait|data_time|s_per_step|(^|/)eta(_s)?$"
+    r"|_per_image$"
+)
 _LINES_PER_PANEL = 6  # more lines than this in one panel and its legend hides the curves
 
 
@@ -92,7 +95,7 @@ def _panels(keys: Sequence[str]) -> list[tuple[str, list[str], bool]]:
     def add(title: str, group: list[str], evaluation: bool) -> None:
         size = -(-len(group) // -(-len(group) // _LINES_PER_PANEL)) if group else 1  # 8 lines: 4 + 4, not 6 + 2
         for start in range(0, len(group), size):
-            panels.append((title if len(group) > 1 else group[0], group[start:start + size], evaluation))
+            panels.append((title if len(group) > 1 else group[0], group[start : start + size], evaluation))
 
     def by_base(group: list[str]) -> None:
         for base in dict.fromkeys(map(_base, group)):
@@ -163,11 +166,22 @@ def plot_curves(metrics_jsonl: Path, path: Path) -> Image.Image | None:
             label = key.split("/", 1)[-1]
             if not evaluation and len(values) > 50 and "/lr" not in key:  # noisy: raw faint, smoothed on top
                 (line,) = ax.plot(steps, values, lw=0.8, alpha=0.3)
-                ax.plot(steps, _smooth(values, 0.9 if len(values) > 300 else 0.6), lw=1.8, color=line.get_color(),
-                        label=label)
+                ax.plot(
+                    steps,
+                    _smooth(values, 0.9 if len(values) > 300 else 0.6),
+                    lw=1.8,
+                    color=line.get_color(),
+                    label=label,
+                )
             else:
-                ax.plot(steps, values, marker="o" if evaluation or finite.sum() <= 30 else None,
-                        ms=4 if evaluation else 3, lw=1.5, label=label)
+                ax.plot(
+                    steps,
+                    values,
+                    marker="o" if evaluation or finite.sum() <= 30 else None,
+                    ms=4 if evaluation else 3,
+                    lw=1.5,
+                    label=label,
+                )
         for step in sorted(bad_steps):
             ax.axvline(step, color="red", ls=":", lw=1.2, label="non-finite" if step == min(bad_steps) else None)
         positive = np.concatenate(finite_values)
@@ -175,7 +189,9 @@ def plot_curves(metrics_jsonl: Path, path: Path) -> Image.Image | None:
             ax.set_yscale("log")  # plain numbers on the ticks (200, not 2x10^2); 2s and 5s when under 2 decades
             few = positive.max() / positive.min() < 100
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if few and f"{v:e}"[0] in "25" else ""))
+            ax.yaxis.set_minor_formatter(
+                FuncFormatter(lambda v, _, few=few: f"{v:g}" if few and f"{v:e}"[0] in "25" else "")
+            )
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel, fontsize=9)
         ax.tick_params(labelsize=8, which="both")
@@ -202,11 +218,12 @@ def confusion_counts(pred: Any, true: Any, num_classes: int) -> np.ndarray:
     for name, x in (("pred", pred), ("true", true)):
         if x.size and (x.min() < 0 or x.max() >= num_classes):
             raise ValueError(f"{name} has class indices outside 0..{num_classes - 1}: {x.min()}..{x.max()}")
-    return np.bincount(true * num_classes + pred, minlength=num_classes ** 2).reshape(num_classes, num_classes)
+    return np.bincount(true * num_classes + pred, minlength=num_classes**2).reshape(num_classes, num_classes)
 
 
-def plot_confusion_matrix(matrix: Any, labels: Sequence[str], path: Path,
-                          title: str = "confusion matrix") -> Image.Image:
+def plot_confusion_matrix(
+    matrix: Any, labels: Sequence[str], path: Path, title: str = "confusion matrix"
+) -> Image.Image:
     """A confusion matrix as a PNG at ``path``. ``matrix``: counts [K, K], rows true class, columns
     predicted; ``labels``: the K names (a detector's last one is "background").
 
@@ -227,8 +244,12 @@ def plot_confusion_matrix(matrix: Any, labels: Sequence[str], path: Path,
     side = max(4.5, 0.42 * k + 1.5) if small else min(15.0, 9 + 0.01 * k)
     figure = new_figure(side + 1.2 + 0.07 * min(longest, 24), side + 0.07 * min(longest, 24))
     ax = figure.add_subplot()
-    image = ax.imshow(fractions, cmap="Blues", norm=PowerNorm(1.0 if small else 0.5, vmin=0, vmax=1),
-                      interpolation="nearest" if small else "antialiased")
+    image = ax.imshow(
+        fractions,
+        cmap="Blues",
+        norm=PowerNorm(1.0 if small else 0.5, vmin=0, vmax=1),
+        interpolation="nearest" if small else "antialiased",
+    )
     colorbar = figure.colorbar(image, ax=ax, fraction=0.046, pad=0.02)
     colorbar.set_label("fraction of the true class (row)", fontsize=9)
     accuracy = np.trace(counts) / max(counts.sum(), 1)
@@ -237,17 +258,31 @@ def plot_confusion_matrix(matrix: Any, labels: Sequence[str], path: Path,
     ax.set_ylabel("true", fontsize=10)
     if small:
         names = [s if len(s) <= 24 else s[:23] + "…" for s in map(str, labels)]
-        ax.set_xticks(range(k), names, rotation=45 if k > 4 else 0, ha="right" if k > 4 else "center",
-                      rotation_mode="anchor", fontsize=9)
+        ax.set_xticks(
+            range(k),
+            names,
+            rotation=45 if k > 4 else 0,
+            ha="right" if k > 4 else "center",
+            rotation_mode="anchor",
+            fontsize=9,
+        )
         ax.set_yticks(range(k), names, fontsize=9)
         size = 9 if k <= 12 else 8
         for (i, j), n in np.ndenumerate(counts):
             if n:  # blank cells read faster than a sea of zeros
-                ax.text(j, i, f"{n}", ha="center", va="center", fontsize=size,
-                        color="white" if fractions[i, j] > 0.55 else "black")
+                ax.text(
+                    j,
+                    i,
+                    f"{n}",
+                    ha="center",
+                    va="center",
+                    fontsize=size,
+                    color="white" if fractions[i, j] > 0.55 else "black",
+                )
     else:
-        every = next((e for e in (5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 2500, 5000) if k / e <= 20),
-                     k // 20)  # at most ~20 round-numbered ticks
+        every = next(
+            (e for e in (5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 2500, 5000) if k / e <= 20), k // 20
+        )  # at most ~20 round-numbered ticks
         ticks = [t for t in range(0, k, every) if k - 1 - t >= every / 2] + [k - 1]
         names = [str(t) for t in ticks[:-1]] + [str(labels[-1]) if labels[-1] == "background" else str(k - 1)]
         ax.set_xticks(ticks, names, fontsize=9, rotation=90)
@@ -280,8 +315,8 @@ def _cell(value: Any) -> str:
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, width: int = 120) -> str:
     """``rows`` as a fixed-width text table within ``width`` characters: a header line, a rule, one line
-    per row; numbers right-aligned (fractions to 3 decimals, other floats to 4 significant digits, NaN as "-"), text left-aligned. Too
-    wide: the widest columns are shortened, with "…"."""
+    per row; numbers right-aligned (fractions to 3 decimals, other floats to 4 significant digits, NaN
+    as "-"), text left-aligned. Too wide: the widest columns are shortened, with "…"."""
     columns = list(columns) if columns is not None else list(dict.fromkeys(k for row in rows for k in row))
     cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]

@@ -13,7 +13,6 @@ import os
 import torch
 from accelerate import Accelerator
 
-
 #: Fault injection for tests and cluster checks: the non-finite guard sees the losses of this
 #: step as NaN (the weights are not touched), exactly as if the loss had diverged there.
 FAULT_NAN_STEP_ENV = "CV_RECIPES_FAULT_NAN_AT_STEP"

@@ -15,7 +15,8 @@ A single process is the same computation with one shard.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,9 @@ def shard(dataset: Any, process_index: int, num_processes: int) -> torch.utils.d
 
 
 @torch.no_grad()
-def extract(model: Callable[[torch.Tensor], torch.Tensor] | None, loader: Any, device: torch.device,
-            pixel_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def extract(
+    model: Callable[[torch.Tensor], torch.Tensor] | None, loader: Any, device: torch.device, pixel_size: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """L2-normalised fp32 features [n, D] and labels [n] of ``loader``'s images, on ``device``.
 
     ``model=None`` gives raw pixels, area-resized to ``pixel_size`` x ``pixel_size`` (a baseline whose
@@ -66,8 +68,14 @@ def _all_gather_rows(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def knn_predict(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, query_labels: torch.Tensor,
-                k: int, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def knn_predict(
+    bank: torch.Tensor,
+    bank_labels: torch.Tensor,
+    queries: torch.Tensor,
+    query_labels: torch.Tensor,
+    k: int,
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The k most cosine-similar bank images of every query, over all processes' shards.
 
     ``bank`` [n_shard, D] and ``queries`` [q_shard, D] are this process's shards. Returns, identically on
@@ -79,20 +87,29 @@ def knn_predict(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Te
     k_local = min(k, len(bank))
     sims, labels = [], []
     for start in range(0, len(all_queries), chunk):
-        sim = all_queries[start:start + chunk] @ bank.T  # [chunk, n_shard]
+        sim = all_queries[start : start + chunk] @ bank.T  # [chunk, n_shard]
         top, index = sim.topk(k_local, dim=1)
         sims.append(top)
         labels.append(bank_labels[index])
     sims = torch.cat(sims) if sims else all_queries.new_zeros(0, k_local)
     labels = torch.cat(labels) if labels else all_query_labels.new_zeros(0, k_local)
     # every process's candidates for every query: the global top k is among them
-    sims, labels = torch.cat(_all_gather_rows(sims.T.contiguous())).T, torch.cat(_all_gather_rows(labels.T.contiguous())).T
+    sims, labels = (
+        torch.cat(_all_gather_rows(sims.T.contiguous())).T,
+        torch.cat(_all_gather_rows(labels.T.contiguous())).T,
+    )
     top, index = sims.topk(min(k, sims.shape[1]), dim=1)
     return top, labels.gather(1, index), all_query_labels
 
 
-def knn_accuracy(similarities: torch.Tensor, neighbour_labels: torch.Tensor, query_labels: torch.Tensor,
-                 ks: Sequence[int], temperature: float, num_classes: int) -> dict[int, float]:
+def knn_accuracy(
+    similarities: torch.Tensor,
+    neighbour_labels: torch.Tensor,
+    query_labels: torch.Tensor,
+    ks: Sequence[int],
+    temperature: float,
+    num_classes: int,
+) -> dict[int, float]:
     """Top-1 (%) of the weighted vote of the first k neighbours, for each k in ``ks`` (the neighbours
     sorted by similarity, as :func:`knn_predict` returns them)."""
     weights = (similarities / temperature).exp()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,8 +64,16 @@ class EpochBatchSampler(torch.utils.data.Sampler):
     repeat)``, each repeat augmented with its own seed.
     """
 
-    def __init__(self, size: int, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = True, num_processes: int = 1, repeats: int = 1) -> None:
+    def __init__(
+        self,
+        size: int,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        num_processes: int = 1,
+        repeats: int = 1,
+    ) -> None:
         if repeats < 1:
             raise UserError(f"aug_repeats must be at least 1, got {repeats}")
         self.repeats = repeats
@@ -87,7 +96,9 @@ class EpochBatchSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         if self.shuffle:
-            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1)))
+            order = torch.randperm(
+                self.size, generator=torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1))
+            )
         else:
             order = torch.arange(self.size)
         order = order.tolist()
@@ -105,24 +116,43 @@ class EpochBatchSampler(torch.utils.data.Sampler):
 def loader_kwargs(num_workers: int) -> dict[str, Any]:
     """DataLoader settings of the performance contract: workers, pinned memory, persistent workers,
     and a private generator so creating an iterator never draws from the global torch RNG."""
-    kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": torch.cuda.is_available(),
-                              "generator": torch.Generator()}
+    kwargs: dict[str, Any] = {
+        "num_workers": num_workers,
+        "pin_memory": torch.cuda.is_available(),
+        "generator": torch.Generator(),
+    }
     if num_workers > 0:
         kwargs.update(persistent_workers=True, prefetch_factor=4)
     return kwargs
 
 
-def train_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, seed: int, num_workers: int,
-                     num_processes: int, collate_fn: Callable | None = None, repeats: int = 1):
+def train_loader_for(
+    dataset: torch.utils.data.Dataset,
+    batch_size: int,
+    seed: int,
+    num_workers: int,
+    num_processes: int,
+    collate_fn: Callable | None = None,
+    repeats: int = 1,
+):
     """A shuffling, drop-last training DataLoader over an :class:`EpochBatchSampler` (its
     ``batch_sampler``). Once prepared by Accelerate, call the loader's ``set_epoch`` before each epoch
     (:class:`common.loop.Loop` does): Accelerate re-applies its own epoch counter when iteration starts."""
     sampler = EpochBatchSampler(len(dataset), batch_size, True, seed, True, num_processes, repeats)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs(num_workers))
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs(num_workers)
+    )
 
 
-def eval_loader_for(dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int,
-                    collate_fn: Callable | None = None):
+def eval_loader_for(
+    dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int, collate_fn: Callable | None = None
+):
     """A sequential evaluation DataLoader; Accelerate pads the last round, ``gather_for_metrics`` un-pads."""
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False,
-                                       collate_fn=collate_fn, **loader_kwargs(num_workers))
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        drop_last=False,
+        collate_fn=collate_fn,
+        **loader_kwargs(num_workers),
+    )

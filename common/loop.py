@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from accelerate.utils import set_seed
 
@@ -54,8 +55,14 @@ class Loop:
     from read with ``run.resume()``.
     """
 
-    def __init__(self, run: Run, train_loader: Any, total_steps: int, eval_images: int | None = None,
-                 classes: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        run: Run,
+        train_loader: Any,
+        total_steps: int,
+        eval_images: int | None = None,
+        classes: Sequence[str] | None = None,
+    ) -> None:
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
         self.train_loader, self.total_steps = train_loader, total_steps
         run.begin()
@@ -74,8 +81,13 @@ class Loop:
         self._stepped = False
         from tqdm.auto import tqdm
 
-        self.progress = tqdm(total=total_steps, initial=self.step, desc=run.recipe, dynamic_ncols=True,
-                             disable=not self.accelerator.is_main_process)
+        self.progress = tqdm(
+            total=total_steps,
+            initial=self.step,
+            desc=run.recipe,
+            dynamic_ncols=True,
+            disable=not self.accelerator.is_main_process,
+        )
 
     def _banner(self, eval_images: int | None, classes: Sequence[str] | None) -> None:
         from common.console import banner, tracker_line
@@ -84,10 +96,23 @@ class Loop:
         acc, cfg, run = self.accelerator, self.cfg, self.run
         precision = {"no": "fp32"}.get(str(acc.mixed_precision), f"{acc.mixed_precision} autocast")
         tracker = tracker_line(cfg.report_to, project_name(cfg, run.recipe), run_name(cfg, run.dir))
-        run.print(banner(run.recipe, str(run.dir), str(acc.device), acc.num_processes, precision,
-                         len(self.train_loader.dataset), eval_images, classes,
-                         math.ceil(len(self.train_loader) / cfg.grad_accum_steps), cfg.epochs,
-                         self.total_steps, cfg.batch_size * acc.num_processes * cfg.grad_accum_steps, tracker))
+        run.print(
+            banner(
+                run.recipe,
+                str(run.dir),
+                str(acc.device),
+                acc.num_processes,
+                precision,
+                len(self.train_loader.dataset),
+                eval_images,
+                classes,
+                math.ceil(len(self.train_loader) / cfg.grad_accum_steps),
+                cfg.epochs,
+                self.total_steps,
+                cfg.batch_size * acc.num_processes * cfg.grad_accum_steps,
+                tracker,
+            )
+        )
 
     def state(self) -> TrainState:
         return TrainState(self.step, self.epoch, self.batches_done, dict(self.extra))
@@ -184,9 +209,11 @@ class Loop:
         self.run.guard.check(self.accelerator, self.run.last_checkpoint)
         means.update({k: float(v) for k, v in values.items()})
         self.run.log({**prefixed(means, "train"), "epoch": self.epoch}, self.step, echo=False)
-        self.run.print(f"epoch {self.epoch} step {self.step}/{self.total_steps}  loss {means.get('loss', math.nan):.4g}"
-                       + (f"  lr {means['lr']:.3g}" if "lr" in means else "")
-                       + f"  {means['images_per_s']:.0f} img/s  eta {format_seconds(means.get('eta_s', 0.0))}")
+        self.run.print(
+            f"epoch {self.epoch} step {self.step}/{self.total_steps}  loss {means.get('loss', math.nan):.4g}"
+            + (f"  lr {means['lr']:.3g}" if "lr" in means else "")
+            + f"  {means['images_per_s']:.0f} img/s  eta {format_seconds(means.get('eta_s', 0.0))}"
+        )
         return means
 
     def improved(self, metric: str, value: float) -> bool:
@@ -211,6 +238,7 @@ class Loop:
         weights = [Path(w) for w in weights if Path(w).is_file()]  # best.safetensors: only once one improved
         bests = {k.removeprefix("best/"): v for k, v in self.extra.items() if k.startswith("best/")}
         best = {m: (v, self.extra.get(f"best_step/{m}", self.step)) for m, v in bests.items()}
-        self.run.print(summary(str(self.run.dir), time.perf_counter() - self.run.started, results, best,
-                               [w.name for w in weights]))
+        self.run.print(
+            summary(str(self.run.dir), time.perf_counter() - self.run.started, results, best, [w.name for w in weights])
+        )
         self.run.finish(weights)

@@ -10,7 +10,7 @@ value. Throughput and the share of time spent waiting for data are measured on t
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

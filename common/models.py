@@ -67,7 +67,10 @@ def average_bn_statistics(model: nn.Module, accelerator: Any) -> None:
     if accelerator.num_processes == 1:
         return
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm) \
-                and m.track_running_stats:
+        if (
+            isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and not isinstance(m, nn.SyncBatchNorm)
+            and m.track_running_stats
+        ):
             for buf in (m.running_mean, m.running_var):
                 buf.copy_(accelerator.reduce(buf, reduction="mean"))

@@ -24,14 +24,20 @@ import signal
 import sys
 import textwrap
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, PartialState
-from accelerate.utils import (DataLoaderConfiguration, ProjectConfiguration, broadcast_object_list,
-                               parse_flag_from_env, set_seed)
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    ProjectConfiguration,
+    broadcast_object_list,
+    parse_flag_from_env,
+    set_seed,
+)
 from PIL import Image
 
 from common import UserError
@@ -109,7 +115,9 @@ class Run:
         if self.accelerator.num_processes > 1 and dist.is_initialized():
             # Stop requests are agreed on over gloo (CPU) so that checking every step never
             # waits on the GPU stream.
-            self._stop_group = dist.new_group(backend="gloo")  # its own group: never interleaves with training collectives
+            self._stop_group = dist.new_group(
+                backend="gloo"
+            )  # its own group: never interleaves with training collectives
         # DataLoader workers inherit this handler; only the process that installed it acts on a signal.
         self._pid = os.getpid()
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -128,7 +136,9 @@ class Run:
         if cfg.report_to != "none":
             init_trackers(acc, cfg, self.recipe, self.dir, to_dict(cfg), self.print)
         if self.resume_changes:
-            self.print("resume with changed " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.resume_changes.items()))
+            self.print(
+                "resume with changed " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.resume_changes.items())
+            )
 
     # -- output -----------------------------------------------------------------------------
     def print(self, *args: Any) -> None:
@@ -282,15 +292,18 @@ class Run:
     def stopped(self, step: int) -> None:
         """End a run stopped by a signal at ``step``: say how to continue, then :meth:`finish`."""
         reason = signal.Signals(self._stop_signal).name if self._stop_signal is not None else "a stop request"
-        self.print(f"stopped by {reason} at step {step}; checkpoint {self.last_checkpoint}; continue with --resume auto")
+        self.print(
+            f"stopped by {reason} at step {step}; checkpoint {self.last_checkpoint}; continue with --resume auto"
+        )
         self.finish()
 
     def finish(self, weights: Sequence[Path] = ()) -> None:
         """End the run: with ``cfg.log_weights``, ``weights`` (files in the run folder) become W&B
         artifacts; the tracker is closed and the signal handlers handed back."""
         if self.cfg.log_weights and weights:
-            log_weights(self.accelerator, self.cfg.report_to, [Path(w) for w in weights],
-                        f"{self.recipe}-{self.dir.name}")
+            log_weights(
+                self.accelerator, self.cfg.report_to, [Path(w) for w in weights], f"{self.recipe}-{self.dir.name}"
+            )
         if self._pending is not None:  # collect the last stop-flag reduction before shutting down
             self._pending[0].wait()
             self._pending = None

@@ -29,11 +29,29 @@ from common.config import RunConfig, to_dict
 
 #: Fields a resumed run may change: where and how it reports, how long it runs, how it loads data.
 #: Any other field shapes the model, the data or the optimisation the checkpoint was trained with.
-MAY_CHANGE_ON_RESUME = frozenset({
-    "config", "output_dir", "resume", "epochs", "max_steps", "log_every", "eval_every", "checkpoint_every",
-    "keep_checkpoints", "num_workers", "report_to", "project", "run_name", "log_weights", "plot_images",
-    "eval_batch_size", "mixed_precision", "compile", "tf32",
-})
+MAY_CHANGE_ON_RESUME = frozenset(
+    {
+        "config",
+        "output_dir",
+        "resume",
+        "epochs",
+        "max_steps",
+        "log_every",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "num_workers",
+        "report_to",
+        "project",
+        "run_name",
+        "log_weights",
+        "plot_images",
+        "eval_batch_size",
+        "mixed_precision",
+        "compile",
+        "tf32",
+    }
+)
 
 
 def has_run(folder: Path) -> bool:
@@ -68,8 +86,10 @@ def choose_output_dir(cfg: RunConfig, recipe: str) -> Path:
     if cfg.output_dir:
         out = Path(cfg.output_dir)
         if has_run(out) and not cfg.resume:
-            raise UserError(f"run folder '{out}' already holds a run; pass --resume auto to continue it "
-                            "or choose another --output_dir")
+            raise UserError(
+                f"run folder '{out}' already holds a run; pass --resume auto to continue it "
+                "or choose another --output_dir"
+            )
         return out
     base = Path("runs") / recipe / Path(cfg.config or "default").stem
     return base if cfg.resume == "auto" else _next_free(base)
@@ -93,8 +113,10 @@ def check_resume(cfg: RunConfig, folder: Path) -> dict[str, tuple[Any, Any]]:
     refused = {k: v for k, v in changed.items() if k not in MAY_CHANGE_ON_RESUME}
     if refused:
         listed = ", ".join(f"{k} {_short(a)} -> {_short(b)}" for k, (a, b) in refused.items())
-        raise UserError(f"--resume: the run in '{folder}' was trained with other values of {listed}; "
-                        f"continue it with --config {folder / 'config.yaml'} --resume auto, or start a new run")
+        raise UserError(
+            f"--resume: the run in '{folder}' was trained with other values of {listed}; "
+            f"continue it with --config {folder / 'config.yaml'} --resume auto, or start a new run"
+        )
     return {k: v for k, v in changed.items() if k not in ("config", "output_dir", "resume")}
 
 

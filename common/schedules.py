@@ -8,7 +8,7 @@ plot and test. 100 epochs x 5,000 steps is 500,000 float64 values: 4 MB.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -67,8 +67,10 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     not decayed. The scales are explicit (1 and 0), so :func:`set_group_values` keeps the second
     group at zero whatever the first group's starting value, 0 included."""
     params = [p for p in model.parameters() if p.requires_grad]  # frozen stages stay out
-    return [{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay, "weight_decay_scale": 1.0},
-            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "weight_decay_scale": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay, "weight_decay_scale": 1.0},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "weight_decay_scale": 0.0},
+    ]
 
 
 def set_group_values(optimizer: torch.optim.Optimizer, name: str, value: float) -> None:

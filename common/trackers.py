@@ -20,8 +20,9 @@ import io
 import os
 import secrets
 import string
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
@@ -65,20 +66,22 @@ def run_name(cfg: RunConfig, run_dir: Path) -> str:
     return cfg.run_name or os.environ.get("WANDB_NAME") or run_dir.name
 
 
-def init_trackers(accelerator: Any, cfg: RunConfig, recipe: str, run_dir: Path, config: Mapping[str, Any],
-                  say: Callable[[str], None]) -> None:
+def init_trackers(
+    accelerator: Any, cfg: RunConfig, recipe: str, run_dir: Path, config: Mapping[str, Any], say: Callable[[str], None]
+) -> None:
     """Start ``cfg.report_to``'s tracker through Accelerate (every process calls this; Accelerate
     starts it on the main process). ``config`` goes to the tracker as the run's hyperparameters."""
     kwargs: dict[str, Any] = {}
     name = run_name(cfg, run_dir)
     if cfg.report_to == "wandb":
-        kwargs["wandb"] = {"name": name, "dir": str(run_dir), "id": _wandb_id(run_dir, accelerator),
-                           "resume": "allow"}
+        kwargs["wandb"] = {"name": name, "dir": str(run_dir), "id": _wandb_id(run_dir, accelerator), "resume": "allow"}
         if accelerator.is_main_process and not wandb_has_credentials():
             # explicit: the credentials lookup already made wandb's settings, which read WANDB_MODE once
             os.environ["WANDB_MODE"] = kwargs["wandb"]["mode"] = "offline"
-            say("wandb: no credentials found (WANDB_API_KEY or `wandb login`), logging offline "
-                f"under {run_dir}/wandb; upload later with `wandb sync`")
+            say(
+                "wandb: no credentials found (WANDB_API_KEY or `wandb login`), logging offline "
+                f"under {run_dir}/wandb; upload later with `wandb sync`"
+            )
     # Trackers such as tensorboard's hparams take only scalars: lists go as strings.
     flat = {k: (str(v) if isinstance(v, (list, dict)) else v) for k, v in config.items()}
     accelerator.init_trackers(project_name(cfg, recipe), config=flat, init_kwargs=kwargs)
@@ -119,7 +122,8 @@ def log_weights(accelerator: Any, report_to: str, paths: Sequence[Path], name: s
 
     tracker = accelerator.get_tracker("wandb", unwrap=True)
     for path in paths:
-        artifact = wandb.Artifact(f"{name}-{Path(path).stem}".replace("/", "-"), type="model",
-                                  metadata={"file": Path(path).name})
+        artifact = wandb.Artifact(
+            f"{name}-{Path(path).stem}".replace("/", "-"), type="model", metadata={"file": Path(path).name}
+        )
         artifact.add_file(str(path))
         tracker.log_artifact(artifact, aliases=["latest", Path(path).stem])

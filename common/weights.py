@@ -12,8 +12,9 @@ them decoded.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,8 +23,14 @@ from common import UserError
 from common.config import parse_config, to_dict
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, cfg: Any, classes: Sequence[str] = (),
-                 recipe: str = "", category_ids: Sequence[int] | None = None) -> None:
+def save_weights(
+    state_dict: dict[str, torch.Tensor],
+    path: str | Path,
+    cfg: Any,
+    classes: Sequence[str] = (),
+    recipe: str = "",
+    category_ids: Sequence[int] | None = None,
+) -> None:
     """Write ``state_dict`` as safetensors with the metadata schema of the module docstring; written
     to a temporary file and renamed, so a kill never leaves half a file. Call on the main process."""
     import safetensors.torch
@@ -52,12 +59,17 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     except Exception as e:
         raise UserError(f"weights '{path}' could not be read: {type(e).__name__}: {e}") from None
     classes = json.loads(meta.get("classes", "[]"))
-    return {"recipe": meta.get("recipe", ""), "config": json.loads(meta.get("config", "{}")), "classes": classes,
-            "category_ids": json.loads(meta.get("category_ids", "null")) or list(range(len(classes)))}
+    return {
+        "recipe": meta.get("recipe", ""),
+        "config": json.loads(meta.get("config", "{}")),
+        "classes": classes,
+        "category_ids": json.loads(meta.get("category_ids", "null")) or list(range(len(classes))),
+    }
 
 
-def load_weights(path: str | Path, model_of: str = "", tensors: Sequence[str] = ()
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_weights(
+    path: str | Path, model_of: str = "", tensors: Sequence[str] = ()
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors (CPU) and metadata (:func:`read_metadata`) of a weights file, for ``--eval_only`` and
     ``--predict``; a missing or unreadable file is one :class:`UserError`. With ``model_of`` (what the
     recipe trains, for the message), the file must be one: class names, and the ``tensors`` named."""

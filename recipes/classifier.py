@@ -21,14 +21,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
 except ModuleNotFoundError:
-    print("error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr)
+    print(
+        "error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr
+    )
     sys.exit(2)
 
 import safetensors.torch
@@ -42,10 +45,10 @@ from common import UserError
 from common.config import RunConfig, timm_optimizers
 from common.console import cli_main
 from common.data import ClassificationDataset, load_classification
-from common.loaders import eval_loader_for, train_loader_for
 from common.ema import ModelEma
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.images import decode_image, image_files
+from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
@@ -68,23 +71,25 @@ class Config(RunConfig):
     ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])  # RandomResizedCrop aspect range, w / h
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     color_jitter: float = 0.0  # brightness, contrast and saturation jitter strength (0: off; timm turns it off
-        # under auto_augment)
+    #   under auto_augment)
     auto_augment: str = ""  # timm AutoAugment / RandAugment policy, e.g. rand-m9-mstd0.5-inc1 (empty: off)
     reprob: float = 0.0  # random erasing probability (0: off; DeiT: 0.25)
     remode: Literal["pixel", "rand", "const"] = "pixel"  # random erasing fill: per-pixel normal noise (timm and
-        # DeiT's default), one random colour per box, or zeros
+    #   DeiT's default), one random colour per box, or zeros
     recount: int = 1  # random erasing boxes per image
     interpolation: Literal["bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"] = "bicubic"  # resampling
-        # filter of the training crop and the evaluation resize
-    aug_repeats: int = 1  # repeated augmentation (DeiT: 3): each image this many times per epoch, differently augmented,
-        # on different processes; the epoch keeps its length (1: off)
+    #   filter of the training crop and the evaluation resize
+    aug_repeats: int = (
+        1  # repeated augmentation (DeiT: 3): each image this many times per epoch, differently augmented,
+    )
+    #   on different processes; the epoch keeps its length (1: off)
     mixup: float = 0.0  # Mixup alpha (0: off; DeiT: 0.8); Mixup and CutMix need an even batch_size
     cutmix: float = 0.0  # CutMix alpha (0: off; DeiT: 1.0)
     mixup_prob: float = 1.0  # probability that a batch is mixed at all (when mixup or cutmix is on)
     mixup_switch_prob: float = 0.5  # probability of CutMix rather than Mixup for a batch when both are on
     smoothing: float = 0.1  # label smoothing: the target's weight spread over the other classes (0: off)
     bce_loss: bool = False  # binary cross-entropy per class (timm's BinaryCrossEntropy; ResNet strikes back, DeiT III)
-        # instead of softmax cross-entropy; Mixup/CutMix and smoothing targets as with cross-entropy
+    #   instead of softmax cross-entropy; Mixup/CutMix and smoothing targets as with cross-entropy
     bce_target_thresh: float = 0.0  # >0: BCE targets binarised at this threshold (timm's --bce-target-thresh)
     # model
     model: str = "resnet18"  # any timm model name (timm.list_models())
@@ -92,16 +97,20 @@ class Config(RunConfig):
     pretrained: bool = False  # timm's hub weights (needs network)
     init_weights: str = ""  # safetensors to start from, e.g. a DINO backbone; the head is re-initialised
     linear_probe: bool = False  # train only the classifier head; the backbone stays frozen, in eval mode
-    probe_blocks: int = 0  # with linear_probe on a ViT, DINO's linear evaluation: the head reads the [CLS] tokens of the
-        # last this many blocks, concatenated (DINO: 4 for ViT-S/16, 1 with probe_avgpool for ViT-B); 0: pooled features
-    probe_avgpool: bool = False  # with probe_blocks: also the last block's mean patch token (DINO's avgpool_patchtokens)
+    probe_blocks: int = (
+        0  # with linear_probe on a ViT, DINO's linear evaluation: the head reads the [CLS] tokens of the
+    )
+    #   last this many blocks, concatenated (DINO: 4 for ViT-S/16, 1 with probe_avgpool for ViT-B); 0: pooled features
+    probe_avgpool: bool = (
+        False  # with probe_blocks: also the last block's mean patch token (DINO's avgpool_patchtokens)
+    )
     drop_rate: float = 0.0  # dropout before the classifier head
     drop_path_rate: float = 0.0  # stochastic depth rate (DeiT-S: 0.1; 0 for small convnets)
     bn_momentum: float = 0.0  # 0: the model's default (PyTorch convention: weight of the new batch)
     bn_momentum_end: float = 0.0  # >0: anneal bn_momentum to this by epochs (cosine)
     channels_last: bool = False  # channels_last memory format: faster convnets on GPUs with tensor cores
     sync_bn: bool = False  # several CUDA processes: batch-norm statistics over the global batch (SyncBatchNorm);
-        # otherwise each process's running statistics are averaged over the processes before every evaluation
+    #   otherwise each process's running statistics are averaged over the processes before every evaluation
     # optimization
     epochs: int = 12  # training epochs
     batch_size: int = 64  # images per process and micro-step: global batch = this x processes x grad_accum_steps
@@ -109,14 +118,14 @@ class Config(RunConfig):
     grad_accum_switch_epoch: int = 0  # >0: from this epoch on, accumulate grad_accum_steps_after_switch
     grad_accum_steps_after_switch: int = 0  # grad_accum_steps from grad_accum_switch_epoch on (0: no switch)
     opt: str = field(default="adamw", metadata={"choices": timm_optimizers})  # any timm optimizer name:
-        # sgd, adamw, lamb, lars, ... (biases and norms get no weight decay)
+    #   sgd, adamw, lamb, lars, ... (biases and norms get no weight decay)
     lr: float = 8e-3  # peak learning rate per 256 images: the run peaks at lr x global batch / 256 (global batch =
-        # batch_size x processes x grad_accum_steps), so it follows the number of GPUs
+    #   batch_size x processes x grad_accum_steps), so it follows the number of GPUs
     min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules (not scaled)
     warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to the peak over warmup_epochs (not scaled)
     warmup_epochs: float = 2.0  # linear warmup length in epochs (fractions allowed)
     sched: Literal["cosine", "linear", "step", "poly", "constant"] = "cosine"  # learning rate after warmup:
-        # to min_lr (cosine, linear; poly = linear here), x decay_rate at decay_milestones (step), or constant
+    #   to min_lr (cosine, linear; poly = linear here), x decay_rate at decay_milestones (step), or constant
     decay_milestones: list[int] = field(default_factory=list)  # epochs, for sched=step
     decay_rate: float = 0.1  # factor on the learning rate at each of decay_milestones (sched=step)
     weight_decay: float = 0.05  # decoupled for AdamW, L2 for SGD; biases and norms get none
@@ -130,7 +139,7 @@ class Config(RunConfig):
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
     eval_only: bool = False  # evaluate --weights on the evaluation split (top-1/top-5, per-class accuracy), no training
     predict: str = ""  # an image or a folder of images: with --weights, write predictions.csv (top-5 class names and
-        # probabilities per image); no dataset needed
+    #   probabilities per image); no dataset needed
 
 
 # ============================================================================================
@@ -144,8 +153,10 @@ class BlockProbe(torch.nn.Module):
     def __init__(self, backbone: torch.nn.Module, blocks: int, avgpool: bool, num_classes: int) -> None:
         super().__init__()
         if not hasattr(backbone, "forward_intermediates") or not hasattr(backbone, "blocks"):
-            raise UserError(f"probe_blocks needs a timm ViT (blocks and a [CLS] token); '{type(backbone).__name__}' "
-                            "is not one: set --probe_blocks 0 for pooled features")
+            raise UserError(
+                f"probe_blocks needs a timm ViT (blocks and a [CLS] token); '{type(backbone).__name__}' "
+                "is not one: set --probe_blocks 0 for pooled features"
+            )
         self.backbone, self.blocks, self.avgpool = backbone, blocks, avgpool
         self.pretrained_cfg = backbone.pretrained_cfg  # the transforms resolve as for the ViT itself
         self.head = torch.nn.Linear(backbone.embed_dim * (blocks + int(avgpool)), num_classes)
@@ -156,8 +167,9 @@ class BlockProbe(torch.nn.Module):
         return self.head
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        levels = self.backbone.forward_intermediates(images, indices=self.blocks, norm=True, output_fmt="NLC",
-                                                     intermediates_only=True, return_prefix_tokens=True)
+        levels = self.backbone.forward_intermediates(
+            images, indices=self.blocks, norm=True, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
+        )
         features = [prefix[:, 0] for _, prefix in levels]  # [B, D] per block
         if self.avgpool:
             features.append(levels[-1][0].mean(dim=1))  # the last block's patch tokens, averaged
@@ -168,9 +180,15 @@ def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
     if cfg.probe_blocks > 0 and not cfg.linear_probe:
         raise UserError("probe_blocks is DINO's linear evaluation: it needs --linear_probe")
     # transformers build their position embeddings for img_size; convnets take no such argument
-    model = create_timm_model(cfg.model, {"img_size": cfg.img_size}, pretrained=cfg.pretrained,
-                              num_classes=0 if cfg.probe_blocks else num_classes, drop_rate=cfg.drop_rate,
-                              drop_path_rate=cfg.drop_path_rate, **cfg.model_kwargs)
+    model = create_timm_model(
+        cfg.model,
+        {"img_size": cfg.img_size},
+        pretrained=cfg.pretrained,
+        num_classes=0 if cfg.probe_blocks else num_classes,
+        drop_rate=cfg.drop_rate,
+        drop_path_rate=cfg.drop_path_rate,
+        **cfg.model_kwargs,
+    )
     if cfg.init_weights:
         load_init_weights(model, cfg.init_weights)
     if cfg.probe_blocks > 0:
@@ -186,12 +204,22 @@ def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
 def create_transforms(cfg: Config, model: torch.nn.Module) -> tuple[Callable, Callable]:
     """timm's training transform (random resized crop, flip, jitter / AutoAugment, random erasing) and
     evaluation transform (resize to img_size / crop_pct, centre crop), normalised as the model expects."""
-    data_cfg = resolve_data_config({"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct,
-                                    "interpolation": cfg.interpolation}, model=model)
-    train_tf = create_transform(**data_cfg, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio),
-                                hflip=cfg.hflip, color_jitter=cfg.color_jitter or None,
-                                auto_augment=cfg.auto_augment or None, re_prob=cfg.reprob, re_mode=cfg.remode,
-                                re_count=cfg.recount)
+    data_cfg = resolve_data_config(
+        {"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct, "interpolation": cfg.interpolation},
+        model=model,
+    )
+    train_tf = create_transform(
+        **data_cfg,
+        is_training=True,
+        scale=tuple(cfg.scale),
+        ratio=tuple(cfg.ratio),
+        hflip=cfg.hflip,
+        color_jitter=cfg.color_jitter or None,
+        auto_augment=cfg.auto_augment or None,
+        re_prob=cfg.reprob,
+        re_mode=cfg.remode,
+        re_count=cfg.recount,
+    )
     return train_tf, create_transform(**data_cfg, is_training=False)
 
 
@@ -222,8 +250,10 @@ def load_init_weights(model: torch.nn.Module, path: str) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(heads)]
     if missing or unexpected:
-        raise UserError(f"init_weights '{path}' does not fit model '{type(model).__name__}': "
-                        f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise UserError(
+            f"init_weights '{path}' does not fit model '{type(model).__name__}': "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
 def set_bn_momentum(model: torch.nn.Module, momentum: float) -> None:
@@ -236,8 +266,9 @@ def set_bn_momentum(model: torch.nn.Module, momentum: float) -> None:
 # Evaluation: top-1 / top-5 and the confusion matrix, exact across processes and uneven last batches
 # ============================================================================================
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, eval_loader, accelerator, num_classes: int,
-             channels_last: bool) -> tuple[dict[str, float], torch.Tensor]:
+def evaluate(
+    model: torch.nn.Module, eval_loader, accelerator, num_classes: int, channels_last: bool
+) -> tuple[dict[str, float], torch.Tensor]:
     """Top-1 / top-5 accuracy (%) and mean loss, and the confusion matrix [true, predicted] (counts, CPU)."""
     model.eval()
     k = min(5, num_classes)
@@ -264,15 +295,25 @@ def evaluate(model: torch.nn.Module, eval_loader, accelerator, num_classes: int,
 def per_class_accuracy(confusion: torch.Tensor, classes: list[str]) -> list[dict]:
     """Rows of (class, images, accuracy %) from a confusion matrix [true, predicted]."""
     totals = confusion.sum(dim=1)
-    return [{"class": name, "images": int(n), "accuracy": float(confusion[i, i] * 100 / n) if n else float("nan")}
-            for i, (name, n) in enumerate(zip(classes, totals.tolist()))]
+    return [
+        {"class": name, "images": int(n), "accuracy": float(confusion[i, i] * 100 / n) if n else float("nan")}
+        for i, (name, n) in enumerate(zip(classes, totals.tolist()))
+    ]
 
 
 # ============================================================================================
 # Saved weights: the trained model, and prediction on new images
 # ============================================================================================
-MODEL_FIELDS = ("model", "model_kwargs", "img_size", "crop_pct", "interpolation", "linear_probe", "probe_blocks",
-                "probe_avgpool")  # what --weights restores from the file's saved config
+MODEL_FIELDS = (
+    "model",
+    "model_kwargs",
+    "img_size",
+    "crop_pct",
+    "interpolation",
+    "linear_probe",
+    "probe_blocks",
+    "probe_avgpool",
+)  # what --weights restores from the file's saved config
 
 
 def trained_model(cfg: Config) -> tuple[torch.nn.Module, list[str]]:
@@ -294,7 +335,7 @@ def predict(cfg: Config, run: Run) -> dict[str, float]:
     rows, k = [], min(5, len(classes))
     if accelerator.is_main_process:  # a handful of files: one process reads them all
         for start in run.progress(range(0, len(files), 64), "predict"):
-            batch = files[start:start + 64]
+            batch = files[start : start + 64]
             images = torch.stack([eval_tf(decode_image({"path": str(f)}, str(f))) for f in batch])
             with accelerator.autocast():
                 logits = model(images.to(accelerator.device))
@@ -317,10 +358,14 @@ def predict(cfg: Config, run: Run) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = config_with_weights(Config, argv, MODEL_FIELDS)
     if cfg.bn_momentum_end > 0 and (cfg.bn_momentum <= 0 or cfg.compile):
-        raise UserError("bn_momentum_end needs bn_momentum > 0, and cannot be combined with compile "
-                        "(each new momentum value would force torch.compile to recompile)")
+        raise UserError(
+            "bn_momentum_end needs bn_momentum > 0, and cannot be combined with compile "
+            "(each new momentum value would force torch.compile to recompile)"
+        )
     if cfg.epochs < 1 and not cfg.eval_only:
-        raise UserError(f"epochs must be at least 1, got {cfg.epochs}; to evaluate saved weights: --eval_only --weights W")
+        raise UserError(
+            f"epochs must be at least 1, got {cfg.epochs}; to evaluate saved weights: --eval_only --weights W"
+        )
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
     if cfg.predict:
@@ -328,16 +373,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():  # the main process fills the datasets cache first
-        data = load_classification(cfg.data, cfg.image_column, cfg.label_column, cfg.train_split,
-                                   cfg.eval_split, seed=cfg.seed)
+        data = load_classification(
+            cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed
+        )
     num_classes = len(data.classes)
 
     # ---- model -----------------------------------------------------------------------------
     if cfg.eval_only:
         model, trained_classes = trained_model(cfg)
         if trained_classes != data.classes:
-            raise UserError(f"weights '{cfg.weights}' were trained on classes {trained_classes[:5]}... "
-                            f"({len(trained_classes)}); '{cfg.data}' has {data.classes[:5]}... ({num_classes})")
+            raise UserError(
+                f"weights '{cfg.weights}' were trained on classes {trained_classes[:5]}... "
+                f"({len(trained_classes)}); '{cfg.data}' has {data.classes[:5]}... ({num_classes})"
+            )
     else:
         model = create_model(cfg, num_classes)
     if cfg.sync_bn:
@@ -347,16 +395,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_tf, eval_tf = create_transforms(cfg, model)
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed)
     eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed)
-    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
-                                  accelerator.num_processes, repeats=cfg.aug_repeats)
+    train_loader = train_loader_for(
+        train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, repeats=cfg.aug_repeats
+    )
     eval_loader = eval_loader_for(eval_set, cfg.eval_batch_size or 2 * cfg.batch_size, cfg.num_workers)
 
     # ---- evaluation only: the saved weights on the evaluation split -------------------------------
     if cfg.eval_only:
         model, eval_loader = accelerator.prepare(model, eval_loader)
         run.begin()
-        metrics, confusion = evaluate(model, run.progress(eval_loader, "eval"), accelerator, num_classes,
-                                      cfg.channels_last)
+        metrics, confusion = evaluate(
+            model, run.progress(eval_loader, "eval"), accelerator, num_classes, cfg.channels_last
+        )
         results = {f"eval/{k}": v for k, v in metrics.items()}
         run.log(results, 0)
         picture = None
@@ -364,8 +414,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             rows = per_class_accuracy(confusion, data.classes)
             save_table_csv(rows, run.dir / "per_class_accuracy.csv")
             run.print(format_table(rows))
-            picture = plot_confusion_matrix(confusion.numpy(), data.classes, run.plots_dir / "confusion_matrix.png",
-                                            f"{Path(cfg.weights).name}: top-1 {results['eval/top1']:.2f} %")
+            picture = plot_confusion_matrix(
+                confusion.numpy(),
+                data.classes,
+                run.plots_dir / "confusion_matrix.png",
+                f"{Path(cfg.weights).name}: top-1 {results['eval/top1']:.2f} %",
+            )
         run.log_plots(0, confusion_matrix=picture)
         run.finish()
         return results
@@ -375,11 +429,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.mixup > 0 or cfg.cutmix > 0:
         if cfg.batch_size % 2:
             raise UserError("Mixup/CutMix pair samples within a batch: batch_size must be even")
-        mixup_fn = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
-                         switch_prob=cfg.mixup_switch_prob, label_smoothing=cfg.smoothing, num_classes=num_classes)
+        mixup_fn = Mixup(
+            mixup_alpha=cfg.mixup,
+            cutmix_alpha=cfg.cutmix,
+            prob=cfg.mixup_prob,
+            switch_prob=cfg.mixup_switch_prob,
+            label_smoothing=cfg.smoothing,
+            num_classes=num_classes,
+        )
     if cfg.bce_loss:  # one sigmoid per class, on hard targets or Mixup's soft ones (already smoothed)
-        criterion = BinaryCrossEntropy(smoothing=0.0 if mixup_fn else cfg.smoothing,
-                                       target_threshold=cfg.bce_target_thresh or None)
+        criterion = BinaryCrossEntropy(
+            smoothing=0.0 if mixup_fn else cfg.smoothing, target_threshold=cfg.bce_target_thresh or None
+        )
     elif mixup_fn is not None:
         criterion = SoftTargetCrossEntropy()  # Mixup already smoothed the targets
     elif cfg.smoothing > 0:
@@ -391,8 +452,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # timm's factory puts biases and norm parameters in a group with weight_decay 0 (and, with
     # layer_decay, writes per-group lr_scale that set_group_values honours).
     fused = {"fused": True} if accelerator.device.type == "cuda" and cfg.opt in ("adamw", "adam", "sgd") else {}
-    optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                    momentum=cfg.momentum, layer_decay=cfg.layer_decay or None, **fused)
+    optimizer = create_optimizer_v2(
+        model,
+        opt=cfg.opt,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.momentum,
+        layer_decay=cfg.layer_decay or None,
+        **fused,
+    )
     if cfg.ema_decay > 0 and accelerator.distributed_type.name == "FSDP":
         raise UserError("model EMA keeps a full replica and cannot follow FSDP's sharded weights; set --ema_decay 0")
 
@@ -413,8 +481,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     total_steps = steps_total(cfg.epochs, steps_in_epoch, cfg.max_steps)
     milestones = [sum(steps_in_epoch(e) for e in range(m)) for m in cfg.decay_milestones]
     peak_lr = cfg.lr * cfg.batch_size * accelerator.num_processes * cfg.grad_accum_steps / 256  # lr is per 256 images
-    lr_values = schedule(cfg.sched, peak_lr, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_in_epoch(0)),
-                         cfg.warmup_lr, milestones, cfg.decay_rate)
+    lr_values = schedule(
+        cfg.sched,
+        peak_lr,
+        cfg.min_lr,
+        total_steps,
+        round(cfg.warmup_epochs * steps_in_epoch(0)),
+        cfg.warmup_lr,
+        milestones,
+        cfg.decay_rate,
+    )
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
@@ -422,8 +498,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for epoch in loop.epochs():
         accelerator.gradient_accumulation_steps = accum_steps(epoch)
         if cfg.bn_momentum_end > 0:
-            set_bn_momentum(unwrapped, cfg.bn_momentum_end + (cfg.bn_momentum - cfg.bn_momentum_end)
-                            * 0.5 * (1 + math.cos(math.pi * epoch / max(cfg.epochs - 1, 1))))
+            set_bn_momentum(
+                unwrapped,
+                cfg.bn_momentum_end
+                + (cfg.bn_momentum - cfg.bn_momentum_end)
+                * 0.5
+                * (1 + math.cos(math.pi * epoch / max(cfg.epochs - 1, 1))),
+            )
         model.train()
         if cfg.linear_probe:  # frozen features: batch-norm statistics must not drift either
             model.eval()
@@ -462,13 +543,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 average_bn_statistics(unwrapped, accelerator)
                 if ema is not None:
                     average_bn_statistics(ema.module, accelerator)
-            metrics, confusion = evaluate(model, run.progress(eval_loader, "eval"), accelerator, num_classes,
-                                          cfg.channels_last)
+            metrics, confusion = evaluate(
+                model, run.progress(eval_loader, "eval"), accelerator, num_classes, cfg.channels_last
+            )
             results = {f"eval/{k}": v for k, v in metrics.items()}
             candidates = [(results["eval/top1"], "raw", confusion)]
             if ema is not None:
-                metrics, confusion = evaluate(ema.module, run.progress(eval_loader, "eval ema"), accelerator,
-                                              num_classes, cfg.channels_last)
+                metrics, confusion = evaluate(
+                    ema.module, run.progress(eval_loader, "eval ema"), accelerator, num_classes, cfg.channels_last
+                )
                 results.update({f"eval_ema/{k}": v for k, v in metrics.items()})
                 candidates.append((results["eval_ema/top1"], "ema", confusion))
             top1, which, confusion = max(candidates, key=lambda c: c[0])
@@ -477,8 +560,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             run.log({**results, "epoch": epoch}, loop.step)
             picture = None
             if accelerator.is_main_process:  # the evaluated model's (the better of raw and EMA) mistakes
-                picture = plot_confusion_matrix(confusion.numpy(), data.classes, run.plots_dir / "confusion_matrix.png",
-                                                f"{which} model, step {loop.step}: top-1 {top1:.2f} %")
+                picture = plot_confusion_matrix(
+                    confusion.numpy(),
+                    data.classes,
+                    run.plots_dir / "confusion_matrix.png",
+                    f"{which} model, step {loop.step}: top-1 {top1:.2f} %",
+                )
             run.log_plots(loop.step, confusion_matrix=picture)  # and the training curves
             if improved:
                 weights = accelerator.get_state_dict(model) if which == "raw" else ema.module.state_dict()

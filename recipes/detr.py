@@ -43,14 +43,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
 except ModuleNotFoundError:
-    print("error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr)
+    print(
+        "error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr
+    )
     sys.exit(2)
 
 
@@ -66,8 +69,15 @@ from common import UserError
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import RunConfig
 from common.console import cli_main
-from common.detection import (IMAGENET_MEAN, IMAGENET_STD, DetectionData, DetectionDataset, collate, load_detection,
-                              prediction_batches)
+from common.detection import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    DetectionData,
+    DetectionDataset,
+    collate,
+    load_detection,
+    prediction_batches,
+)
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
@@ -91,37 +101,39 @@ class Config(RunConfig):
     # data
     data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
     scales: list[int] = field(default_factory=lambda: [96])  # shorter side, px: one drawn per training image;
-        # eval at the last (DETR: 480..800 step 32)
+    #   eval at the last (DETR: 480..800 step 32)
     max_size: int = 96  # longer side at most, px (DETR: 1333)
     crop: float = 0.0  # probability of DETR's crop branch: resize to crop_resize, random crop of crop_size,
-        # resize to scales (DETR: 0.5)
+    #   resize to scales (DETR: 0.5)
     crop_resize: list[int] = field(default_factory=lambda: [72, 84, 96])  # shorter side before the crop, px
-        # (DETR: 400, 500, 600)
+    #   (DETR: 400, 500, 600)
     crop_size: list[int] = field(default_factory=lambda: [64, 96])  # crop width and height drawn in [min, max] px
-        # (DETR: 384, 600)
+    #   (DETR: 384, 600)
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     num_workers: int = 1  # DataLoader worker processes per training process (0: load in the main process)
     # model: backbone -> 1x1 projection -> encoder -> decoder -> heads
     model: str = "resnet10t"  # any timm model with features_only (DETR: resnet50)
-    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256], "stem_width": 16,
-                                                         "output_stride": 8})  # extra timm.create_model arguments;
-        # the demo: resnet10t at half width, its last stage dilated (DETR-DC5's trick): stride 8, a 12 x 12 map at 96 px
+    # extra timm.create_model arguments; the demo: resnet10t at half width, its last stage dilated
+    # (DETR-DC5's trick): stride 8, a 12 x 12 map at 96 px
+    model_kwargs: dict = field(
+        default_factory=lambda: {"channels": [32, 64, 128, 256], "stem_width": 16, "output_stride": 8}
+    )
     out_index: int = 3  # the backbone level the transformer reads (timm's feature index; -1 = the last)
     pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
     frozen_bn: bool = False  # backbone batch norm as fixed affine layers (DETR does so with pretrained weights)
     freeze_at: int = 0  # backbone levels whose weights never train: 0 none, 1 the stem, 2 the stem and the first
-        # stage (DETR: 2, its resnet50 trains layer2-4 only); frozen weights stay out of the optimizer
+    #   stage (DETR: 2, its resnet50 trains layer2-4 only); frozen weights stay out of the optimizer
     init_backbone: str = ""  # safetensors of the same timm model (e.g. classifier.py's best.safetensors) for the
-        # backbone; keys it does not use (head, later stages) are ignored
+    #   backbone; keys it does not use (head, later stages) are ignored
     init_weights: str = ""  # the whole detector from a DETR checkpoint: the reference's COCO-trained .pth
-        # (detr-r50-e632da11.pth), transformers' facebook/detr-resnet-50 model.safetensors, or this recipe's own
-        # safetensors; the model fields must match it (DETR-R50: resnet50, out_index -1, d_model 256, 6 + 6
-        # layers, 8 heads, dim_feedforward 2048, 100 queries). The class head is kept for COCO classes (the rows
-        # of their ids) and for the file's own classes, else made anew (docs/detr.md)
+    #   (detr-r50-e632da11.pth), transformers' facebook/detr-resnet-50 model.safetensors, or this recipe's own
+    #   safetensors; the model fields must match it (DETR-R50: resnet50, out_index -1, d_model 256, 6 + 6
+    #   layers, 8 heads, dim_feedforward 2048, 100 queries). The class head is kept for COCO classes (the rows
+    #   of their ids) and for the file's own classes, else made anew (docs/detr.md)
     # backbone pre-training on the training set's own boxes, before DETR: what stands in for ImageNet weights
     # without network (skipped with pretrained, init_backbone or init_weights weights, and when resuming)
     pretrain_crops_epochs: int = 6  # epochs of classifying every ground-truth box, cut out, with backbone + linear
-        # head (0: off)
+    #   head (0: off)
     pretrain_crops_size: int = 32  # crop side, px (digits_det's digits are 12-47 px tall)
     pretrain_crops_margin: float = 0.15  # context around each box, a fraction of its longer side
     pretrain_crops_shift: float = 0.1  # the crop window moves by up to this fraction of its side (x and y)
@@ -138,33 +150,33 @@ class Config(RunConfig):
     aux_loss: bool = True  # the losses after every decoder layer, not only the last (DETR: true)
     # loss
     matcher_costs: list[float] = field(default_factory=lambda: [2.0, 5.0, 2.0])  # Hungarian matching cost weights:
-        # class, L1, GIoU (DETR: 1, 5, 2; Deformable DETR weighs the class 2, which teaches the demo its classes sooner)
+    #   class, L1, GIoU (DETR: 1, 5, 2; Deformable DETR weighs the class 2, which teaches the demo its classes sooner)
     loss_weights: list[float] = field(default_factory=lambda: [2.0, 5.0, 2.0])  # loss weights: CE, L1, GIoU
-        # (DETR: 1, 5, 2; the class 2 as in the costs)
+    #   (DETR: 1, 5, 2; the class 2 as in the costs)
     eos_coef: float = 0.1  # cross-entropy weight of the no-object class (DETR: 0.1)
     # optimization
     epochs: int = 12  # training epochs (after pretrain_crops_epochs)
     lr: float = 5e-4  # peak learning rate of the transformer and heads (DETR: 1e-4; a small model from scratch
-        # takes more)
+    #   takes more)
     lr_backbone: float = 2.5e-4  # peak learning rate of the backbone (DETR: 1e-5 for its ImageNet one); here half of
-        # lr for the crop-pretrained one, which must learn whole scenes after 32 px crops (5e-4 from scratch)
+    #   lr for the crop-pretrained one, which must learn whole scenes after 32 px crops (5e-4 from scratch)
     weight_decay: float = 1e-4  # AdamW weight decay, on every parameter as in DETR (DETR: 1e-4)
     warmup_epochs: float = 1.0  # linear learning-rate warmup from 0, epochs (DETR: none)
     lr_drop_epochs: int = 0  # the lr (both groups) drops x0.1 after this epoch; 0: at 2/3 of epochs
-        # (DETR: 200 of 300)
+    #   (DETR: 200 of 300)
     clip_grad: float = 0.1  # clip the global gradient norm to this (0: off; DETR: 0.1)
     compile: bool = False  # torch.compile the model through Accelerate (inductor); the matcher stays eager
     # evaluation
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
     best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
-        # COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
+    #   COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
     eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
-        # dataset's category ids), no training
+    #   dataset's category ids), no training
     predict: str = ""  # an image or a folder of images: with --weights, write predictions.json and the images with
-        # their boxes drawn (predictions/) in the run folder; no dataset needed
+    #   their boxes drawn (predictions/) in the run folder; no dataset needed
     predict_score: float = 0.5  # predict: detections scoring below this are neither written nor drawn (DETR's
-        # 100 queries each answer, most with a low score)
+    #   100 queries each answer, most with a low score)
     # run
     eval_every: int = 5  # evaluate every this many epochs; also at the end
 
@@ -201,17 +213,24 @@ def data_transforms(cfg: Config, train: bool) -> v2.Compose:
     if train:
         if cfg.hflip > 0:
             steps.append(v2.RandomHorizontalFlip(cfg.hflip))
-        resize = v2.RandomShortestSize(cfg.scales, cfg.max_size, antialias=True)  # DETR's RandomResize(scales, max_size)
+        resize = v2.RandomShortestSize(
+            cfg.scales, cfg.max_size, antialias=True
+        )  # DETR's RandomResize(scales, max_size)
         if cfg.crop > 0:
-            cropped = v2.Compose([v2.RandomShortestSize(cfg.crop_resize, antialias=True),
-                                  RandomSizeCrop(*cfg.crop_size), resize])
+            cropped = v2.Compose(
+                [v2.RandomShortestSize(cfg.crop_resize, antialias=True), RandomSizeCrop(*cfg.crop_size), resize]
+            )
             steps.append(v2.RandomChoice([resize, cropped], p=[1 - cfg.crop, cfg.crop]))
         else:
             steps.append(resize)
     else:
         steps.append(v2.RandomShortestSize([cfg.scales[-1]], cfg.max_size, antialias=True))  # one choice: deterministic
-    steps += [v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes(min_size=1.0),
-              v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    steps += [
+        v2.ClampBoundingBoxes(),
+        v2.SanitizeBoundingBoxes(min_size=1.0),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ]
     return v2.Compose(steps)
 
 
@@ -239,20 +258,31 @@ def create_model(cfg: Config, num_classes: int, backbone: nn.Module | None = Non
     freeze_stages(backbone, cfg.freeze_at)
     if cfg.frozen_bn:
         backbone = timm.layers.freeze_batch_norm_2d(backbone)  # BatchNorm2d -> FrozenBatchNorm2d
-    return DETR(backbone, num_classes, num_queries=cfg.num_queries, d_model=cfg.d_model, nheads=cfg.nheads,
-                enc_layers=cfg.enc_layers, dec_layers=cfg.dec_layers, dim_feedforward=cfg.dim_feedforward,
-                dropout=cfg.dropout, aux_loss=cfg.aux_loss)
+    return DETR(
+        backbone,
+        num_classes,
+        num_queries=cfg.num_queries,
+        d_model=cfg.d_model,
+        nheads=cfg.nheads,
+        enc_layers=cfg.enc_layers,
+        dec_layers=cfg.dec_layers,
+        dim_feedforward=cfg.dim_feedforward,
+        dropout=cfg.dropout,
+        aux_loss=cfg.aux_loss,
+    )
 
 
 def create_backbone(cfg: Config) -> nn.Module:
     """The timm ``features_only`` backbone giving the one level DETR reads, with the weights that
     ``pretrained`` or ``init_backbone`` name (random otherwise)."""
     try:
-        backbone = create_timm_model(cfg.model, features_only=True, out_indices=(cfg.out_index,),
-                                     pretrained=cfg.pretrained, **cfg.model_kwargs)
+        backbone = create_timm_model(
+            cfg.model, features_only=True, out_indices=(cfg.out_index,), pretrained=cfg.pretrained, **cfg.model_kwargs
+        )
     except (IndexError, TypeError) as e:
-        raise UserError(f"model '{cfg.model}' does not take out_index {cfg.out_index} "
-                        f"and model_kwargs {cfg.model_kwargs}: {e}") from None
+        raise UserError(
+            f"model '{cfg.model}' does not take out_index {cfg.out_index} and model_kwargs {cfg.model_kwargs}: {e}"
+        ) from None
     if cfg.init_backbone:
         load_backbone(backbone, cfg.init_backbone)
     return backbone
@@ -269,12 +299,13 @@ def load_backbone(backbone: nn.Module, path: str) -> None:
     own = backbone.state_dict()
     for prefix in ("backbone.", "model.", "module."):
         if not any(k in state for k in own):
-            state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} or state
+            state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)} or state
     missing = [k for k in own if k not in state]
     wrong = [k for k in own if k in state and state[k].shape != own[k].shape]
     if missing or wrong:
-        raise UserError(f"init_backbone '{path}' does not fit the backbone: missing {missing[:5]}, "
-                        f"shape differs {wrong[:5]}")
+        raise UserError(
+            f"init_backbone '{path}' does not fit the backbone: missing {missing[:5]}, shape differs {wrong[:5]}"
+        )
     backbone.load_state_dict({k: state[k] for k in own})
 
 
@@ -287,7 +318,9 @@ def create_criterion(cfg: Config, num_classes: int) -> SetCriterion:
     matcher = HungarianMatcher(*cfg.matcher_costs)
     weight_dict = dict(zip(LOSS_TERMS, cfg.loss_weights))
     if cfg.aux_loss:
-        weight_dict.update({f"{k}_{i}": w for i in range(cfg.dec_layers - 1) for k, w in zip(LOSS_TERMS, cfg.loss_weights)})
+        weight_dict.update(
+            {f"{k}_{i}": w for i in range(cfg.dec_layers - 1) for k, w in zip(LOSS_TERMS, cfg.loss_weights)}
+        )
     return SetCriterion(num_classes, matcher, weight_dict, cfg.eos_coef, ["labels", "boxes", "cardinality"])
 
 
@@ -304,7 +337,9 @@ def detect(model: nn.Module, loader, accelerator) -> Iterator[list[dict[str, Any
         yield [{"image_id": t["image_id"], **d} for d, t in zip(postprocess(outputs, orig), targets)]
 
 
-def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator) -> tuple[dict[str, float], EvalDetails]:
+def evaluate(
+    model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator
+) -> tuple[dict[str, float], EvalDetails]:
     """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
     predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training
@@ -315,8 +350,21 @@ def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerato
 
 
 # the fields that define the model: --weights restores them from the file's saved config
-MODEL_FIELDS = ("model", "model_kwargs", "out_index", "frozen_bn", "scales", "max_size", "d_model", "nheads",
-                "enc_layers", "dec_layers", "dim_feedforward", "num_queries", "aux_loss")
+MODEL_FIELDS = (
+    "model",
+    "model_kwargs",
+    "out_index",
+    "frozen_bn",
+    "scales",
+    "max_size",
+    "d_model",
+    "nheads",
+    "enc_layers",
+    "dec_layers",
+    "dim_feedforward",
+    "num_queries",
+    "aux_loss",
+)
 
 
 def trained_model(cfg: Config, data: DetectionData | None = None) -> tuple[nn.Module, dict[str, Any]]:
@@ -331,8 +379,9 @@ def trained_model(cfg: Config, data: DetectionData | None = None) -> tuple[nn.Mo
 def predict(cfg: Config, run: Run) -> dict[str, float]:
     """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
     model, meta = trained_model(cfg)
-    table, batches = prediction_batches(run, cfg.predict, data_transforms(cfg, False), detr_collate,
-                                        2 * cfg.batch_size, cfg.num_workers)
+    table, batches = prediction_batches(
+        run, cfg.predict, data_transforms(cfg, False), detr_collate, 2 * cfg.batch_size, cfg.num_workers
+    )
     found = detect(model.to(run.accelerator.device), batches, run.accelerator)
     return save_predictions(run, found, table, meta, cfg.predict_score, cfg.predict)
 
@@ -349,8 +398,10 @@ def check_config(cfg: Config) -> None:
     if not cfg.scales or min(cfg.scales) <= 0:
         raise UserError(f"scales must be one or more positive sizes, got {cfg.scales}")
     if len(cfg.crop_size) != 2 or not 0 < cfg.crop_size[0] <= cfg.crop_size[1] or not cfg.crop_resize:
-        raise UserError(f"crop_size must be [min, max] with 0 < min <= max and crop_resize not empty, got "
-                        f"{cfg.crop_size} and {cfg.crop_resize}")
+        raise UserError(
+            f"crop_size must be [min, max] with 0 < min <= max and crop_resize not empty, got "
+            f"{cfg.crop_size} and {cfg.crop_resize}"
+        )
     if not 0 <= cfg.crop <= 1 or not 0 <= cfg.hflip <= 1:
         raise UserError(f"crop and hflip are probabilities, got {cfg.crop} and {cfg.hflip}")
     if cfg.d_model % cfg.nheads or cfg.d_model % 4:
@@ -383,20 +434,31 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
     train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed)
-    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
-                                  accelerator.num_processes, collate_fn=detr_collate)
+    train_loader = train_loader_for(
+        train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, collate_fn=detr_collate
+    )
 
     # ---- model and loss (the backbone pre-trained on the box crops first, unless its weights come from elsewhere) ----
     backbone = create_backbone(cfg)
     if cfg.pretrain_crops_epochs > 0:
-        reason = ("pretrained" if cfg.pretrained else "init_backbone" if cfg.init_backbone
-                  else "init_weights" if cfg.init_weights
-                  else "resuming (the checkpoint holds the weights)" if run.resume_checkpoint() else "")
+        reason = (
+            "pretrained"
+            if cfg.pretrained
+            else "init_backbone"
+            if cfg.init_backbone
+            else "init_weights"
+            if cfg.init_weights
+            else "resuming (the checkpoint holds the weights)"
+            if run.resume_checkpoint()
+            else ""
+        )
         if reason:
             run.print(f"backbone pre-training on box crops skipped: {reason}")
         elif pretrain_backbone(cfg, backbone, data, run) is None:  # a stop signal: no checkpoint exists yet
-            run.print("stopped during the backbone pre-training, before DETR's first checkpoint: "
-                      "run the same command again to start over")
+            run.print(
+                "stopped during the backbone pre-training, before DETR's first checkpoint: "
+                "run the same command again to start over"
+            )
             run.finish()
             return {}
     model = create_model(cfg, num_classes, backbone)
@@ -409,8 +471,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- optimizer and schedules (AdamW; the backbone at lr_backbone, weight decay on everything) ----
     backbone = [p for p in model.backbone.parameters() if p.requires_grad]
     rest = [p for n, p in model.named_parameters() if not n.startswith("backbone.") and p.requires_grad]
-    groups = [{"params": rest, "lr_scale": 1.0},
-              {"params": backbone, "lr_scale": cfg.lr_backbone / cfg.lr if cfg.lr else 0.0}]
+    groups = [
+        {"params": rest, "lr_scale": 1.0},
+        {"params": backbone, "lr_scale": cfg.lr_backbone / cfg.lr if cfg.lr else 0.0},
+    ]
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
@@ -419,8 +483,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
     drop_epoch = cfg.lr_drop_epochs or math.ceil(2 * cfg.epochs / 3)
     # DETR: constant, x0.1 after lr_drop epochs (here with an optional linear warmup from 0)
-    lr_values = schedule("step", cfg.lr, 0.0, total_steps, round(cfg.warmup_epochs * steps_per_epoch), 0.0,
-                         [drop_epoch * steps_per_epoch], 0.1)
+    lr_values = schedule(
+        "step",
+        cfg.lr,
+        0.0,
+        total_steps,
+        round(cfg.warmup_epochs * steps_per_epoch),
+        0.0,
+        [drop_epoch * steps_per_epoch],
+        0.1,
+    )
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
@@ -444,8 +516,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
             run.guard.observe(loop.step + 1, {"loss": loss, **{k: losses[k] for k in weight_dict}})
             meters.update(n=len(images), loss=loss, **losses)
-            meters.images(len(images), boxes=sum(len(t["boxes"]) for t in targets),  # shapes: no device sync
-                          dropped_boxes=sum(t["dropped"] for t in targets))
+            meters.images(
+                len(images),
+                boxes=sum(len(t["boxes"]) for t in targets),  # shapes: no device sync
+                dropped_boxes=sum(t["dropped"] for t in targets),
+            )
             if not loop.optimizer_stepped():
                 continue
             if loop.step % cfg.log_every == 0:
@@ -456,8 +531,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
             improved = loop.improved(cfg.best_metric, metrics[cfg.best_metric])
             # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
-            results = report_evaluation(run, metrics, details, data, cfg.plot_images, loop.step,
-                                        {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)}, epoch)
+            results = report_evaluation(
+                run,
+                metrics,
+                details,
+                data,
+                cfg.plot_images,
+                loop.step,
+                {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)},
+                epoch,
+            )
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
                 save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe, data.category_ids)

@@ -27,15 +27,22 @@ if TYPE_CHECKING:
 # COCO's 80 object categories: ids 1..90 with ten unused, names in id order (instances_*.json). The
 # reference's class head has a row for every id 0..90 and no-object last (row 91).
 COCO_IDS = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]
-COCO_NAMES = [n.replace("_", " ") for n in (
-    "person bicycle car motorcycle airplane bus train truck boat traffic_light fire_hydrant stop_sign parking_meter "
-    "bench bird cat dog horse sheep cow elephant bear zebra giraffe backpack umbrella handbag tie suitcase frisbee "
-    "skis snowboard sports_ball kite baseball_bat baseball_glove skateboard surfboard tennis_racket bottle "
-    "wine_glass cup fork knife spoon bowl banana apple sandwich orange broccoli carrot hot_dog pizza donut cake "
-    "chair couch potted_plant bed dining_table toilet tv laptop mouse remote keyboard cell_phone microwave oven "
-    "toaster sink refrigerator book clock vase scissors teddy_bear hair_drier toothbrush").split()]
-DETR_R50 = ("the model fields must be the checkpoint's; DETR-R50: model resnet50, out_index -1, d_model 256, "
-            "enc_layers 6, dec_layers 6, nheads 8, dim_feedforward 2048, num_queries 100")
+COCO_NAMES = [
+    n.replace("_", " ")
+    for n in (
+        "person bicycle car motorcycle airplane bus train truck boat traffic_light fire_hydrant stop_sign "
+        "parking_meter bench bird cat dog horse sheep cow elephant bear zebra giraffe backpack umbrella handbag tie "
+        "suitcase frisbee "
+        "skis snowboard sports_ball kite baseball_bat baseball_glove skateboard surfboard tennis_racket bottle "
+        "wine_glass cup fork knife spoon bowl banana apple sandwich orange broccoli carrot hot_dog pizza donut cake "
+        "chair couch potted_plant bed dining_table toilet tv laptop mouse remote keyboard cell_phone microwave oven "
+        "toaster sink refrigerator book clock vase scissors teddy_bear hair_drier toothbrush"
+    ).split()
+]
+DETR_R50 = (
+    "the model fields must be the checkpoint's; DETR-R50: model resnet50, out_index -1, d_model 256, "
+    "enc_layers 6, dec_layers 6, nheads 8, dim_feedforward 2048, num_queries 100"
+)
 
 
 def read_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -52,17 +59,20 @@ def read_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]
             with safetensors.safe_open(path, "pt") as f:
                 return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
         except Exception as e:
-            raise UserError(f"init_weights '{path}' could not be read as safetensors: "
-                            f"{type(e).__name__}: {e}") from None
+            raise UserError(
+                f"init_weights '{path}' could not be read as safetensors: {type(e).__name__}: {e}"
+            ) from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle.UnpicklingError names the first global that is not a tensor's
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        why = (f"it holds a pickled Python object ({found[1]})" if found
-               else f"{type(e).__name__}: {str(e).strip()[:120]}")
-        raise UserError(f"init_weights '{path}' is neither safetensors nor a weights-only torch file: {why}; only "
-                        "tensors are read, never pickled objects: save the state dict alone (or use safetensors)"
-                        ) from None
+        why = (
+            f"it holds a pickled Python object ({found[1]})" if found else f"{type(e).__name__}: {str(e).strip()[:120]}"
+        )
+        raise UserError(
+            f"init_weights '{path}' is neither safetensors nor a weights-only torch file: {why}; only "
+            "tensors are read, never pickled objects: save the state dict alone (or use safetensors)"
+        ) from None
     state = obj.get("model", obj) if isinstance(obj, dict) else obj
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(f"init_weights '{path}' holds no state dict (names -> tensors) at its top or under 'model'")
@@ -71,28 +81,40 @@ def read_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]
 
 def _transformers_to_reference(key: str) -> str:
     """A transformers ``DetrForObjectDetection`` name -> the reference's (facebookresearch/detr)."""
-    for old, new in (("model.backbone.conv_encoder.model.", "backbone.0.body."),
-                     ("model.input_projection.", "input_proj."), ("model.query_position_embeddings.", "query_embed."),
-                     ("model.encoder.layers.", "transformer.encoder.layers."),
-                     ("model.decoder.layers.", "transformer.decoder.layers."),
-                     ("model.decoder.layernorm.", "transformer.decoder.norm."),
-                     ("class_labels_classifier.", "class_embed."), ("bbox_predictor.", "bbox_embed.")):
+    for old, new in (
+        ("model.backbone.conv_encoder.model.", "backbone.0.body."),
+        ("model.input_projection.", "input_proj."),
+        ("model.query_position_embeddings.", "query_embed."),
+        ("model.encoder.layers.", "transformer.encoder.layers."),
+        ("model.decoder.layers.", "transformer.decoder.layers."),
+        ("model.decoder.layernorm.", "transformer.decoder.norm."),
+        ("class_labels_classifier.", "class_embed."),
+        ("bbox_predictor.", "bbox_embed."),
+    ):
         if key.startswith(old):
-            key = new + key[len(old):]
+            key = new + key[len(old) :]
             break
     if key.startswith("transformer."):
         last_norm = ".norm3." if key.startswith("transformer.decoder.") else ".norm2."
-        for old, new in ((".self_attn_layer_norm.", ".norm1."), (".encoder_attn_layer_norm.", ".norm2."),
-                         (".final_layer_norm.", last_norm), (".encoder_attn.", ".multihead_attn."),
-                         (".fc1.", ".linear1."), (".fc2.", ".linear2.")):
+        for old, new in (
+            (".self_attn_layer_norm.", ".norm1."),
+            (".encoder_attn_layer_norm.", ".norm2."),
+            (".final_layer_norm.", last_norm),
+            (".encoder_attn.", ".multihead_attn."),
+            (".fc1.", ".linear1."),
+            (".fc2.", ".linear2."),
+        ):
             key = key.replace(old, new)
     elif key.startswith("backbone.0.body."):  # timm's resnet has torchvision's names; transformers' own ResNet
         key = key.replace("embedder.embedder.convolution.", "conv1.")
         key = key.replace("embedder.embedder.normalization.", "bn1.")
         key = re.sub(r"encoder\.stages\.(\d+)\.layers\.", lambda m: f"layer{int(m[1]) + 1}.", key)
         key = key.replace("shortcut.convolution.", "downsample.0.").replace("shortcut.normalization.", "downsample.1.")
-        key = re.sub(r"\.layer\.(\d)\.(convolution|normalization)\.",
-                     lambda m: f".{'conv' if m[2] == 'convolution' else 'bn'}{int(m[1]) + 1}.", key)
+        key = re.sub(
+            r"\.layer\.(\d)\.(convolution|normalization)\.",
+            lambda m: f".{'conv' if m[2] == 'convolution' else 'bn'}{int(m[1]) + 1}.",
+            key,
+        )
     return key
 
 
@@ -114,7 +136,7 @@ def to_recipe_names(state: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[str
     and the naming found: ``facebookresearch/detr``, ``transformers`` (its separate q/k/v projections
     concatenated into nn.MultiheadAttention's ``in_proj``, rows q, k, v) or ``detr.py`` (as it is)."""
     if all(k.startswith("module.") for k in state):  # saved from a DistributedDataParallel wrapper
-        state = {k[len("module."):]: v for k, v in state.items()}
+        state = {k[len("module.") :]: v for k, v in state.items()}
     named = {k: (k, v) for k, v in state.items()}
     if any(k.startswith(("model.backbone.conv_encoder.", "class_labels_classifier.")) for k in state):
         source = "transformers"
@@ -137,8 +159,10 @@ def to_recipe_names(state: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[str
     elif "class_embed.weight" in state and any(k.startswith("encoder.") or k.startswith("decoder.") for k in state):
         return named, "detr.py"
     else:
-        raise UserError(f"the init_weights file is not a DETR checkpoint (names like {list(state)[:3]}); expected "
-                        "the reference's .pth, transformers' DetrForObjectDetection or this recipe's safetensors")
+        raise UserError(
+            f"the init_weights file is not a DETR checkpoint (names like {list(state)[:3]}); expected "
+            "the reference's .pth, transformers' DetrForObjectDetection or this recipe's safetensors"
+        )
     return {_reference_to_recipe(k): sv for k, sv in named.items()}, source
 
 
@@ -168,9 +192,11 @@ def load_init_weights(model: nn.Module, path: str, classes: list[str], category_
     unexpected = [src for k, (src, _) in named.items() if k not in own]
     missing = [k for k in own if k not in named and not k.endswith("num_batches_tracked")]
     if unexpected or missing:
-        raise UserError(f"init_weights '{path}' ({source}) does not fit the model: {len(unexpected)} tensors of the "
-                        f"file are not in the model {unexpected[:3]}, {len(missing)} of the model are not in the "
-                        f"file {missing[:3]}; {DETR_R50}")
+        raise UserError(
+            f"init_weights '{path}' ({source}) does not fit the model: {len(unexpected)} tensors of the "
+            f"file are not in the model {unexpected[:3]}, {len(missing)} of the model are not in the "
+            f"file {missing[:3]}; {DETR_R50}"
+        )
     head_rows = len(named["class_embed.weight"][1])
     if source == "detr.py":  # its own classes (save_weights' metadata) or none
         saved = json.loads(meta.get("classes", "null"))
@@ -187,7 +213,9 @@ def load_init_weights(model: nn.Module, path: str, classes: list[str], category_
     for k, t in own.items():
         if k in named and named[k][1].shape != t.shape:
             src, v = named[k]
-            raise UserError(f"init_weights '{path}' ({source}) does not fit the model: {src} is {list(v.shape)} in "
-                            f"the file, {k} is {list(t.shape)} in the model; {DETR_R50}")
+            raise UserError(
+                f"init_weights '{path}' ({source}) does not fit the model: {src} is {list(v.shape)} in "
+                f"the file, {k} is {list(t.shape)} in the model; {DETR_R50}"
+            )
     model.load_state_dict({k: named[k][1] if k in named else t for k, t in own.items()})
     return f"init_weights: {len(named)} tensors from the {source} checkpoint '{path}', with {head}"

@@ -79,11 +79,19 @@ class DecoderLayer(nn.Module):
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
         self.drop1, self.drop2, self.drop3 = nn.Dropout(dropout), nn.Dropout(dropout), nn.Dropout(dropout)
 
-    def forward(self, tgt: torch.Tensor, memory: torch.Tensor, pos: torch.Tensor, query_pos: torch.Tensor,
-                padding: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        pos: torch.Tensor,
+        query_pos: torch.Tensor,
+        padding: torch.Tensor | None,
+    ) -> torch.Tensor:
         q = k = tgt + query_pos
         tgt = self.norm1(tgt + self.drop1(self.self_attn(q, k, tgt, need_weights=False)[0]))
-        attended = self.cross_attn(tgt + query_pos, memory + pos, memory, key_padding_mask=padding, need_weights=False)[0]
+        attended = self.cross_attn(tgt + query_pos, memory + pos, memory, key_padding_mask=padding, need_weights=False)[
+            0
+        ]
         tgt = self.norm2(tgt + self.drop2(attended))
         return self.norm3(tgt + self.drop3(self.ff(tgt)))
 
@@ -108,9 +116,19 @@ class DETR(nn.Module):
     ``feature_info`` gives the channels); ``num_classes`` excludes no-object; the defaults are the
     paper's DETR-R50 (6 + 6 layers of width 256, 100 queries)."""
 
-    def __init__(self, backbone: nn.Module, num_classes: int, num_queries: int = 100, d_model: int = 256,
-                 nheads: int = 8, enc_layers: int = 6, dec_layers: int = 6, dim_feedforward: int = 2048,
-                 dropout: float = 0.1, aux_loss: bool = True) -> None:
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_classes: int,
+        num_queries: int = 100,
+        d_model: int = 256,
+        nheads: int = 8,
+        enc_layers: int = 6,
+        dec_layers: int = 6,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        aux_loss: bool = True,
+    ) -> None:
         super().__init__()
         d = d_model
         self.backbone = backbone
@@ -187,8 +205,9 @@ class HungarianMatcher(nn.Module):
         tgt_boxes = torch.cat([t["boxes"] for t in targets]).float()
         cost_class = -prob[:, tgt_ids]  # -p(class): 1 - p in the paper, the constant does not matter
         cost_bbox = torch.cdist(boxes.flatten(0, 1), tgt_boxes, p=1)
-        cost_giou = -generalized_box_iou(box_convert(boxes.flatten(0, 1), "cxcywh", "xyxy"),
-                                         box_convert(tgt_boxes, "cxcywh", "xyxy"))
+        cost_giou = -generalized_box_iou(
+            box_convert(boxes.flatten(0, 1), "cxcywh", "xyxy"), box_convert(tgt_boxes, "cxcywh", "xyxy")
+        )
         c = self.cost_bbox * cost_bbox + self.cost_class * cost_class + self.cost_giou * cost_giou
         return c.view(*logits.shape[:2], -1)
 
@@ -228,11 +247,22 @@ class SetCriterion(nn.Module):
     ``labels``, ``boxes``, ``cardinality``.
     """
 
-    def __init__(self, num_classes: int, matcher: HungarianMatcher, weight_dict: dict[str, float], eos_coef: float,
-                 losses: list[str]) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        matcher: HungarianMatcher,
+        weight_dict: dict[str, float],
+        eos_coef: float,
+        losses: list[str],
+    ) -> None:
         super().__init__()
         self.num_classes, self.matcher, self.weight_dict, self.eos_coef, self.losses = (
-            num_classes, matcher, weight_dict, eos_coef, losses)
+            num_classes,
+            matcher,
+            weight_dict,
+            eos_coef,
+            losses,
+        )
         empty_weight = torch.ones(num_classes + 1)
         empty_weight[-1] = eos_coef
         self.register_buffer("empty_weight", empty_weight)
@@ -262,8 +292,10 @@ class SetCriterion(nn.Module):
         src = outputs["pred_boxes"][batch_idx, src_idx].float()  # [M, 4]
         tgt = torch.cat([t["boxes"][j] for t, (_, j) in zip(targets, indices)]).to(src.device).float()
         giou = torch.diag(generalized_box_iou(box_convert(src, "cxcywh", "xyxy"), box_convert(tgt, "cxcywh", "xyxy")))
-        return {"loss_bbox": F.l1_loss(src, tgt, reduction="none").sum() / num_boxes,
-                "loss_giou": (1 - giou).sum() / num_boxes}
+        return {
+            "loss_bbox": F.l1_loss(src, tgt, reduction="none").sum() / num_boxes,
+            "loss_giou": (1 - giou).sum() / num_boxes,
+        }
 
     @staticmethod
     def _src(indices, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,4 +344,4 @@ def postprocess(outputs: dict, orig_sizes: torch.Tensor) -> list[dict[str, torch
     h, w = orig_sizes.to(prob.device, torch.float32).unbind(1)
     scale = torch.stack([w, h, w, h], 1)[:, None]  # [B, 1, 4]
     boxes = box_convert(outputs["pred_boxes"].float(), "cxcywh", "xyxy") * scale
-    return [{"scores": s, "labels": l, "boxes": b} for s, l, b in zip(scores, labels, boxes)]
+    return [{"scores": s, "labels": c, "boxes": b} for s, c, b in zip(scores, labels, boxes)]

@@ -45,9 +45,12 @@ class BoxCropDataset(torch.utils.data.Dataset):
     def __init__(self, ds: Any, size: int = 32, margin: float = 0.15, shift: float = 0.0, seed: int = 0) -> None:
         self.ds, self.size, self.margin, self.shift, self.seed = ds, size, margin, shift, seed
         objects = ds.select_columns(["objects"])[:]["objects"]
-        self.items = [(row, box, category) for row, o in enumerate(objects)
-                      for box, category, crowd in zip(o["bbox"], o["category"], o["iscrowd"])
-                      if not crowd and box[2] >= 1 and box[3] >= 1]  # (row, COCO box, class)
+        self.items = [
+            (row, box, category)
+            for row, o in enumerate(objects)
+            for box, category, crowd in zip(o["bbox"], o["category"], o["iscrowd"])
+            if not crowd and box[2] >= 1 and box[3] >= 1
+        ]  # (row, COCO box, class)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -58,8 +61,12 @@ class BoxCropDataset(torch.utils.data.Dataset):
         image = decode_image(self.ds[row]["image"], f"row {row} of the detection dataset")
         shift = (0.0, 0.0)
         if self.shift > 0:
-            shift = tuple(np.random.default_rng(sample_seed(self.seed, epoch, index)).uniform(-self.shift, self.shift, 2))
-        crop = TF.to_dtype(TF.pil_to_tensor(crop_box(image, box, self.size, self.margin, shift)), torch.float32, scale=True)
+            shift = tuple(
+                np.random.default_rng(sample_seed(self.seed, epoch, index)).uniform(-self.shift, self.shift, 2)
+            )
+        crop = TF.to_dtype(
+            TF.pil_to_tensor(crop_box(image, box, self.size, self.margin, shift)), torch.float32, scale=True
+        )
         return TF.normalize(crop, IMAGENET_MEAN, IMAGENET_STD), int(category)
 
 
@@ -94,15 +101,19 @@ def pretrain_backbone(cfg: Any, backbone: nn.Module, data: DetectionData, run: R
 
     ``cfg`` is detr.py's Config; read here: ``pretrain_crops_*``, ``seed``, ``num_workers``, ``max_steps``."""
     accelerator = run.accelerator
-    train_set = BoxCropDataset(data.train, cfg.pretrain_crops_size, cfg.pretrain_crops_margin,
-                               cfg.pretrain_crops_shift, cfg.seed)
+    train_set = BoxCropDataset(
+        data.train, cfg.pretrain_crops_size, cfg.pretrain_crops_margin, cfg.pretrain_crops_shift, cfg.seed
+    )
     eval_set = BoxCropDataset(data.eval, cfg.pretrain_crops_size, cfg.pretrain_crops_margin)
     if len(train_set) < cfg.pretrain_crops_batch_size * accelerator.num_processes:
-        raise UserError(f"the training split has {len(train_set)} boxes to pre-train the backbone on, fewer than one "
-                        f"global batch ({cfg.pretrain_crops_batch_size} x {accelerator.num_processes} processes); "
-                        "lower --pretrain_crops_batch_size (or skip the pre-training: --pretrain_crops_epochs 0)")
-    train_loader = train_loader_for(train_set, cfg.pretrain_crops_batch_size, cfg.seed, cfg.num_workers,
-                                  accelerator.num_processes)
+        raise UserError(
+            f"the training split has {len(train_set)} boxes to pre-train the backbone on, fewer than one "
+            f"global batch ({cfg.pretrain_crops_batch_size} x {accelerator.num_processes} processes); "
+            "lower --pretrain_crops_batch_size (or skip the pre-training: --pretrain_crops_epochs 0)"
+        )
+    train_loader = train_loader_for(
+        train_set, cfg.pretrain_crops_batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes
+    )
     eval_loader = eval_loader_for(eval_set, 2 * cfg.pretrain_crops_batch_size, cfg.num_workers)
     model = CropClassifier(backbone, len(data.classes))
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.05), lr=cfg.pretrain_crops_lr)

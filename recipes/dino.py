@@ -32,7 +32,9 @@ from typing import Literal
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
 except ModuleNotFoundError:
-    print("error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr)
+    print(
+        "error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr
+    )
     sys.exit(2)
 
 
@@ -48,10 +50,10 @@ from common import UserError
 from common.config import RunConfig
 from common.console import cli_main
 from common.data import ClassificationData, ClassificationDataset, load_classification
-from common.loaders import eval_loader_for, train_loader_for
 from common.ema import ema_update_
-from common.knn import extract, knn_accuracy, knn_predict, shard
 from common.feature_figures import attention_overlay, neighbour_grid
+from common.knn import extract, knn_accuracy, knn_predict, shard
+from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
@@ -68,27 +70,27 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 class Config(RunConfig):
     # data
     data: str = "digits_ssl"  # built-in name, local folder or hub name; labels are optional (a folder of plain
-        # image files trains), used only by the kNN evaluation
+    #   image files trains), used only by the kNN evaluation
     image_column: str = ""  # the column holding the images; empty: detected (the first Image column)
     label_column: str = ""  # the column holding the labels, used by the kNN evaluation only; empty: detected
     train_split: str = "train"  # the split to train on, also the kNN memory bank
     eval_split: str = ""  # the split the kNN evaluation classifies; empty: validation/val/valid/test, else a seeded
-        # 10 % of train
+    #   10 % of train
     knn_data: str = ""  # a labelled set for the kNN evaluation (any source the classifier takes; its training split
-        # is the bank, its evaluation split the queries); empty: data itself when it has labels, else no kNN
+    #   is the bank, its evaluation split the queries); empty: data itself when it has labels, else no kNN
     global_size: int = 32  # global crop size in pixels (224 for ImageNet)
     local_size: int = 16  # local crop size in pixels (96 for ImageNet)
     local_crops: int = 6  # number of local crops per image (10 for ImageNet; 0: the 2 global crops only)
     global_scale: list[float] = field(default_factory=lambda: [0.4, 1.0])  # global crops' RandomResizedCrop area
-        # range (reference: 0.4, 1.0)
+    #   range (reference: 0.4, 1.0)
     local_scale: list[float] = field(default_factory=lambda: [0.05, 0.4])  # local crops' RandomResizedCrop area
-        # range (reference: 0.05, 0.4)
+    #   range (reference: 0.05, 0.4)
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     blur_radius: list[float] = field(default_factory=lambda: [0.1, 0.6])  # PIL Gaussian radius, px ([0.1, 2] at 224)
     # model
     model: str = "resnet10t"  # any timm model (convnet or ViT); the demo: half width (model_kwargs), 1.2 M parameters
     model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256]})  # extra timm.create_model
-        # arguments; the demo halves resnet10t's stage widths
+    #   arguments; the demo halves resnet10t's stage widths
     drop_path_rate: float = 0.1  # stochastic depth of the student backbone (reference: 0.1)
     out_dim: int = 1024  # K, prototypes of the projection head (65536 for ImageNet)
     head_hidden_dim: int = 512  # hidden width of the projection head's MLP (2048 for ImageNet)
@@ -97,7 +99,7 @@ class Config(RunConfig):
     head_use_bn: bool = True  # BatchNorm after the head's hidden layers (the reference's use_bn_in_head; False for ViT)
     # loss
     warmup_teacher_temp: float = 0.04  # teacher temperature at the start, linear to teacher_temp
-        # over warmup_teacher_temp_epochs (reference: 0.04)
+    #   over warmup_teacher_temp_epochs (reference: 0.04)
     teacher_temp: float = 0.04  # teacher softmax temperature after warmup (reference: 0.04; above 0.07 is unstable)
     warmup_teacher_temp_epochs: int = 0  # teacher temperature warmup, epochs (reference: 0; 30 with teacher_temp 0.07)
     student_temp: float = 0.1  # student softmax temperature (reference: 0.1)
@@ -114,21 +116,21 @@ class Config(RunConfig):
     clip_grad: float = 3.0  # clip each parameter's gradient norm to this (0: off; reference: 3.0)
     freeze_last_layer: int = 0  # epochs during which the last layer gets no gradient (1 on ImageNet)
     momentum_teacher: float = 0.95  # teacher EMA momentum, cosine to 1 (0.996 on ImageNet: 0.95 lets the demo's
-        # 360-step teacher move)
+    #   360-step teacher move)
     compile: bool = False  # torch.compile the student through Accelerate (inductor)
     # evaluation
     knn_k: list[int] = field(default_factory=lambda: [20])  # neighbours that vote in the weighted kNN evaluation:
-        # the first gives knn/teacher_top1, the others knn/teacher_top1_k<k> (reference eval_knn: 10, 20, 100, 200)
+    #   the first gives knn/teacher_top1, the others knn/teacher_top1_k<k> (reference eval_knn: 10, 20, 100, 200)
     knn_temperature: float = 0.07  # the kNN votes weigh exp(cosine similarity / this) (reference: 0.07)
     knn_train_limit: int = 0  # >0: at most this many memory-bank images (seeded subset)
     knn_resize: int = 0  # kNN images: shorter side resized to this, then centre-cropped to global_size (reference:
-        # 256 for 224); 0: resized straight to global_size
+    #   256 for 224); 0: resized straight to global_size
     knn_pixel_size: int = 32  # the raw-pixel kNN baseline compares images area-resized to this side, px
     knn_pixel_limit: int = 20000  # the raw-pixel baseline's bank: at most this many images (seeded); 0: no baseline
     weights: str = ""  # with eval_only: a backbone this recipe saved (teacher_backbone.safetensors)
     eval_only: bool = False  # the kNN evaluation of --weights on the labelled data, no training (metrics.jsonl only)
     plot_images: int = 4  # evaluation images drawn under plots/ at each evaluation: their nearest neighbours in the
-        # kNN bank, and for ViTs the [CLS] attention over them (0: none)
+    #   kNN bank, and for ViTs the [CLS] attention over them (0: none)
     # run
     eval_every: int = 1  # evaluate every this many epochs; also at step 0 and at the end
 
@@ -162,18 +164,26 @@ class MultiCrop:
 
     def __init__(self, cfg: Config) -> None:
         bicubic = T.InterpolationMode.BICUBIC
-        flip_color = T.Compose([
-            T.RandomHorizontalFlip(p=cfg.hflip),
-            T.RandomApply([T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)], p=0.8),
-            T.RandomGrayscale(p=0.2),
-        ])
+        flip_color = T.Compose(
+            [
+                T.RandomHorizontalFlip(p=cfg.hflip),
+                T.RandomApply([T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)], p=0.8),
+                T.RandomGrayscale(p=0.2),
+            ]
+        )
         normalize = T.Compose([T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
         radius = tuple(cfg.blur_radius)
         g_crop = T.RandomResizedCrop(cfg.global_size, scale=tuple(cfg.global_scale), interpolation=bicubic)
         self.global1 = T.Compose([g_crop, flip_color, RandomGaussianBlur(1.0, radius), normalize])
         self.global2 = T.Compose([g_crop, flip_color, RandomGaussianBlur(0.1, radius), RandomSolarize(0.2), normalize])
-        self.local = T.Compose([T.RandomResizedCrop(cfg.local_size, scale=tuple(cfg.local_scale), interpolation=bicubic),
-                                flip_color, RandomGaussianBlur(0.5, radius), normalize])
+        self.local = T.Compose(
+            [
+                T.RandomResizedCrop(cfg.local_size, scale=tuple(cfg.local_scale), interpolation=bicubic),
+                flip_color,
+                RandomGaussianBlur(0.5, radius),
+                normalize,
+            ]
+        )
         self.local_crops = cfg.local_crops
 
     def __call__(self, img: Image.Image) -> list[torch.Tensor]:
@@ -182,13 +192,25 @@ class MultiCrop:
 
 def eval_transform(size: int, resize: int = 0) -> T.Compose:
     """Shorter side to ``resize`` (the reference: 256 for a 224 crop; 0: to ``size``), centre crop ``size``."""
-    return T.Compose([T.Resize(resize or size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(size),
-                      T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return T.Compose(
+        [
+            T.Resize(resize or size, interpolation=T.InterpolationMode.BICUBIC),
+            T.CenterCrop(size),
+            T.ToTensor(),
+            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
 
 
-def knn_loaders(cfg: Config, knn_set: ClassificationData, process_index: int, num_processes: int
-                ) -> tuple[ClassificationDataset, ClassificationDataset, torch.utils.data.DataLoader,
-                           torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
+def knn_loaders(
+    cfg: Config, knn_set: ClassificationData, process_index: int, num_processes: int
+) -> tuple[
+    ClassificationDataset,
+    ClassificationDataset,
+    torch.utils.data.DataLoader,
+    torch.utils.data.DataLoader,
+    torch.utils.data.DataLoader,
+]:
     """The kNN evaluation's data: ``(bank_set, query_set, bank_loader, query_loader, pixel_loader)``.
 
     The sets are whole (knn_set's training split as the bank, at most knn_train_limit images, seeded; its
@@ -206,7 +228,7 @@ def knn_loaders(cfg: Config, knn_set: ClassificationData, process_index: int, nu
     pixel_bank = bank_set
     if len(bank_set) > cfg.knn_pixel_limit:
         chosen = torch.randperm(len(bank_set), generator=torch.Generator().manual_seed(cfg.seed))
-        pixel_bank = torch.utils.data.Subset(bank_set, chosen[:cfg.knn_pixel_limit].tolist())
+        pixel_bank = torch.utils.data.Subset(bank_set, chosen[: cfg.knn_pixel_limit].tolist())
     pixel_loader = eval_loader_for(shard(pixel_bank, *here), 2 * cfg.batch_size, cfg.num_workers)
     return bank_set, query_set, bank_loader, query_loader, pixel_loader
 
@@ -218,13 +240,26 @@ class DINOHead(nn.Module):
     """3-layer MLP (GELU, optional BatchNorm) -> bottleneck -> L2 normalisation -> weight-normalised
     linear to out_dim."""
 
-    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 2048, bottleneck_dim: int = 256,
-                 norm_last_layer: bool = True, use_bn: bool = False) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        hidden_dim: int = 2048,
+        bottleneck_dim: int = 256,
+        norm_last_layer: bool = True,
+        use_bn: bool = False,
+    ) -> None:
         super().__init__()
         bn = [nn.BatchNorm1d(hidden_dim)] if use_bn else []  # no Identity: keep the reference's key names
-        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden_dim), *bn, nn.GELU(),
-                                 nn.Linear(hidden_dim, hidden_dim), *([nn.BatchNorm1d(hidden_dim)] if use_bn else []),
-                                 nn.GELU(), nn.Linear(hidden_dim, bottleneck_dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(in_dim, hidden_dim),
+            *bn,
+            nn.GELU(),
+            nn.Linear(hidden_dim, hidden_dim),
+            *([nn.BatchNorm1d(hidden_dim)] if use_bn else []),
+            nn.GELU(),
+            nn.Linear(hidden_dim, bottleneck_dim),
+        )
         for m in self.mlp:
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
@@ -259,15 +294,29 @@ class MultiCropWrapper(nn.Module):
 
 def create_backbone(cfg: Config) -> nn.Module:
     # ViTs: built for the global size, position embeddings interpolated for the local crops
-    return create_timm_model(cfg.model, {"img_size": cfg.global_size, "dynamic_img_size": True}, num_classes=0,
-                             drop_path_rate=cfg.drop_path_rate, **cfg.model_kwargs)
+    return create_timm_model(
+        cfg.model,
+        {"img_size": cfg.global_size, "dynamic_img_size": True},
+        num_classes=0,
+        drop_path_rate=cfg.drop_path_rate,
+        **cfg.model_kwargs,
+    )
 
 
 def create_student(cfg: Config) -> MultiCropWrapper:
     """The student: ``cfg.model`` as backbone under the projection head (the teacher is a copy)."""
     backbone = create_backbone(cfg)
-    return MultiCropWrapper(backbone, DINOHead(backbone.num_features, cfg.out_dim, cfg.head_hidden_dim,
-                                               cfg.head_bottleneck_dim, cfg.norm_last_layer, cfg.head_use_bn))
+    return MultiCropWrapper(
+        backbone,
+        DINOHead(
+            backbone.num_features,
+            cfg.out_dim,
+            cfg.head_hidden_dim,
+            cfg.head_bottleneck_dim,
+            cfg.norm_last_layer,
+            cfg.head_use_bn,
+        ),
+    )
 
 
 def create_teacher(student: MultiCropWrapper) -> MultiCropWrapper:
@@ -287,24 +336,36 @@ def load_backbone(backbone: nn.Module, path: str, model: str) -> None:
     state, _ = load_weights(path)
     missing, unexpected = backbone.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise UserError(f"weights '{path}' do not fit model '{model}': missing {missing[:5]}, "
-                        f"unexpected {unexpected[:5]}")
+        raise UserError(
+            f"weights '{path}' do not fit model '{model}': missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
 # ============================================================================================
 # Loss: the reference's DINOLoss, constructor and call shape kept
 # ============================================================================================
 class DINOLoss(nn.Module):
-    def __init__(self, out_dim: int, ncrops: int, warmup_teacher_temp: float, teacher_temp: float,
-                 warmup_teacher_temp_epochs: int, nepochs: int, student_temp: float = 0.1,
-                 center_momentum: float = 0.9) -> None:
+    def __init__(
+        self,
+        out_dim: int,
+        ncrops: int,
+        warmup_teacher_temp: float,
+        teacher_temp: float,
+        warmup_teacher_temp_epochs: int,
+        nepochs: int,
+        student_temp: float = 0.1,
+        center_momentum: float = 0.9,
+    ) -> None:
         super().__init__()
         self.student_temp, self.center_momentum, self.ncrops = student_temp, center_momentum, ncrops
         self.register_buffer("center", torch.zeros(1, out_dim))
         # per-epoch teacher temperature: linear warmup, then constant
-        self.teacher_temp_schedule = np.concatenate((
-            np.linspace(warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs),
-            np.ones(max(nepochs - warmup_teacher_temp_epochs, 1)) * teacher_temp))
+        self.teacher_temp_schedule = np.concatenate(
+            (
+                np.linspace(warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs),
+                np.ones(max(nepochs - warmup_teacher_temp_epochs, 1)) * teacher_temp,
+            )
+        )
 
     def forward(self, student_output: torch.Tensor, teacher_output: torch.Tensor, epoch: int) -> torch.Tensor:
         """student_output: [ncrops*B, K], teacher_output: [2*B, K] (global crops), crop-major."""
@@ -358,8 +419,15 @@ def clip_gradients_per_param(params: list[nn.Parameter], clip: float) -> torch.T
 # ============================================================================================
 # Evaluation: weighted kNN on teacher backbone features, attention maps
 # ============================================================================================
-def knn_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor, test_y: torch.Tensor,
-             k: int = 20, temperature: float = 0.07, num_classes: int | None = None) -> float:
+def knn_top1(
+    train_f: torch.Tensor,
+    train_y: torch.Tensor,
+    test_f: torch.Tensor,
+    test_y: torch.Tensor,
+    k: int = 20,
+    temperature: float = 0.07,
+    num_classes: int | None = None,
+) -> float:
     """Weighted kNN (DINO's eval_knn) on whole feature sets in one process: each of the k most
     cosine-similar training features votes for its class with weight exp(similarity / temperature).
     Returns top-1 in percent. (The recipe runs the same through common.knn on sharded banks.)"""
@@ -398,27 +466,40 @@ def unnormalise(images: torch.Tensor) -> torch.Tensor:
     return (images.float().cpu() * std + mean).clamp(0, 1)
 
 
-def knn_metrics(backbone: nn.Module | None, name: str, bank_loader: torch.utils.data.DataLoader,
-                query_loader: torch.utils.data.DataLoader, num_classes: int, cfg: Config,
-                run: Run) -> tuple[dict[str, float], torch.Tensor]:
+def knn_metrics(
+    backbone: nn.Module | None,
+    name: str,
+    bank_loader: torch.utils.data.DataLoader,
+    query_loader: torch.utils.data.DataLoader,
+    num_classes: int,
+    cfg: Config,
+    run: Run,
+) -> tuple[dict[str, float], torch.Tensor]:
     """Weighted kNN on fp32 features, the loaders reading this process's shards of the bank and queries:
     knn/<name>_top1 (the first of knn_k) and knn/<name>_top1_k<k>, and this process's bank features
     [n, D]. ``backbone=None``: raw pixels, area-resized to knn_pixel_size."""
     device = run.accelerator.device
     bank_f, bank_y = extract(backbone, run.progress(bank_loader, f"kNN bank ({name})"), device, cfg.knn_pixel_size)
-    test_f, test_y = extract(backbone, run.progress(query_loader, f"kNN queries ({name})"), device,
-                             cfg.knn_pixel_size)
+    test_f, test_y = extract(backbone, run.progress(query_loader, f"kNN queries ({name})"), device, cfg.knn_pixel_size)
     sims, labels, queries = knn_predict(bank_f, bank_y, test_f, test_y, max(cfg.knn_k))
-    scores = knn_accuracy(sims, labels, queries, [min(k, sims.shape[1]) for k in cfg.knn_k],
-                          cfg.knn_temperature, num_classes)
+    scores = knn_accuracy(
+        sims, labels, queries, [min(k, sims.shape[1]) for k in cfg.knn_k], cfg.knn_temperature, num_classes
+    )
     out = {f"knn/{name}_top1": scores[min(cfg.knn_k[0], sims.shape[1])]}
     out.update({f"knn/{name}_top1_k{k}": scores[min(k, sims.shape[1])] for k in cfg.knn_k[1:]})
     return out, bank_f
 
 
-def evaluate(backbone: nn.Module, bank_set: ClassificationDataset, query_set: ClassificationDataset,
-             bank_loader: torch.utils.data.DataLoader, query_loader: torch.utils.data.DataLoader,
-             classes: list[str], cfg: Config, run: Run) -> tuple[dict[str, float], dict[str, Image.Image]]:
+def evaluate(
+    backbone: nn.Module,
+    bank_set: ClassificationDataset,
+    query_set: ClassificationDataset,
+    bank_loader: torch.utils.data.DataLoader,
+    query_loader: torch.utils.data.DataLoader,
+    classes: list[str],
+    cfg: Config,
+    run: Run,
+) -> tuple[dict[str, float], dict[str, Image.Image]]:
     """Teacher kNN top-1; on the main process also the nearest-neighbour grid and (ViT) attention maps,
     saved under run.plots_dir. The sets are whole, the loaders this process's shards (knn_loaders)."""
     accelerator = run.accelerator
@@ -429,16 +510,21 @@ def evaluate(backbone: nn.Module, bank_set: ClassificationDataset, query_set: Cl
         count = min(cfg.plot_images, len(query_set))
         images = torch.stack([query_set[i][0] for i in range(count)])  # [count, 3, H, W]
         plot_f, _ = extract(backbone, [(images, [0] * count)], accelerator.device)
-        bank_index = torch.arange(accelerator.process_index, len(bank_set), accelerator.num_processes,
-                                  device=accelerator.device)  # this shard's rows in the whole bank
+        bank_index = torch.arange(
+            accelerator.process_index, len(bank_set), accelerator.num_processes, device=accelerator.device
+        )  # this shard's rows in the whole bank
         similarity, index, _ = knn_predict(bank_f, bank_index, plot_f, bank_index[:count], 5)
         similarity, index = similarity[:count], index[:count]  # every process asked the same queries
         if accelerator.is_main_process:
             neighbours = [[bank_set[j] for j in row] for row in index.tolist()]  # (image, label) pairs
             pictures["neighbours"] = neighbour_grid(
-                unnormalise(images), unnormalise(torch.stack([torch.stack([x for x, _ in r]) for r in neighbours])),
-                run.plots_dir / "neighbours.png", [classes[query_set[i][1]] for i in range(count)],
-                [[classes[y] for _, y in r] for r in neighbours], similarity.cpu())
+                unnormalise(images),
+                unnormalise(torch.stack([torch.stack([x for x, _ in r]) for r in neighbours])),
+                run.plots_dir / "neighbours.png",
+                [classes[query_set[i][1]] for i in range(count)],
+                [[classes[y] for _, y in r] for r in neighbours],
+                similarity.cpu(),
+            )
             maps = attention_maps(backbone, images.to(accelerator.device))
             if maps is not None:  # ViTs: where the [CLS] token looks
                 pictures["attention"] = attention_overlay(unnormalise(images), maps, run.plots_dir / "attention.png")
@@ -461,25 +547,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
     if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):  # before anything is written
-        raise UserError(f"DINO's teacher is an EMA of the whole student and needs its full weights on every "
-                        f"process; {accelerator.distributed_type.name} shards them: launch with plain data "
-                        "parallelism (configs/accelerate/multi_gpu_bf16.yaml)")
+        raise UserError(
+            f"DINO's teacher is an EMA of the whole student and needs its full weights on every "
+            f"process; {accelerator.distributed_type.name} shards them: launch with plain data "
+            "parallelism (configs/accelerate/multi_gpu_bf16.yaml)"
+        )
 
     # ---- data: unlabelled images train; a labelled set (data itself, or knn_data) evaluates ---------
     with accelerator.main_process_first():
-        data = load_classification(cfg.data, cfg.image_column, cfg.label_column, cfg.train_split,
-                                   cfg.eval_split, seed=cfg.seed, labels=False)
+        data = load_classification(
+            cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed, labels=False
+        )
         knn_set = load_classification(cfg.knn_data, seed=cfg.seed) if cfg.knn_data else data
     if not knn_set.classes:
         knn_set = None
         if cfg.eval_only:
             raise UserError(f"eval_only needs labels: '{cfg.data}' has none; name a labelled set with --knn_data")
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, MultiCrop(cfg), cfg.seed)
-    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers,
-                                  accelerator.num_processes)
+    train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes)
     if knn_set is not None:  # each process reads its own share of the bank and of the queries
         bank_set, query_set, bank_loader, query_loader, pixel_loader = knn_loaders(
-            cfg, knn_set, accelerator.process_index, accelerator.num_processes)
+            cfg, knn_set, accelerator.process_index, accelerator.num_processes
+        )
 
     # ---- model: the student; the teacher is copied from it once prepared (the same on every process) --
     student = create_student(cfg)
@@ -487,14 +576,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- loss ----------------------------------------------------------------------------------
     ncrops = 2 + cfg.local_crops
-    dino_loss = DINOLoss(cfg.out_dim, ncrops, cfg.warmup_teacher_temp, cfg.teacher_temp,
-                         cfg.warmup_teacher_temp_epochs, cfg.epochs, cfg.student_temp, cfg.center_momentum)
+    dino_loss = DINOLoss(
+        cfg.out_dim,
+        ncrops,
+        cfg.warmup_teacher_temp,
+        cfg.teacher_temp,
+        cfg.warmup_teacher_temp_epochs,
+        cfg.epochs,
+        cfg.student_temp,
+        cfg.center_momentum,
+    )
 
     # ---- optimizer -------------------------------------------------------------------------------
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     groups = weight_decay_groups(student, cfg.weight_decay)  # lr and decay: per step; none for biases and norms
-    optimizer = (torch.optim.AdamW(groups, lr=cfg.lr, **fused) if cfg.opt == "adamw"
-                 else torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, **fused))
+    optimizer = (
+        torch.optim.AdamW(groups, lr=cfg.lr, **fused)
+        if cfg.opt == "adamw"
+        else torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, **fused)
+    )
 
     # ---- prepare; then the teacher, a copy of the prepared student (DDP has broadcast process 0's weights)
     student, optimizer, train_loader = accelerator.prepare(student, optimizer, train_loader)
@@ -511,8 +611,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
     total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
     global_batch = cfg.batch_size * accelerator.num_processes * cfg.grad_accum_steps
-    lr_values = schedule("cosine", cfg.lr * global_batch / 256, cfg.min_lr, total_steps,
-                         round(cfg.warmup_epochs * steps_per_epoch))
+    lr_values = schedule(
+        "cosine", cfg.lr * global_batch / 256, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_per_epoch)
+    )
     wd_values = schedule("cosine", cfg.weight_decay, cfg.weight_decay_end, total_steps)
     momentum_values = schedule("cosine", cfg.momentum_teacher, 1.0, total_steps)
 
@@ -520,16 +621,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.eval_only:
         load_backbone(teacher.backbone, cfg.weights, cfg.model)
         run.begin()
-        results, pictures = evaluate(teacher.backbone, bank_set, query_set, bank_loader, query_loader,
-                                     knn_set.classes, cfg, run)
+        results, pictures = evaluate(
+            teacher.backbone, bank_set, query_set, bank_loader, query_loader, knn_set.classes, cfg, run
+        )
         run.log(results, 0)
         run.log_plots(0, **pictures)
         run.finish()
         return results
 
     # ---- resume, or the step-0 baselines ---------------------------------------------------------
-    loop = Loop(run, train_loader, total_steps, len(query_set) if knn_set else None,
-                knn_set.classes if knn_set else None)
+    loop = Loop(
+        run, train_loader, total_steps, len(query_set) if knn_set else None, knn_set.classes if knn_set else None
+    )
     meters = loop.meters
     if knn_set is None and "baseline" not in loop.extra:
         run.print(f"no kNN evaluation: '{cfg.data}' has no labels; name a labelled set with --knn_data")
@@ -537,10 +640,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         baseline: dict[str, float] = {}
         if knn_set is not None:
             if cfg.knn_pixel_limit > 0:
-                baseline.update(knn_metrics(None, "raw_pixels", pixel_loader, query_loader, len(knn_set.classes),
-                                            cfg, run)[0])
-            step0, pictures = evaluate(teacher.backbone, bank_set, query_set, bank_loader, query_loader,
-                                       knn_set.classes, cfg, run)
+                baseline.update(
+                    knn_metrics(None, "raw_pixels", pixel_loader, query_loader, len(knn_set.classes), cfg, run)[0]
+                )
+            step0, pictures = evaluate(
+                teacher.backbone, bank_set, query_set, bank_loader, query_loader, knn_set.classes, cfg, run
+            )
             baseline.update({k.replace("teacher", "step0"): v for k, v in step0.items()})
             run.log(baseline, 0)
             run.log_plots(0, **pictures)
@@ -579,13 +684,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 continue
             ema_update_(teacher_params, student_params, float(momentum_values[it]))  # the teacher follows
             if loop.step % cfg.log_every == 0:
-                loop.log_train(lr=lr_values[it], weight_decay=wd_values[it], momentum=momentum_values[it],
-                               teacher_temp=dino_loss.teacher_temp_schedule[min(epoch, cfg.epochs - 1)])
+                loop.log_train(
+                    lr=lr_values[it],
+                    weight_decay=wd_values[it],
+                    momentum=momentum_values[it],
+                    teacher_temp=dino_loss.teacher_temp_schedule[min(epoch, cfg.epochs - 1)],
+                )
 
         # ---- evaluation ------------------------------------------------------------------------
         if loop.eval_due() and knn_set is not None:
-            knn, pictures = evaluate(teacher.backbone, bank_set, query_set, bank_loader, query_loader,
-                                     knn_set.classes, cfg, run)
+            knn, pictures = evaluate(
+                teacher.backbone, bank_set, query_set, bank_loader, query_loader, knn_set.classes, cfg, run
+            )
             results = {**loop.extra["baseline"], **knn}
             run.log({**results, "epoch": epoch}, loop.step)
             run.log_plots(loop.step, **pictures)  # and the training curves

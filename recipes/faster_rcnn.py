@@ -34,14 +34,17 @@ import dataclasses
 import math
 import sys
 from collections import Counter, OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
 except ModuleNotFoundError:
-    print("error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr)
+    print(
+        "error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr
+    )
     sys.exit(2)
 
 import inspect
@@ -79,10 +82,12 @@ from common.weights import config_with_weights, load_state, load_weights, save_w
 # for fasterrcnn_resnet50_fpn), not "DEFAULT", now the later, stronger V2 classifiers. fasterrcnn_resnet50_fpn_v2's
 # COCO weights were trained from random init (400 epochs, large-scale jitter); V1 is what torchvision's own
 # pretrained_backbone=True gives it.
-PRESETS = {"fasterrcnn_resnet50_fpn": ResNet50_Weights.IMAGENET1K_V1,
-           "fasterrcnn_resnet50_fpn_v2": ResNet50_Weights.IMAGENET1K_V1,
-           "fasterrcnn_mobilenet_v3_large_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
-           "fasterrcnn_mobilenet_v3_large_320_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1}
+PRESETS = {
+    "fasterrcnn_resnet50_fpn": ResNet50_Weights.IMAGENET1K_V1,
+    "fasterrcnn_resnet50_fpn_v2": ResNet50_Weights.IMAGENET1K_V1,
+    "fasterrcnn_mobilenet_v3_large_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
+    "fasterrcnn_mobilenet_v3_large_320_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
+}
 # A preset's backbone stages as torchvision counts them for trainable_backbone_layers (the stem is one): a resnet's
 # stem and layer1-4; a MobileNetV3's first convolution (with the block after it), its four stride-2 stages and its last
 # convolution
@@ -91,14 +96,22 @@ PRESET_STAGES = {name: 6 if "mobilenet" in name else 5 for name in PRESETS}
 # 6 objects per 96 px scene. A preset left so keeps torchvision's own (FasterRCNN's defaults: 2000 / 1000 proposals
 # per level before NMS and per image after it, [train, eval]; 256 anchors and 512 proposals sampled per image;
 # the 320 preset evaluates with 150 / 150).
-TIMM_BUDGETS = {"rpn_pre_nms_top_n": [200, 200], "rpn_post_nms_top_n": [100, 100], "rpn_batch_size_per_image": 128,
-                "box_batch_size_per_image": 32}
+TIMM_BUDGETS = {
+    "rpn_pre_nms_top_n": [200, 200],
+    "rpn_post_nms_top_n": [100, 100],
+    "rpn_batch_size_per_image": 128,
+    "box_batch_size_per_image": 32,
+}
 # The four losses as torchvision names them -> as this recipe names and logs them; loss_weights
 # follow this order. Each is already a mean: RPN objectness BCE over the sampled anchors, RPN box
 # smooth-L1 (beta 1/9) summed over positive anchors / sampled anchors, RoI cross-entropy over the
 # sampled proposals, RoI box smooth-L1 (beta 1/9) summed over positives / sampled proposals.
-LOSS_NAMES = {"loss_objectness": "loss_rpn_objectness", "loss_rpn_box_reg": "loss_rpn_box",
-              "loss_classifier": "loss_roi_classifier", "loss_box_reg": "loss_roi_box"}
+LOSS_NAMES = {
+    "loss_objectness": "loss_rpn_objectness",
+    "loss_rpn_box_reg": "loss_rpn_box",
+    "loss_classifier": "loss_roi_classifier",
+    "loss_box_reg": "loss_roi_box",
+}
 
 
 # ============================================================================================
@@ -112,50 +125,50 @@ class Config(RunConfig):
     color_jitter: bool = False  # torchvision's photometric distortion (SSD), p = 0.5
     num_workers: int = 1  # DataLoader worker processes per training process (0: load in the main process)
     aspect_ratio_group_factor: int = 3  # k: batches of one aspect-ratio group, width / height cut at
-        # 2 ** linspace(-1, 1, 2k + 1) into 2k + 2 groups (torchvision's --aspect-ratio-group-factor; 3: 8 groups);
-        # 0: landscape or portrait; -1: no grouping
+    #   2 ** linspace(-1, 1, 2k + 1) into 2k + 2 groups (torchvision's --aspect-ratio-group-factor; 3: 8 groups);
+    #   0: landscape or portrait; -1: no grouping
     keep_empty: bool = False  # keep training images without boxes as negatives; false drops them, as torchvision's
-        # reference does: no box, or only boxes at most 1 px wide or high, or only crowd regions (never targets)
+    #   reference does: no box, or only boxes at most 1 px wide or high, or only crowd regions (never targets)
     # model: backbone -> FPN -> RPN -> RoIAlign -> box head
     model: str = "resnet10t"  # a timm model (features_only), or a torchvision preset (PRESETS)
     model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256], "stem_width": 16})  # extra
-        # timm.create_model arguments; the demo: resnet10t at half width
+    #   timm.create_model arguments; the demo: resnet10t at half width
     pretrained: bool = False  # timm: ImageNet backbone; presets: COCO weights (both need network)
     pretrained_backbone: bool = False  # presets only: ImageNet backbone weights
     out_indices: list[int] = field(default_factory=lambda: [1, 2, 3])  # timm feature levels (1 = stride 4)
     fpn_channels: int = 48  # FPN width at every level (torchvision: 256)
     extra_pool: bool = False  # one more FPN level by max-pooling the coarsest (torchvision's "pool")
     anchor_sizes: list[list[float]] = field(default_factory=lambda: [[12, 18], [24, 36], [48, 72]])  # px, per FPN
-        # level, as many at each; empty: 8 x stride
+    #   level, as many at each; empty: 8 x stride
     aspect_ratios: list[float] = field(default_factory=lambda: [1.0, 2.0])  # height / width, at every level
     min_size: list[int] = field(default_factory=lambda: [96])  # shorter side, px; several: one drawn per training
-        # image, eval at the last
+    #   image, eval at the last
     max_size: int = 96  # longer side at most, px
     rpn_pre_nms_top_n: list[int] = field(default_factory=list)  # proposals per level before NMS, [train, eval];
-        # empty: the model's own: a preset's torchvision values (2000, 1000), a timm backbone's 200, 200 (the demo's)
+    #   empty: the model's own: a preset's torchvision values (2000, 1000), a timm backbone's 200, 200 (the demo's)
     rpn_post_nms_top_n: list[int] = field(default_factory=list)  # proposals per image after NMS, [train, eval];
-        # empty: the model's own: a preset's torchvision values (2000, 1000; the 320 preset evaluates with 150), a
-        # timm backbone's 100, 100 (the demo's)
+    #   empty: the model's own: a preset's torchvision values (2000, 1000; the 320 preset evaluates with 150), a
+    #   timm backbone's 100, 100 (the demo's)
     rpn_batch_size_per_image: int = 0  # anchors sampled per image for the RPN losses; 0: the model's own: a preset's
-        # torchvision value (256), a timm backbone's 128 (the demo's)
+    #   torchvision value (256), a timm backbone's 128 (the demo's)
     roi_size: int = 7  # RoIAlign output side, cells (timm backbones; the presets keep torchvision's 7)
     roi_sampling_ratio: int = 1  # bilinear samples per cell side (timm backbones; the presets keep torchvision's 2;
-        # the CPU backward is slow)
+    #   the CPU backward is slow)
     box_head_dim: int = 256  # the two-layer MLP head's width (timm backbones; the presets keep torchvision's 1024)
     box_batch_size_per_image: int = 0  # proposals sampled per image for the RoI losses; 0: the model's own: a
-        # preset's torchvision value (512), a timm backbone's 32 (the demo's)
+    #   preset's torchvision value (512), a timm backbone's 32 (the demo's)
     box_score_thresh: float = 0.05  # detections scoring below this are dropped (torchvision: 0.05)
     box_nms_thresh: float = 0.5  # per-class NMS IoU of the final detections (torchvision: 0.5)
     box_detections_per_img: int = 100  # detections kept per image (torchvision: 100)
     freeze_at: int = 0  # frozen backbone stages, stem counted as 1 (Detectron2 convention; COCO: 2)
     frozen_bn: bool = False  # backbone batch norm as fixed affine layers (with pretrained weights)
     loss_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0])  # rpn objectness, rpn box,
-        # roi classifier, roi box
+    #   roi classifier, roi box
     # optimization
     epochs: int = 2  # training epochs
     batch_size: int = 8  # images per process and micro-step: global batch = this x processes x grad_accum_steps
     lr: float = 0.02  # peak SGD learning rate (torchvision: 0.02 for 16 images; here 8: more steps in 2 epochs
-        # did better)
+    #   did better)
     momentum: float = 0.9  # SGD momentum (torchvision: 0.9)
     weight_decay: float = 1e-4  # biases and norms get none (torchvision: 1e-4)
     warmup_epochs: float = 0.5  # linear warmup from lr x warmup_factor, epochs (fractions allowed)
@@ -166,16 +179,16 @@ class Config(RunConfig):
     poly_power: float = 0.9  # lr = lr x (1 - progress) ** this after warmup, for sched=poly (seamseg: 0.9)
     clip_grad: float = 10.0  # clip the global gradient norm to this (0: off)
     compile: bool = False  # torch.compile the whole model through Accelerate (inductor); graph breaks at NMS and
-        # sampling
+    #   sampling
     # evaluation
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
     best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
-        # COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
+    #   COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
     eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
-        # dataset's category ids), no training
+    #   dataset's category ids), no training
     predict: str = ""  # an image or a folder of images: with --weights, write predictions.json and the images with
-        # their boxes drawn (predictions/) in the run folder; no dataset needed
+    #   their boxes drawn (predictions/) in the run folder; no dataset needed
     predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
     # run
     eval_every: int = 2  # evaluate every this many epochs; also at the end
@@ -204,8 +217,9 @@ def list_collate(batch):
     """A list of images (sizes may differ) and a list of targets: ``boxes`` [N_i, 4] XYXY px,
     ``labels`` [N_i] with 0 = background (so class c is c + 1), plus what evaluation needs."""
     images = [image for image, _ in batch]
-    targets = [{**t, "boxes": t["boxes"].as_subclass(torch.Tensor).float(), "labels": t["labels"] + 1}
-               for _, t in batch]
+    targets = [
+        {**t, "boxes": t["boxes"].as_subclass(torch.Tensor).float(), "labels": t["labels"] + 1} for _, t in batch
+    ]
     return images, targets
 
 
@@ -239,16 +253,25 @@ class AspectRatioBatchSampler(EpochBatchSampler):
     batches being smaller.
     """
 
-    def __init__(self, aspect_ratios: Sequence[float], batch_size: int, seed: int = 0, drop_last: bool = True,
-                 num_processes: int = 1, group_factor: int = 3) -> None:
+    def __init__(
+        self,
+        aspect_ratios: Sequence[float],
+        batch_size: int,
+        seed: int = 0,
+        drop_last: bool = True,
+        num_processes: int = 1,
+        group_factor: int = 3,
+    ) -> None:
         super().__init__(len(aspect_ratios), batch_size, True, seed, drop_last, num_processes)
         k = group_factor
         self.edges = [2 ** (j / k) for j in range(-k, k + 1)] if k > 0 else [1.0] if k == 0 else []
         self.groups = [bisect.bisect_right(self.edges, float(r)) for r in aspect_ratios]  # width / height -> group
         self.group_sizes = list(Counter(self.groups).values())  # images per non-empty group
         if drop_last and len(self) == 0:
-            raise UserError(f"no aspect-ratio group of the training split fills {num_processes} batches of "
-                            f"{batch_size}; lower --batch_size or --aspect_ratio_group_factor")
+            raise UserError(
+                f"no aspect-ratio group of the training split fills {num_processes} batches of "
+                f"{batch_size}; lower --batch_size or --aspect_ratio_group_factor"
+            )
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -261,11 +284,11 @@ class AspectRatioBatchSampler(EpochBatchSampler):
         members: list[list[int]] = [[] for _ in range(len(self.edges) + 1)]
         for i in order:
             members[self.groups[i]].append(i)
-        batches = [group[k:k + self.batch_size] for group in members for k in range(0, len(group), self.batch_size)]
+        batches = [group[k : k + self.batch_size] for group in members for k in range(0, len(group), self.batch_size)]
         if self.drop_last:
             batches = [b for b in batches if len(b) == self.batch_size]
         batches = [batches[k] for k in torch.randperm(len(batches), generator=generator).tolist()]
-        for batch in batches[:len(self)]:
+        for batch in batches[: len(self)]:
             yield [(self.epoch, i) for i in batch]
 
 
@@ -280,8 +303,9 @@ class TimmFPN(nn.Module):
     def __init__(self, body: nn.Module, fpn_channels: int, extra_pool: bool) -> None:
         super().__init__()
         self.body = body
-        self.fpn = FeaturePyramidNetwork(body.feature_info.channels(), fpn_channels,
-                                         LastLevelMaxPool() if extra_pool else None)
+        self.fpn = FeaturePyramidNetwork(
+            body.feature_info.channels(), fpn_channels, LastLevelMaxPool() if extra_pool else None
+        )
         self.out_channels = fpn_channels
 
     def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
@@ -296,8 +320,9 @@ class TwoStageDetector(nn.Module):
     ``images``: a list of [3, H_i, W_i] in 0..1.
     """
 
-    def __init__(self, transform: GeneralizedRCNNTransform, backbone: nn.Module, rpn: RegionProposalNetwork,
-                 roi_heads: RoIHeads) -> None:
+    def __init__(
+        self, transform: GeneralizedRCNNTransform, backbone: nn.Module, rpn: RegionProposalNetwork, roi_heads: RoIHeads
+    ) -> None:
         super().__init__()
         self.transform, self.backbone, self.rpn, self.roi_heads = transform, backbone, rpn, roi_heads
         # The box regressions leave their heads in fp32 whatever the autocast: torchvision's BoxCoder casts
@@ -340,27 +365,42 @@ def budgets(cfg: Config, own: dict[str, Any]) -> dict[str, int]:
 def preset_model(cfg: Config, num_classes: int) -> TwoStageDetector:
     """A torchvision preset (``cfg.model`` in PRESETS): its own backbone + FPN, heads sized as torchvision
     sizes them, for ``num_classes`` object classes (background is one more)."""
-    box_kwargs = dict(box_score_thresh=cfg.box_score_thresh, box_nms_thresh=cfg.box_nms_thresh,
-                      box_detections_per_img=cfg.box_detections_per_img)
+    box_kwargs = dict(
+        box_score_thresh=cfg.box_score_thresh,
+        box_nms_thresh=cfg.box_nms_thresh,
+        box_detections_per_img=cfg.box_detections_per_img,
+    )
     builder = getattr(torchvision.models.detection, cfg.model)
     # FasterRCNN passes unknown keywords on to its transform, which ignores them: check them here
     known = set(inspect.signature(FasterRCNN).parameters) | {"size_divisible", "fixed_size"}
     if set(cfg.model_kwargs) - known:
-        raise UserError(f"model_kwargs {sorted(set(cfg.model_kwargs) - known)} do not fit {cfg.model}: the presets take "
-                        "torchvision's FasterRCNN arguments (--model_kwargs {} for none)")
+        raise UserError(
+            f"model_kwargs {sorted(set(cfg.model_kwargs) - known)} do not fit {cfg.model}: the presets take "
+            "torchvision's FasterRCNN arguments (--model_kwargs {} for none)"
+        )
     try:
-        m = builder(weights="DEFAULT" if cfg.pretrained else None,
-                    weights_backbone=PRESETS[cfg.model] if cfg.pretrained_backbone else None,
-                    num_classes=91 if cfg.pretrained else num_classes + 1,
-                    trainable_backbone_layers=PRESET_STAGES[cfg.model] - cfg.freeze_at if cfg.pretrained or cfg.pretrained_backbone else None,
-                    min_size=tuple(cfg.min_size), max_size=cfg.max_size, **budgets(cfg, {}), **box_kwargs,
-                    **cfg.model_kwargs)
+        m = builder(
+            weights="DEFAULT" if cfg.pretrained else None,
+            weights_backbone=PRESETS[cfg.model] if cfg.pretrained_backbone else None,
+            num_classes=91 if cfg.pretrained else num_classes + 1,
+            trainable_backbone_layers=PRESET_STAGES[cfg.model] - cfg.freeze_at
+            if cfg.pretrained or cfg.pretrained_backbone
+            else None,
+            min_size=tuple(cfg.min_size),
+            max_size=cfg.max_size,
+            **budgets(cfg, {}),
+            **box_kwargs,
+            **cfg.model_kwargs,
+        )
     except TypeError as e:
-        raise UserError(f"model_kwargs {cfg.model_kwargs} do not fit {cfg.model} ({e}); "
-                        "the presets take torchvision's FasterRCNN arguments (--model_kwargs {} for none)") from None
+        raise UserError(
+            f"model_kwargs {cfg.model_kwargs} do not fit {cfg.model} ({e}); "
+            "the presets take torchvision's FasterRCNN arguments (--model_kwargs {} for none)"
+        ) from None
     if cfg.anchor_sizes:  # the preset's anchors replaced; a new RPN head when the count per position changes
-        m.rpn.anchor_generator = AnchorGenerator(tuple(tuple(s) for s in cfg.anchor_sizes),
-                                                 (tuple(cfg.aspect_ratios),) * len(cfg.anchor_sizes))
+        m.rpn.anchor_generator = AnchorGenerator(
+            tuple(tuple(s) for s in cfg.anchor_sizes), (tuple(cfg.aspect_ratios),) * len(cfg.anchor_sizes)
+        )
         per_position = m.rpn.anchor_generator.num_anchors_per_location()[0]
         if m.rpn.head.cls_logits.out_channels != per_position:
             m.rpn.head = RPNHead(m.backbone.out_channels, per_position)
@@ -375,12 +415,18 @@ def timm_model(cfg: Config, num_classes: int) -> TwoStageDetector:
     """A timm ``features_only`` backbone under TimmFPN, with this recipe's RPN and RoI heads, for
     ``num_classes`` object classes (background is one more)."""
     try:
-        body = create_timm_model(cfg.model, also=f" or a torchvision preset ({', '.join(PRESETS)})",
-                                 features_only=True, out_indices=tuple(cfg.out_indices),
-                                 pretrained=cfg.pretrained, **cfg.model_kwargs)
+        body = create_timm_model(
+            cfg.model,
+            also=f" or a torchvision preset ({', '.join(PRESETS)})",
+            features_only=True,
+            out_indices=tuple(cfg.out_indices),
+            pretrained=cfg.pretrained,
+            **cfg.model_kwargs,
+        )
     except (IndexError, TypeError) as e:
-        raise UserError(f"model '{cfg.model}' does not take out_indices {cfg.out_indices} "
-                        f"and model_kwargs {cfg.model_kwargs}: {e}") from None
+        raise UserError(
+            f"model '{cfg.model}' does not take out_indices {cfg.out_indices} and model_kwargs {cfg.model_kwargs}: {e}"
+        ) from None
     freeze_stages(body, cfg.freeze_at)
     if cfg.frozen_bn:
         body = timm.layers.freeze_batch_norm_2d(body)  # BatchNorm2d -> FrozenBatchNorm2d
@@ -388,24 +434,37 @@ def timm_model(cfg: Config, num_classes: int) -> TwoStageDetector:
     strides = body.feature_info.reduction() + ([2 * body.feature_info.reduction()[-1]] if cfg.extra_pool else [])
     sizes = [tuple(s) for s in cfg.anchor_sizes] or [(8 * s,) for s in strides]
     if len(sizes) != len(strides) or len({len(s) for s in sizes}) != 1:
-        raise UserError(f"anchor_sizes must give one list of sizes per FPN level, as many at each (the RPN "
-                        f"head is shared); the FPN has {len(strides)} levels (strides {strides}), got {cfg.anchor_sizes}")
+        raise UserError(
+            f"anchor_sizes must give one list of sizes per FPN level, as many at each (the RPN "
+            f"head is shared); the FPN has {len(strides)} levels (strides {strides}), got {cfg.anchor_sizes}"
+        )
     anchors = AnchorGenerator(tuple(sizes), (tuple(cfg.aspect_ratios),) * len(sizes))
     budget = budgets(cfg, TIMM_BUDGETS)
     rpn = RegionProposalNetwork(
-        anchors, RPNHead(cfg.fpn_channels, anchors.num_anchors_per_location()[0]),
-        fg_iou_thresh=0.7, bg_iou_thresh=0.3, batch_size_per_image=budget["rpn_batch_size_per_image"],
-        positive_fraction=0.5, nms_thresh=0.7,
+        anchors,
+        RPNHead(cfg.fpn_channels, anchors.num_anchors_per_location()[0]),
+        fg_iou_thresh=0.7,
+        bg_iou_thresh=0.3,
+        batch_size_per_image=budget["rpn_batch_size_per_image"],
+        positive_fraction=0.5,
+        nms_thresh=0.7,
         pre_nms_top_n=dict(training=budget["rpn_pre_nms_top_n_train"], testing=budget["rpn_pre_nms_top_n_test"]),
-        post_nms_top_n=dict(training=budget["rpn_post_nms_top_n_train"], testing=budget["rpn_post_nms_top_n_test"]))
+        post_nms_top_n=dict(training=budget["rpn_post_nms_top_n_train"], testing=budget["rpn_post_nms_top_n_test"]),
+    )
     levels = [str(i) for i in range(len(cfg.out_indices))]  # RoIAlign reads the FPN levels, not "pool"
     roi_heads = RoIHeads(
         MultiScaleRoIAlign(levels, cfg.roi_size, cfg.roi_sampling_ratio),
-        TwoMLPHead(cfg.fpn_channels * cfg.roi_size ** 2, cfg.box_head_dim),
+        TwoMLPHead(cfg.fpn_channels * cfg.roi_size**2, cfg.box_head_dim),
         FastRCNNPredictor(cfg.box_head_dim, num_classes + 1),
-        fg_iou_thresh=0.5, bg_iou_thresh=0.5, batch_size_per_image=budget["box_batch_size_per_image"],
-        positive_fraction=0.25, bbox_reg_weights=None, score_thresh=cfg.box_score_thresh,
-        nms_thresh=cfg.box_nms_thresh, detections_per_img=cfg.box_detections_per_img)
+        fg_iou_thresh=0.5,
+        bg_iou_thresh=0.5,
+        batch_size_per_image=budget["box_batch_size_per_image"],
+        positive_fraction=0.25,
+        bbox_reg_weights=None,
+        score_thresh=cfg.box_score_thresh,
+        nms_thresh=cfg.box_nms_thresh,
+        detections_per_img=cfg.box_detections_per_img,
+    )
     # the order of min_size matters: training draws one per image, evaluation uses the last
     transform = GeneralizedRCNNTransform(tuple(cfg.min_size), cfg.max_size, IMAGENET_MEAN, IMAGENET_STD)
     return TwoStageDetector(transform, backbone, rpn, roi_heads)
@@ -427,11 +486,20 @@ def detect(model: nn.Module, loader, accelerator) -> Iterator[list[dict[str, Any
     for images, targets in loader:
         with torch.no_grad(), accelerator.autocast():
             detections = model(images)  # boxes in the input's pixels: the transform undoes its resize
-        yield [{"image_id": t["image_id"], "boxes": rescale_boxes(d["boxes"], t["size"], t["orig_size"]),
-                "scores": d["scores"], "labels": d["labels"] - 1} for d, t in zip(detections, targets)]
+        yield [
+            {
+                "image_id": t["image_id"],
+                "boxes": rescale_boxes(d["boxes"], t["size"], t["orig_size"]),
+                "scores": d["scores"],
+                "labels": d["labels"] - 1,
+            }
+            for d, t in zip(detections, targets)
+        ]
 
 
-def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator) -> tuple[dict[str, float], EvalDetails]:
+def evaluate(
+    model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator
+) -> tuple[dict[str, float], EvalDetails]:
     """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
     predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training
@@ -442,9 +510,26 @@ def evaluate(model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerato
 
 
 # the fields that define the model: --weights restores them from the file's saved config
-MODEL_FIELDS = ("model", "model_kwargs", "out_indices", "fpn_channels", "extra_pool", "anchor_sizes", "aspect_ratios",
-                "min_size", "max_size", "rpn_pre_nms_top_n", "rpn_post_nms_top_n", "roi_size", "roi_sampling_ratio",
-                "box_head_dim", "box_score_thresh", "box_nms_thresh", "box_detections_per_img", "frozen_bn")
+MODEL_FIELDS = (
+    "model",
+    "model_kwargs",
+    "out_indices",
+    "fpn_channels",
+    "extra_pool",
+    "anchor_sizes",
+    "aspect_ratios",
+    "min_size",
+    "max_size",
+    "rpn_pre_nms_top_n",
+    "rpn_post_nms_top_n",
+    "roi_size",
+    "roi_sampling_ratio",
+    "box_head_dim",
+    "box_score_thresh",
+    "box_nms_thresh",
+    "box_detections_per_img",
+    "frozen_bn",
+)
 
 
 def trained_model(cfg: Config, data: Any = None) -> tuple[nn.Module, dict[str, Any]]:
@@ -459,8 +544,9 @@ def trained_model(cfg: Config, data: Any = None) -> tuple[nn.Module, dict[str, A
 def predict(cfg: Config, run: Run) -> dict[str, float]:
     """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
     model, meta = trained_model(cfg)
-    table, batches = prediction_batches(run, cfg.predict, data_transforms(False, 0.0, False), list_collate,
-                                        2 * cfg.batch_size, cfg.num_workers)
+    table, batches = prediction_batches(
+        run, cfg.predict, data_transforms(False, 0.0, False), list_collate, 2 * cfg.batch_size, cfg.num_workers
+    )
     found = detect(model.to(run.accelerator.device), batches, run.accelerator)
     return save_predictions(run, found, table, meta, cfg.predict_score, cfg.predict)
 
@@ -472,18 +558,22 @@ def check_config(cfg: Config) -> None:
     """Values that would fail deep inside torchvision, as one clear error before anything is made
     (the anchors are checked against the backbone's levels in ``timm_model``)."""
     if len(cfg.loss_weights) != 4 or any(w < 0 for w in cfg.loss_weights):
-        raise UserError(f"loss_weights must be 4 non-negative numbers (rpn objectness, rpn box, roi classifier, "
-                        f"roi box), got {cfg.loss_weights}")
+        raise UserError(
+            f"loss_weights must be 4 non-negative numbers (rpn objectness, rpn box, roi classifier, "
+            f"roi box), got {cfg.loss_weights}"
+        )
     if not cfg.min_size or min(cfg.min_size) <= 0 or cfg.max_size < max(cfg.min_size):
-        raise UserError(f"min_size must be one or more positive sizes no larger than max_size ({cfg.max_size}), "
-                        f"got {cfg.min_size}")
+        raise UserError(
+            f"min_size must be one or more positive sizes no larger than max_size ({cfg.max_size}), got {cfg.min_size}"
+        )
     for name in ("rpn_pre_nms_top_n", "rpn_post_nms_top_n"):
         value = getattr(cfg, name)
         if value and (len(value) != 2 or min(value) <= 0):
             raise UserError(f"{name} takes two positive numbers [train, eval], or [] for the model's own; got {value}")
     if min(cfg.rpn_batch_size_per_image, cfg.box_batch_size_per_image) < 0:
-        raise UserError("rpn_batch_size_per_image and box_batch_size_per_image must be positive, or 0 for the "
-                        "model's own")
+        raise UserError(
+            "rpn_batch_size_per_image and box_batch_size_per_image must be positive, or 0 for the model's own"
+        )
     stages = PRESET_STAGES.get(cfg.model, 5)
     if not 0 <= cfg.freeze_at <= stages:
         raise UserError(f"freeze_at must be 0..{stages} for {cfg.model}, got {cfg.freeze_at}")
@@ -511,18 +601,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if not cfg.keep_empty:  # as torchvision's reference: only images with a box to learn (has_boxes)
         keep = [i for i, objects in enumerate(data.train["objects"]) if has_boxes(objects)]
         if not keep:
-            raise UserError(f"no training image of '{cfg.data}' has a box to learn (crowd regions and boxes at most "
-                            "1 px wide or high do not count); --keep_empty true trains on them as negatives")
+            raise UserError(
+                f"no training image of '{cfg.data}' has a box to learn (crowd regions and boxes at most "
+                "1 px wide or high do not count); --keep_empty true trains on them as negatives"
+            )
         if len(keep) < len(data.train):
-            run.print(f"training on {len(keep)} of {len(data.train)} images: {len(data.train) - len(keep)} without a "
-                      "box to learn left out (--keep_empty true keeps them)")
+            run.print(
+                f"training on {len(keep)} of {len(data.train)} images: {len(data.train) - len(keep)} without a "
+                "box to learn left out (--keep_empty true keeps them)"
+            )
             data.train = data.train.select(keep)
     train_set = DetectionDataset(data.train, data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed)
     aspect = [w / h for w, h in zip(data.train["width"], data.train["height"])]  # from the table: nothing decoded
-    sampler = AspectRatioBatchSampler(aspect, cfg.batch_size, cfg.seed, True, accelerator.num_processes,
-                                      cfg.aspect_ratio_group_factor)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=list_collate,
-                                               **loader_kwargs(cfg.num_workers))
+    sampler = AspectRatioBatchSampler(
+        aspect, cfg.batch_size, cfg.seed, True, accelerator.num_processes, cfg.aspect_ratio_group_factor
+    )
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_sampler=sampler, collate_fn=list_collate, **loader_kwargs(cfg.num_workers)
+    )
 
     # ---- model -------------------------------------------------------------------------------
     model = create_model(cfg, num_classes)
@@ -538,9 +634,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
     total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
     # poly decays to 0 at the last step (seamseg); step drops by decay_rate at each milestone epoch
-    lr_values = schedule(cfg.sched, cfg.lr, 0.0, total_steps, round(cfg.warmup_epochs * steps_per_epoch),
-                         cfg.lr * cfg.warmup_factor, [m * steps_per_epoch for m in cfg.decay_milestones],
-                         cfg.decay_rate, cfg.poly_power)
+    lr_values = schedule(
+        cfg.sched,
+        cfg.lr,
+        0.0,
+        total_steps,
+        round(cfg.warmup_epochs * steps_per_epoch),
+        cfg.lr * cfg.warmup_factor,
+        [m * steps_per_epoch for m in cfg.decay_milestones],
+        cfg.decay_rate,
+        cfg.poly_power,
+    )
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
@@ -563,8 +667,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
             run.guard.observe(loop.step + 1, {"loss": loss, **{k: losses[k] for k in weight_dict}})
             meters.update(n=len(images), loss=loss, **losses)
-            meters.images(len(images), boxes=sum(len(t["boxes"]) for t in targets),  # shapes: no device sync
-                          dropped_boxes=sum(t["dropped"] for t in targets))
+            meters.images(
+                len(images),
+                boxes=sum(len(t["boxes"]) for t in targets),  # shapes: no device sync
+                dropped_boxes=sum(t["dropped"] for t in targets),
+            )
             if not loop.optimizer_stepped():
                 continue
             if loop.step % cfg.log_every == 0:
@@ -575,8 +682,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
             improved = loop.improved(cfg.best_metric, metrics[cfg.best_metric])
             # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
-            results = report_evaluation(run, metrics, details, data, cfg.plot_images, loop.step,
-                                        {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)}, epoch)
+            results = report_evaluation(
+                run,
+                metrics,
+                details,
+                data,
+                cfg.plot_images,
+                loop.step,
+                {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)},
+                epoch,
+            )
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
                 save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe, data.category_ids)

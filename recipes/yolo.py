@@ -34,14 +34,17 @@ import dataclasses
 import functools
 import math
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
 except ModuleNotFoundError:
-    print("error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr)
+    print(
+        "error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once", file=sys.stderr
+    )
     sys.exit(2)
 
 import random
@@ -64,8 +67,11 @@ from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, load_state, load_weights, save_weights
-from yolo_data import (MultiScaleBatchSampler, detection_transforms,  # YOLO's own helpers, beside this file
-                               kmeans_anchors)
+from yolo_data import (
+    MultiScaleBatchSampler,
+    detection_transforms,  # YOLO's own helpers, beside this file
+    kmeans_anchors,
+)
 from yolo_model import LOSS_TERMS, Exported, YOLOv3, postprocess, yolo_loss  # YOLO's model and loss, beside this file
 
 
@@ -78,44 +84,44 @@ class Config(RunConfig):
     data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
     img_size: int = 96  # training (before multi-scale) and evaluation size, pixels; a multiple of 32
     multiscale: list[int] = field(default_factory=list)  # training sizes, px, one drawn every multiscale_every steps,
-        # e.g. [320, 352, ..., 608]; multiples of 32 (empty: img_size only); every image of a batch is transformed
-        # at its batch's size (GluonCV's RandomTransformDataLoader), not resampled afterwards
+    #   e.g. [320, 352, ..., 608]; multiples of 32 (empty: img_size only); every image of a batch is transformed
+    #   at its batch's size (GluonCV's RandomTransformDataLoader), not resampled afterwards
     multiscale_every: int = 10  # optimizer steps between two multi-scale size draws (GluonCV: 10 batches)
     augment: Literal["letterbox", "gluoncv"] = "letterbox"  # training transforms. letterbox: scale jitter, crop,
-        # pad to the square, aspect kept (the demo); gluoncv: GluonCV's YOLOv3 preset: colour, zoom-out up to 4x,
-        # SSD's IoU crop, stretch to the square with a random interpolation, flip (evaluation stretches too)
+    #   pad to the square, aspect kept (the demo); gluoncv: GluonCV's YOLOv3 preset: colour, zoom-out up to 4x,
+    #   SSD's IoU crop, stretch to the square with a random interpolation, flip (evaluation stretches too)
     scale_range: list[float] = field(default_factory=lambda: [0.75, 1.25])  # random rescale factors [low, high]
-        # before the crop/pad (large-scale jitter; augment=letterbox only)
+    #   before the crop/pad (large-scale jitter; augment=letterbox only)
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     color_jitter: bool = True  # letterbox: torchvision's photometric distortion (SSD's), with probability 0.5;
-        # gluoncv: GluonCV's colour distortion
+    #   gluoncv: GluonCV's colour distortion
     mosaic: float = 0.0  # probability that a training image is a 4-image mosaic (0.5 at scale; the demo's 8 epochs
-        # are too few)
+    #   are too few)
     mixup: float = 0.0  # probability that a training image is mixed with another (GluonCV: Beta(1.5, 1.5))
     no_aug_epochs: int = 2  # mosaic and mixup are off for the last N epochs
     # model
     model: str = "cs3darknet_s"  # any timm model with features_only (darknet53 / cspdarknet53 at scale)
     model_kwargs: dict = field(default_factory=lambda: {"out_indices": [1, 2, 3]})  # extra timm.create_model
-        # arguments; out_indices (1, 2, 3): strides 4, 8, 16, so that a 12-47 px digit spans 1.5-12 cells (None:
-        # timm's last three)
+    #   arguments; out_indices (1, 2, 3): strides 4, 8, 16, so that a 12-47 px digit spans 1.5-12 cells (None:
+    #   timm's last three)
     pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
     neck_channels: int = 128  # widest neck level (YOLOv3: 512); the others are 1/2 and 1/4
     anchors: list[list[float]] = field(default_factory=list)  # anchor boxes: 3 x A [w, h] pairs in px, small to
-        # large; empty: k-means on the training boxes
+    #   large; empty: k-means on the training boxes
     anchors_per_level: int = 1  # A, anchors per cell at each level (YOLOv3: 3); k-means finds 3 x A
     ignore_iou: float = 0.7  # predictions overlapping a ground truth above this get no objectness loss
     label_smoothing: bool = False  # smooth the class targets by min(1/C, 1/40), as GluonCV
     # optimization
     epochs: int = 8  # training epochs, the last no_aug_epochs included
     batch_size: int = 16  # images per process and micro-step, all at one multiscale size; global batch = this x
-        # processes x grad_accum_steps
+    #   processes x grad_accum_steps
     opt: Literal["adamw", "sgd"] = "adamw"  # adamw, or sgd with momentum (GluonCV: sgd, lr 1e-3 per 64 images)
     lr: float = 4e-3  # peak learning rate (not scaled by batch size)
     min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules
     warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to lr over warmup_epochs
     warmup_epochs: float = 1.0  # linear warmup length in epochs (fractions allowed)
     sched: Literal["cosine", "step", "linear", "poly", "constant"] = "cosine"  # learning rate after warmup:
-        # cosine to min_lr (GluonCV), x decay_rate at decay_milestones (step), linear (poly = linear here), constant
+    #   cosine to min_lr (GluonCV), x decay_rate at decay_milestones (step), linear (poly = linear here), constant
     decay_milestones: list[int] = field(default_factory=list)  # epochs, for sched=step
     decay_rate: float = 0.1  # factor on the learning rate at each of decay_milestones (sched=step)
     weight_decay: float = 5e-4  # biases and norms get none (GluonCV: 5e-4)
@@ -128,13 +134,13 @@ class Config(RunConfig):
     max_detections: int = 100  # detections kept per image after NMS
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
     best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
-        # COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
+    #   COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
     export: bool = True  # torch.export (.pt2) and ONNX of the final model, each checked against eager
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
     eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
-        # dataset's category ids), no training
+    #   dataset's category ids), no training
     predict: str = ""  # an image or a folder of images: with --weights, write predictions.json and the images with
-        # their boxes drawn (predictions/) in the run folder; no dataset needed
+    #   their boxes drawn (predictions/) in the run folder; no dataset needed
     predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
     # run
     eval_every: int = 2  # evaluate every this many epochs; also at the end
@@ -157,8 +163,16 @@ class YoloTrainSet(torch.utils.data.Dataset):
     boxes of all its pieces lost to their transforms or to the mosaic window, each counted once.
     """
 
-    def __init__(self, base: DetectionDataset, size: int, mosaic: float, mixup: float, aug_epochs: int,
-                 seed: int, transform_at: Callable[[int], Callable] | None = None) -> None:
+    def __init__(
+        self,
+        base: DetectionDataset,
+        size: int,
+        mosaic: float,
+        mixup: float,
+        aug_epochs: int,
+        seed: int,
+        transform_at: Callable[[int], Callable] | None = None,
+    ) -> None:
         self.base, self.size, self.mosaic, self.mixup, self.aug_epochs = base, size, mosaic, mixup, aug_epochs
         self.seed, self.transform_at = seed, transform_at
         self._at_size = {size: base}  # a DetectionDataset per input size, made on first use (in each worker)
@@ -182,7 +196,8 @@ class YoloTrainSet(torch.utils.data.Dataset):
         rng = random.Random(sample_seed(self.seed, epoch, index) + 1)  # a stream apart from the base transforms
         if epoch < self.aug_epochs and rng.random() < self.mosaic:  # the sample's image is the mosaic's first piece
             image, boxes, labels, weights, dropped = self._mosaic(
-                epoch, [index] + [rng.randrange(len(self)) for _ in range(3)], size, rng)
+                epoch, [index] + [rng.randrange(len(self)) for _ in range(3)], size, rng
+            )
         else:
             image, boxes, labels, weights, dropped = self._item(epoch, index, size)
         if epoch < self.aug_epochs and rng.random() < self.mixup:
@@ -204,7 +219,7 @@ class YoloTrainSet(torch.utils.data.Dataset):
             image, boxes, labels, weights, lost = self._item(epoch, i, s)
             h, w = image.shape[-2:]
             oy, ox = (q // 2) * s, (q % 2) * s
-            canvas[:, oy:oy + h, ox:ox + w] = image[:, :s, :s]
+            canvas[:, oy : oy + h, ox : ox + w] = image[:, :s, :s]
             all_boxes.append(boxes + torch.tensor([ox, oy, ox, oy], dtype=boxes.dtype))
             all_labels.append(labels)
             all_weights.append(weights)
@@ -217,7 +232,7 @@ class YoloTrainSet(torch.utils.data.Dataset):
         kept = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]) >= 0.4 * area.clamp(min=1e-6)
         kept &= (boxes[:, 2] - boxes[:, 0] >= 2) & (boxes[:, 3] - boxes[:, 1] >= 2)
         dropped += int((~kept).sum())
-        return canvas[:, y0:y0 + s, x0:x0 + s].clone(), boxes[kept], labels[kept], weights[kept], dropped
+        return canvas[:, y0 : y0 + s, x0 : x0 + s].clone(), boxes[kept], labels[kept], weights[kept], dropped
 
 
 def train_collate(batch):
@@ -227,12 +242,21 @@ def train_collate(batch):
     so the training step never loops over images on the host."""
     images = torch.stack([image for image, _ in batch])
     m = max(1, max(len(t["boxes"]) for _, t in batch))
-    boxes, labels, weights = torch.zeros(len(batch), m, 4), torch.zeros(len(batch), m, dtype=torch.long), torch.zeros(len(batch), m)
+    boxes, labels, weights = (
+        torch.zeros(len(batch), m, 4),
+        torch.zeros(len(batch), m, dtype=torch.long),
+        torch.zeros(len(batch), m),
+    )
     for b, (_, t) in enumerate(batch):
         n = len(t["boxes"])
         boxes[b, :n], labels[b, :n], weights[b, :n] = t["boxes"], t["labels"], t["weights"]
-    return images, {"boxes": boxes, "labels": labels, "weights": weights,
-                    "num_boxes": sum(len(t["boxes"]) for _, t in batch), "dropped": sum(t["dropped"] for _, t in batch)}
+    return images, {
+        "boxes": boxes,
+        "labels": labels,
+        "weights": weights,
+        "num_boxes": sum(len(t["boxes"]) for _, t in batch),
+        "dropped": sum(t["dropped"] for _, t in batch),
+    }
 
 
 # ============================================================================================
@@ -243,11 +267,14 @@ def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
     the training boxes (each image resized so that its longer side is img_size, as the transforms do)."""
     if cfg.anchors:
         return torch.tensor(cfg.anchors, dtype=torch.float32)
-    wh = [(w * cfg.img_size / max(iw, ih), h * cfg.img_size / max(iw, ih))
-          for objects, iw, ih in zip(train["objects"], train["width"], train["height"])
-          for _, _, w, h in objects["bbox"]]
-    return torch.tensor(kmeans_anchors(np.array(wh, dtype=np.float64), 3 * cfg.anchors_per_level, seed=cfg.seed),
-                        dtype=torch.float32)
+    wh = [
+        (w * cfg.img_size / max(iw, ih), h * cfg.img_size / max(iw, ih))
+        for objects, iw, ih in zip(train["objects"], train["width"], train["height"])
+        for _, _, w, h in objects["bbox"]
+    ]
+    return torch.tensor(
+        kmeans_anchors(np.array(wh, dtype=np.float64), 3 * cfg.anchors_per_level, seed=cfg.seed), dtype=torch.float32
+    )
 
 
 def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor) -> YOLOv3:
@@ -276,7 +303,9 @@ def detect(model: YOLOv3, loader, accelerator, cfg: Config) -> Iterator[list[dic
         yield predictions
 
 
-def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config) -> tuple[dict[str, float], EvalDetails]:
+def evaluate(
+    model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config
+) -> tuple[dict[str, float], EvalDetails]:
     """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
     predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training  # the EMA copy stays in eval mode, the trained model goes back to train
@@ -288,8 +317,17 @@ def evaluate(model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, 
 
 # the fields that define the model: --weights restores them from the file's saved config (the anchors
 # are in the weights)
-MODEL_FIELDS = ("model", "model_kwargs", "img_size", "augment", "neck_channels", "anchors_per_level", "conf_threshold",
-                "nms_iou", "max_detections")
+MODEL_FIELDS = (
+    "model",
+    "model_kwargs",
+    "img_size",
+    "augment",
+    "neck_channels",
+    "anchors_per_level",
+    "conf_threshold",
+    "nms_iou",
+    "max_detections",
+)
 
 
 def trained_model(cfg: Config, data: Any = None) -> tuple[YOLOv3, dict[str, Any]]:
@@ -333,8 +371,15 @@ def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[
     except ImportError:
         return diffs
     # ONNX from the same exported program (torch.onnx's dynamo exporter; needs onnx and onnxscript)
-    torch.onnx.export(program, (example,), str(folder / "model.onnx"), input_names=["images"],
-                      output_names=["boxes", "scores"], dynamo=True, verbose=False)
+    torch.onnx.export(
+        program,
+        (example,),
+        str(folder / "model.onnx"),
+        input_names=["images"],
+        output_names=["boxes", "scores"],
+        dynamo=True,
+        verbose=False,
+    )
     session = onnxruntime.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     got = session.run(None, {"images": images.numpy()})
     diffs["export/onnx_max_abs_diff"] = max(float(np.abs(g - e.numpy()).max()) for g, e in zip(got, expected))
@@ -349,7 +394,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if any(s % 32 for s in [cfg.img_size, *cfg.multiscale]):
         raise UserError("img_size and every multiscale size must be multiples of 32 (the largest stride)")
     if cfg.anchors and (len(cfg.anchors) % 3 or any(len(a) != 2 for a in cfg.anchors)):
-        raise UserError("anchors must be 3 x A [w, h] pairs in pixels (A per level), small to large (or empty: k-means)")
+        raise UserError(
+            "anchors must be 3 x A [w, h] pairs in pixels (A per level), small to large (or empty: k-means)"
+        )
     if not cfg.anchors and cfg.anchors_per_level < 1:
         raise UserError(f"anchors_per_level must be at least 1, got {cfg.anchors_per_level}")
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
@@ -370,20 +417,42 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
     # the training transforms at an input size: every batch's images are transformed at the size
     # MultiScaleBatchSampler chose for it (GluonCV's RandomTransformDataLoader)
-    transform_at = functools.partial(detection_transforms, True, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip,
-                                     color_jitter=cfg.color_jitter, preset=cfg.augment)
-    train_set = YoloTrainSet(DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed), cfg.img_size,
-                             cfg.mosaic, cfg.mixup, cfg.epochs - cfg.no_aug_epochs, cfg.seed, transform_at)
-    sampler = MultiScaleBatchSampler(len(train_set), cfg.batch_size, cfg.multiscale or [cfg.img_size],
-                                     cfg.multiscale_every * cfg.grad_accum_steps, cfg.seed, accelerator.num_processes)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=train_collate,
-                                               **loader_kwargs(cfg.num_workers))
+    transform_at = functools.partial(
+        detection_transforms,
+        True,
+        scale_range=tuple(cfg.scale_range),
+        hflip=cfg.hflip,
+        color_jitter=cfg.color_jitter,
+        preset=cfg.augment,
+    )
+    train_set = YoloTrainSet(
+        DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed),
+        cfg.img_size,
+        cfg.mosaic,
+        cfg.mixup,
+        cfg.epochs - cfg.no_aug_epochs,
+        cfg.seed,
+        transform_at,
+    )
+    sampler = MultiScaleBatchSampler(
+        len(train_set),
+        cfg.batch_size,
+        cfg.multiscale or [cfg.img_size],
+        cfg.multiscale_every * cfg.grad_accum_steps,
+        cfg.seed,
+        accelerator.num_processes,
+    )
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_sampler=sampler, collate_fn=train_collate, **loader_kwargs(cfg.num_workers)
+    )
 
     # ---- model: anchors from the config, or k-means on the training boxes at img_size -----------
     anchors = anchors_for(cfg, data.train)
     if not cfg.anchors:
-        run.print("anchors (k-means on the training boxes, px at img_size): "
-                  + " ".join(f"{w:.0f}x{h:.0f}" for w, h in anchors.tolist()))
+        run.print(
+            "anchors (k-means on the training boxes, px at img_size): "
+            + " ".join(f"{w:.0f}x{h:.0f}" for w, h in anchors.tolist())
+        )
     model = create_model(cfg, num_classes, anchors)
     model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch
 
@@ -403,8 +472,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
     total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
-    lr_values = schedule(cfg.sched, cfg.lr, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_per_epoch),
-                         cfg.warmup_lr, [m * steps_per_epoch for m in cfg.decay_milestones], cfg.decay_rate)
+    lr_values = schedule(
+        cfg.sched,
+        cfg.lr,
+        cfg.min_lr,
+        total_steps,
+        round(cfg.warmup_epochs * steps_per_epoch),
+        cfg.warmup_lr,
+        [m * steps_per_epoch for m in cfg.decay_milestones],
+        cfg.decay_rate,
+    )
     weight_dict = dict.fromkeys(LOSS_TERMS, 1.0)  # the total loss: sum of weight x term (GluonCV: all equal)
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
@@ -444,20 +521,31 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             metrics, details = evaluate(net, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
             improved = loop.improved(cfg.best_metric, metrics[cfg.best_metric])
             # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
-            results = report_evaluation(run, metrics, details, data, cfg.plot_images, loop.step,
-                                        {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)}, epoch)
+            results = report_evaluation(
+                run,
+                metrics,
+                details,
+                data,
+                cfg.plot_images,
+                loop.step,
+                {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)},
+                epoch,
+            )
             if improved:
                 weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
                 if accelerator.is_main_process:
-                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe,
-                                 data.category_ids)
+                    save_weights(
+                        weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe, data.category_ids
+                    )
     if loop.stopped:
         return results
 
     # ---- saving and export ------------------------------------------------------------------------
     final = ema.module if ema is not None else unwrapped
     if accelerator.is_main_process:
-        save_weights(final.state_dict(), run.dir / "final.safetensors", cfg, data.classes, run.recipe, data.category_ids)
+        save_weights(
+            final.state_dict(), run.dir / "final.safetensors", cfg, data.classes, run.recipe, data.category_ids
+        )
         if cfg.export:
             images = torch.stack([eval_set[i][0] for i in range(min(2, len(eval_set)))])
             diffs = export_and_check(final, images, run.dir)

@@ -7,7 +7,8 @@ and recipes/yolo_model.py together.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,9 +72,15 @@ class PadTo:
         return TF.pad(image, padding, fill=0.0), target
 
 
-def detection_transforms(train: bool, size: int, scale_range: tuple[float, float] = (0.5, 1.5),
-                         hflip: float = 0.5, color_jitter: bool = True, min_visibility: float = 0.5,
-                         preset: str = "letterbox") -> v2.Compose:
+def detection_transforms(
+    train: bool,
+    size: int,
+    scale_range: tuple[float, float] = (0.5, 1.5),
+    hflip: float = 0.5,
+    color_jitter: bool = True,
+    min_visibility: float = 0.5,
+    preset: str = "letterbox",
+) -> v2.Compose:
     """Box-aware transforms ``(PIL image, {"boxes": BoundingBoxes, "labels": Tensor}) -> (image, target)``.
     ``preset`` "gluoncv": :func:`gluoncv_transforms` (``scale_range`` and ``min_visibility`` unused);
     "letterbox", described here:
@@ -98,23 +105,35 @@ def detection_transforms(train: bool, size: int, scale_range: tuple[float, float
         raise UserError(f"scale_range must be 0 < low <= high, got {scale_range}")
     steps: list[Callable] = [v2.ToImage()]
     if train:
-        steps += [v2.ScaleJitter((size, size), scale_range=tuple(scale_range), antialias=True),
-                  RandomCropAtMost(size, min_visibility)]
+        steps += [
+            v2.ScaleJitter((size, size), scale_range=tuple(scale_range), antialias=True),
+            RandomCropAtMost(size, min_visibility),
+        ]
         if hflip > 0:
             steps.append(v2.RandomHorizontalFlip(hflip))
         if color_jitter:
             steps.append(v2.RandomPhotometricDistort(p=0.5))
     else:
         steps.append(v2.Resize(None, max_size=size, antialias=True))
-    steps += [v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes(min_size=1.0),
-              v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD), PadTo(size)]
+    steps += [
+        v2.ClampBoundingBoxes(),
+        v2.SanitizeBoundingBoxes(min_size=1.0),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        PadTo(size),
+    ]
     return v2.Compose(steps)
 
 
 # GluonCV resizes with one of OpenCV's nearest, bilinear, area, bicubic, Lanczos at random; PIL has all
 # five (BOX is area averaging), so the preset keeps the PIL image until after the resize.
-RESIZE_MODES = (v2.InterpolationMode.NEAREST, v2.InterpolationMode.BILINEAR, v2.InterpolationMode.BOX,
-                v2.InterpolationMode.BICUBIC, v2.InterpolationMode.LANCZOS)
+RESIZE_MODES = (
+    v2.InterpolationMode.NEAREST,
+    v2.InterpolationMode.BILINEAR,
+    v2.InterpolationMode.BOX,
+    v2.InterpolationMode.BICUBIC,
+    v2.InterpolationMode.LANCZOS,
+)
 
 
 def gluoncv_transforms(train: bool, size: int, hflip: float = 0.5, color_jitter: bool = True) -> v2.Compose:
@@ -142,22 +161,31 @@ def gluoncv_transforms(train: bool, size: int, hflip: float = 0.5, color_jitter:
                 return v2.RandomApply([jitter], p=0.5)
 
             contrast = maybe(v2.ColorJitter(contrast=(0.5, 1.5)))
-            saturation_hue = [maybe(v2.ColorJitter(saturation=(0.5, 1.5))),
-                              maybe(v2.ColorJitter(hue=0.05))]  # +-18 degrees
-            steps += [maybe(v2.ColorJitter(brightness=(0.875, 1.125))),
-                      v2.RandomChoice([v2.Compose([contrast, *saturation_hue]),
-                                       v2.Compose([*saturation_hue, contrast])])]
+            saturation_hue = [
+                maybe(v2.ColorJitter(saturation=(0.5, 1.5))),
+                maybe(v2.ColorJitter(hue=0.05)),
+            ]  # +-18 degrees
+            steps += [
+                maybe(v2.ColorJitter(brightness=(0.875, 1.125))),
+                v2.RandomChoice([v2.Compose([contrast, *saturation_hue]), v2.Compose([*saturation_hue, contrast])]),
+            ]
         fill = tuple(round(255 * m) for m in IMAGENET_MEAN)  # the mean colour: 0 after Normalize
-        steps += [v2.RandomZoomOut(fill=fill, side_range=(1.0, 4.0), p=0.5),
-                  v2.RandomIoUCrop(sampler_options=[0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0], trials=50),
-                  v2.RandomChoice([v2.Resize((size, size), interpolation=mode) for mode in RESIZE_MODES])]
+        steps += [
+            v2.RandomZoomOut(fill=fill, side_range=(1.0, 4.0), p=0.5),
+            v2.RandomIoUCrop(sampler_options=[0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0], trials=50),
+            v2.RandomChoice([v2.Resize((size, size), interpolation=mode) for mode in RESIZE_MODES]),
+        ]
         if hflip > 0:
             steps.append(v2.RandomHorizontalFlip(hflip))
         steps.append(v2.ToImage())
     else:
         steps += [v2.ToImage(), v2.Resize((size, size), antialias=True)]
-    steps += [v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes(min_size=1.0),
-              v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    steps += [
+        v2.ClampBoundingBoxes(),
+        v2.SanitizeBoundingBoxes(min_size=1.0),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ]
     return v2.Compose(steps)
 
 
@@ -184,8 +212,9 @@ class MultiScaleBatchSampler(EpochBatchSampler):
     not depend on the process count, the workers or where a resumed run starts.
     """
 
-    def __init__(self, size: int, batch_size: int, sizes: list[int], every: int, seed: int = 0,
-                 num_processes: int = 1) -> None:
+    def __init__(
+        self, size: int, batch_size: int, sizes: list[int], every: int, seed: int = 0, num_processes: int = 1
+    ) -> None:
         if not sizes or every < 1:
             raise UserError(f"multi-scale needs sizes and multiscale_every of at least 1, got {sizes} and {every}")
         super().__init__(size, batch_size, True, seed, True, num_processes)
@@ -195,7 +224,6 @@ class MultiScaleBatchSampler(EpochBatchSampler):
         for b, keys in enumerate(super().__iter__()):
             size = multiscale_size(self.sizes, self.every, self.seed, self.epoch, b // self.num_processes)
             yield [(*key, size) for key in keys]
-
 
 
 # ============================================================================================
@@ -226,6 +254,7 @@ def kmeans_anchors(boxes_wh: np.ndarray, k: int, seed: int = 0, iterations: int 
         if assignment is not None and np.array_equal(new, assignment):
             break
         assignment = new
-        centres = np.stack([np.median(wh[assignment == j], 0) if (assignment == j).any() else centres[j]
-                            for j in range(k)])
+        centres = np.stack(
+            [np.median(wh[assignment == j], 0) if (assignment == j).any() else centres[j] for j in range(k)]
+        )
     return centres[np.argsort(centres.prod(1))]

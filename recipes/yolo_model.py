@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import batched_nms
 
-# YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they are at every input size.
+# YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they
+# are at every input size.
 COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
 LOSS_TERMS = ("loss_obj", "loss_center", "loss_scale", "loss_cls")  # what yolo_loss returns
 
@@ -24,14 +25,16 @@ LOSS_TERMS = ("loss_obj", "loss_center", "loss_scale", "loss_cls")  # what yolo_
 # Model: timm backbone -> YOLOv3 feature pyramid -> 3 scales x A anchors x (4 + 1 + C)
 # ============================================================================================
 def conv_bn(cin: int, cout: int, k: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout),
-                         nn.LeakyReLU(0.1, inplace=True))
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.LeakyReLU(0.1, inplace=True)
+    )
 
 
 def yolo_block(cin: int, c: int) -> nn.Sequential:
     """YOLOv3's five alternating 1x1 / 3x3 convolutions before each output."""
-    return nn.Sequential(conv_bn(cin, c, 1), conv_bn(c, 2 * c, 3), conv_bn(2 * c, c, 1), conv_bn(c, 2 * c, 3),
-                         conv_bn(2 * c, c, 1))
+    return nn.Sequential(
+        conv_bn(cin, c, 1), conv_bn(c, 2 * c, 3), conv_bn(2 * c, c, 1), conv_bn(c, 2 * c, 3), conv_bn(2 * c, c, 1)
+    )
 
 
 class YOLOv3(nn.Module):
@@ -49,8 +52,9 @@ class YOLOv3(nn.Module):
         self.register_buffer("anchors", anchors.float().view(3, a, 2).flip(0).contiguous())  # large-stride level first
         self.blocks = nn.ModuleList([yolo_block(c5, c[0]), yolo_block(c4 + c[1], c[1]), yolo_block(c3 + c[2], c[2])])
         self.transitions = nn.ModuleList([conv_bn(c[0], c[1], 1), conv_bn(c[1], c[2], 1)])
-        self.outputs = nn.ModuleList([nn.Sequential(conv_bn(ci, 2 * ci, 3), nn.Conv2d(2 * ci, a * (5 + num_classes), 1))
-                                      for ci in c])
+        self.outputs = nn.ModuleList(
+            [nn.Sequential(conv_bn(ci, 2 * ci, 3), nn.Conv2d(2 * ci, a * (5 + num_classes), 1)) for ci in c]
+        )
         self._tables: dict[tuple, dict[str, torch.Tensor]] = {}  # see tables()
         for out in self.outputs:  # start with objectness ~0.01 so the first steps are not all false positives,
             bias = out[-1].bias.view(a, 5 + num_classes)  # and class probabilities at the 1/C prior, so the
@@ -91,11 +95,15 @@ class YOLOv3(nn.Module):
             strides.append(torch.full((h * w * k, 1), float(s), device=device))
             anchors.append(a.view(1, k, 2).expand(h * w, k, 2).reshape(-1, 2))
         offsets = np.cumsum([0] + [h * w * k for h, w in shapes])[:-1].tolist()
-        table = {"cells": torch.cat(cells), "strides": torch.cat(strides), "anchors": torch.cat(anchors),
-                 "level_offsets": torch.tensor(offsets, device=device),
-                 "level_w": torch.tensor([w for _, w in shapes], device=device),
-                 "level_h": torch.tensor([h for h, _ in shapes], device=device),
-                 "level_strides": torch.tensor(self.strides, dtype=torch.float32, device=device)}
+        table = {
+            "cells": torch.cat(cells),
+            "strides": torch.cat(strides),
+            "anchors": torch.cat(anchors),
+            "level_offsets": torch.tensor(offsets, device=device),
+            "level_w": torch.tensor([w for _, w in shapes], device=device),
+            "level_h": torch.tensor([h for h, _ in shapes], device=device),
+            "level_strides": torch.tensor(self.strides, dtype=torch.float32, device=device),
+        }
         if not torch.compiler.is_compiling():  # traced tensors must not outlive the trace
             self._tables[key] = table
         return table
@@ -137,8 +145,9 @@ def batch_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def assign_targets(model: YOLOv3, gt_boxes: torch.Tensor, gt_labels: torch.Tensor, gt_weights: torch.Tensor,
-                   height: int, width: int) -> dict[str, torch.Tensor]:
+def assign_targets(
+    model: YOLOv3, gt_boxes: torch.Tensor, gt_labels: torch.Tensor, gt_weights: torch.Tensor, height: int, width: int
+) -> dict[str, torch.Tensor]:
     """Each ground truth -> the one anchor (of all 3 * A) with the best shape IoU (both centred at 0),
     in the cell of its level that holds its centre. Shapes: gt_* [B, M(, 4)], weight 0 = padding.
 
@@ -180,8 +189,15 @@ def assign_targets(model: YOLOv3, gt_boxes: torch.Tensor, gt_labels: torch.Tenso
     }
 
 
-def yolo_loss(model: YOLOv3, raw: torch.Tensor, targets: dict[str, torch.Tensor], height: int, width: int,
-              ignore_iou: float, label_smoothing: bool) -> dict[str, torch.Tensor]:
+def yolo_loss(
+    model: YOLOv3,
+    raw: torch.Tensor,
+    targets: dict[str, torch.Tensor],
+    height: int,
+    width: int,
+    ignore_iou: float,
+    label_smoothing: bool,
+) -> dict[str, torch.Tensor]:
     """The four YOLOv3 losses, each summed over predictions and averaged over images.
 
     raw [B, N, 5 + C]; targets from the collate: boxes [B, M, 4], labels [B, M], weights [B, M].
@@ -197,17 +213,24 @@ def yolo_loss(model: YOLOv3, raw: torch.Tensor, targets: dict[str, torch.Tensor]
     obj_weight = torch.where(positive, t["obj"], (~ignored).float())
     obj = F.binary_cross_entropy_with_logits(raw[..., 4], positive.float(), weight=obj_weight, reduction="sum")
     box_w = (t["obj"] * t["box_weight"])[..., None]  # mixup ratio x (2 - wh) at positives, 0 elsewhere
-    center = F.binary_cross_entropy_with_logits(raw[..., :2], t["center"], weight=box_w.expand(-1, -1, 2), reduction="sum")
+    center = F.binary_cross_entropy_with_logits(
+        raw[..., :2], t["center"], weight=box_w.expand(-1, -1, 2), reduction="sum"
+    )
     scale = (F.l1_loss(raw[..., 2:4], t["scale"], reduction="none") * box_w).sum()
     num_classes = raw.shape[-1] - 5
     cls_t = F.one_hot(t["cls"], num_classes).float()
     if label_smoothing:
         eps = min(1.0 / num_classes, 1.0 / 40)
         cls_t = cls_t * (1 - eps) + (1 - cls_t) * eps
-    cls = F.binary_cross_entropy_with_logits(raw[..., 5:], cls_t, weight=t["obj"][..., None].expand_as(cls_t),
-                                             reduction="sum")
-    return {"loss_obj": obj / batch, "loss_center": center / batch, "loss_scale": scale / batch,
-            "loss_cls": cls / batch}
+    cls = F.binary_cross_entropy_with_logits(
+        raw[..., 5:], cls_t, weight=t["obj"][..., None].expand_as(cls_t), reduction="sum"
+    )
+    return {
+        "loss_obj": obj / batch,
+        "loss_center": center / batch,
+        "loss_scale": scale / batch,
+        "loss_cls": cls / batch,
+    }
 
 
 # ============================================================================================

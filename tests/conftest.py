@@ -43,8 +43,9 @@ def load_recipe(name: str):
     return module
 
 
-def detection_table(images: list, boxes: list[list], categories: list[list] | None = None,
-                    crowd: list[list] | None = None):
+def detection_table(
+    images: list, boxes: list[list], categories: list[list] | None = None, crowd: list[list] | None = None
+):
     """A detection split in the normalised schema (common/detection_sources.py) from images (PIL or
     datasets.Image values) and per-image COCO boxes; image ids from 1, classes 0 unless given."""
     import io
@@ -62,13 +63,24 @@ def detection_table(images: list, boxes: list[list], categories: list[list] | No
         return {"bytes": buffer.getvalue(), "path": None}
 
     sizes = [image.size if isinstance(image, Image.Image) else (8, 8) for image in images]
-    return datasets.Dataset.from_dict({
-        "image": [value(image) for image in images], "image_id": list(range(1, len(images) + 1)),
-        "width": [w for w, _ in sizes], "height": [h for _, h in sizes],
-        "objects": [{"bbox": b, "category": (categories or [[0] * len(b) for b in boxes])[i],
-                     "area": [x[2] * x[3] for x in b], "iscrowd": (crowd or [[0] * len(b) for b in boxes])[i]}
-                    for i, b in enumerate(boxes)],
-    }, features=features())
+    return datasets.Dataset.from_dict(
+        {
+            "image": [value(image) for image in images],
+            "image_id": list(range(1, len(images) + 1)),
+            "width": [w for w, _ in sizes],
+            "height": [h for _, h in sizes],
+            "objects": [
+                {
+                    "bbox": b,
+                    "category": (categories or [[0] * len(b) for b in boxes])[i],
+                    "area": [x[2] * x[3] for x in b],
+                    "iscrowd": (crowd or [[0] * len(b) for b in boxes])[i],
+                }
+                for i, b in enumerate(boxes)
+            ],
+        },
+        features=features(),
+    )
 
 
 def bright_rectangle(width: int = 80, height: int = 60, box: tuple[int, int, int, int] = (20, 10, 25, 20)):
@@ -78,7 +90,7 @@ def bright_rectangle(width: int = 80, height: int = 60, box: tuple[int, int, int
 
     pixels = np.full((height, width, 3), 30, np.uint8)
     x, y, w, h = box
-    pixels[y:y + h, x:x + w] = 230
+    pixels[y : y + h, x : x + w] = 230
     return Image.fromarray(pixels)
 
 
@@ -93,8 +105,15 @@ def recipe_cmd(recipe: str, args: list[str], nproc: int = 1) -> list[str]:
     script = str(ROOT / "recipes" / f"{recipe}.py")
     if nproc == 1:
         return [sys.executable, script, *args]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            f"--master_port={free_port()}", script, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        script,
+        *args,
+    ]
 
 
 def recipe_env(nproc: int = 1, **extra: str) -> dict[str, str]:
@@ -107,11 +126,18 @@ def recipe_env(nproc: int = 1, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_recipe(recipe: str, args: list[str], nproc: int = 1, timeout: float = 600, cwd: Path | None = None,
-               **extra_env: str) -> subprocess.CompletedProcess:
+def run_recipe(
+    recipe: str, args: list[str], nproc: int = 1, timeout: float = 600, cwd: Path | None = None, **extra_env: str
+) -> subprocess.CompletedProcess:
     """Run a recipe to completion; returns the process with text stdout/stderr."""
-    return subprocess.run(recipe_cmd(recipe, args, nproc), cwd=cwd or ROOT, env=recipe_env(nproc, **extra_env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        recipe_cmd(recipe, args, nproc),
+        cwd=cwd or ROOT,
+        env=recipe_env(nproc, **extra_env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def error_line(capsys: pytest.CaptureFixture, main, args: list[str]) -> str:
@@ -129,7 +155,9 @@ def error_line(capsys: pytest.CaptureFixture, main, args: list[str]) -> str:
 
 
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+    )
     return proc
 
 
@@ -164,8 +192,26 @@ def assert_pictures(folder: Path, names: list[str]) -> None:
 
 
 # A 4-step classifier run on the built-in digits: what the run plumbing tests run.
-TINY_CLASSIFIER = ["--model", "test_vit", "--img_size", "32", "--num_workers", "0", "--opt", "sgd", "--lr", "0.05",
-        "--warmup_epochs", "0", "--smoothing", "0", "--log_every", "2", "--max_steps", "4"]
+TINY_CLASSIFIER = [
+    "--model",
+    "test_vit",
+    "--img_size",
+    "32",
+    "--num_workers",
+    "0",
+    "--opt",
+    "sgd",
+    "--lr",
+    "0.05",
+    "--warmup_epochs",
+    "0",
+    "--smoothing",
+    "0",
+    "--log_every",
+    "2",
+    "--max_steps",
+    "4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -178,5 +224,7 @@ def wandb_run(tmp_path_factory) -> tuple[Path, str]:
     folder = tmp_path_factory.mktemp("ux") / "run"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        load_recipe("classifier").main(TINY_CLASSIFIER + ["--report_to", "wandb", "--log_weights", "--output_dir", str(folder)])
+        load_recipe("classifier").main(
+            TINY_CLASSIFIER + ["--report_to", "wandb", "--log_weights", "--output_dir", str(folder)]
+        )
     return folder, out.getvalue()

@@ -86,7 +86,9 @@ def test_ssl_schema_split_sizes_and_image_format(generated):
     # The dataset holds exactly the rendered pixels (PNG is lossless).
     decoded = np.stack([np.asarray(image) for image in data["test"]["image"]])
     assert np.array_equal(decoded, generated.rendered["test"][1])
-    assert [p.name for p in generated.root.iterdir()] == [f"digits_ssl-{digits_ssl.VERSION}-seed0"]  # renamed, no temp left
+    assert [p.name for p in generated.root.iterdir()] == [
+        f"digits_ssl-{digits_ssl.VERSION}-seed0"
+    ]  # renamed, no temp left
 
 
 def test_ssl_no_leakage_between_splits(generated):
@@ -119,8 +121,14 @@ def test_png_encoder_is_lossless():
     assert decoded.mode == "RGB" and np.array_equal(np.asarray(decoded), image)
 
 
-def _weighted_knn(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, k: int = 20,
-                  temperature: float = 0.07, num_classes: int = 10) -> torch.Tensor:
+def _weighted_knn(
+    bank: torch.Tensor,
+    bank_labels: torch.Tensor,
+    queries: torch.Tensor,
+    k: int = 20,
+    temperature: float = 0.07,
+    num_classes: int = 10,
+) -> torch.Tensor:
     """Predicted classes as DINO's eval_knn: cosine similarity, k neighbours voting exp(sim / T)."""
     bank, queries = (torch.nn.functional.normalize(x.flatten(1).float(), dim=1) for x in (bank, queries))
     sims, idx = (queries @ bank.T).topk(k, dim=1)
@@ -229,8 +237,11 @@ def test_digits_det_crops_are_every_box_cut_as_crop_box_cuts(scenes, cache):
     for split, table in (("train", scenes.data.train), ("test", scenes.data.eval)):
         categories = [c for objects in table["objects"] for c in objects["category"]]
         assert crops[split]["label"] == categories
-    expected = [np.asarray(crop_box(decode_image(row["image"], ""), box, 32, 0.15))
-                for row in scenes.data.eval for box in row["objects"]["bbox"]]
+    expected = [
+        np.asarray(crop_box(decode_image(row["image"], ""), box, 32, 0.15))
+        for row in scenes.data.eval
+        for box in row["objects"]["bbox"]
+    ]
     got = [np.asarray(image) for image in crops["test"]["image"]]
     assert got[0].shape == (32, 32, 3) and len(got) == len(expected)
     assert all(np.array_equal(g, e) for g, e in zip(got, expected))
@@ -270,11 +281,11 @@ def test_digits_det_boxes_are_tight_around_the_digits():
             for edge in (inside[0], inside[-1], inside[:, 0], inside[:, -1]):
                 assert edge.max() > 0.12 * peak
             ring = np.zeros(diff.shape, bool)  # the pixels around the box, less the other digits' boxes
-            ring[max(y0 - 1, 0):y1 + 1, max(x0 - 1, 0):x1 + 1] = True
+            ring[max(y0 - 1, 0) : y1 + 1, max(x0 - 1, 0) : x1 + 1] = True
             ring[y0:y1, x0:x1] = False
             for b in boxes:
                 if b != (x0, y0, x1, y1):
-                    ring[b[1]:b[3], b[0]:b[2]] = False
+                    ring[b[1] : b[3], b[0] : b[2]] = False
             if ring.any():
                 assert diff[ring].max() < 0.45 * peak and diff[ring].mean() < 15
 

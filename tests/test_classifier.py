@@ -21,8 +21,26 @@ from conftest import ROOT, assert_pictures, check, error_line, load_recipe, reci
 # A small transformer without batch norm: weights can be compared across batch splittings. Runs that
 # test no process-level behaviour (signals, exit codes, several processes) call main() in-process:
 # a subprocess costs seconds of imports.
-TINY = ["--model", "test_vit", "--img_size", "32", "--report_to", "none", "--num_workers", "0",
-        "--opt", "sgd", "--lr", "0.4", "--warmup_epochs", "0", "--smoothing", "0", "--log_every", "1"]  # lr per 256: 0.05 at 32
+TINY = [
+    "--model",
+    "test_vit",
+    "--img_size",
+    "32",
+    "--report_to",
+    "none",
+    "--num_workers",
+    "0",
+    "--opt",
+    "sgd",
+    "--lr",
+    "0.4",
+    "--warmup_epochs",
+    "0",
+    "--smoothing",
+    "0",
+    "--log_every",
+    "1",
+]  # lr per 256: 0.05 at 32
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -45,10 +63,16 @@ def test_digits_config_reaches_97_percent(tmp_path):
     (the schedule with it; measured 99.2 % in 68 s on one core), then the weights checked independently."""
     run = tmp_path / "digits"
     env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    proc = subprocess.run(recipe_cmd("classifier", ["--config", "configs/classifier/digits.yaml", "--epochs", "5",
-                                                    "--output_dir", str(run)]),
-                          cwd=ROOT, env={**recipe_env(), **{"WANDB_MODE": ""}, "HOME": str(tmp_path)} | {
-                              k: env[k] for k in ("PATH",) if k in env}, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        recipe_cmd(
+            "classifier", ["--config", "configs/classifier/digits.yaml", "--epochs", "5", "--output_dir", str(run)]
+        ),
+        cwd=ROOT,
+        env={**recipe_env(), **{"WANDB_MODE": ""}, "HOME": str(tmp_path)} | {k: env[k] for k in ("PATH",) if k in env},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     check(proc)
     assert "wandb: no credentials found" in proc.stdout and (run / "wandb").is_dir()
     assert (run / "config.yaml").is_file()
@@ -62,8 +86,9 @@ def test_digits_config_reaches_97_percent(tmp_path):
     from common.builtin import digits_dataset
 
     model = timm.create_model("resnet18", num_classes=10, checkpoint_path=str(run / "best.safetensors")).eval()
-    tf = create_transform(**resolve_data_config({"input_size": (3, 32, 32), "crop_pct": 1.0, "interpolation": "bicubic"},
-                                                model=model))
+    tf = create_transform(
+        **resolve_data_config({"input_size": (3, 32, 32), "crop_pct": 1.0, "interpolation": "bicubic"}, model=model)
+    )
     test = digits_dataset()["test"]
     x = torch.stack([tf(img.convert("RGB")) for img in test["image"]])
     with torch.no_grad():
@@ -74,9 +99,23 @@ def test_digits_config_reaches_97_percent(tmp_path):
 def test_accumulation_switch_from_an_epoch(tmp_path):
     """Epoch 0 steps every batch (11 steps of 128), epoch 1 accumulates 2 (ceil(11 / 2) = 6 steps)."""
     run = tmp_path / "switch"
-    load_recipe("classifier").main(TINY + ["--batch_size", "128", "--epochs", "2", "--grad_accum_switch_epoch", "1",
-                                           "--grad_accum_steps_after_switch", "2", "--output_dir", str(run),
-                                           "--report_to", "tensorboard"])
+    load_recipe("classifier").main(
+        TINY
+        + [
+            "--batch_size",
+            "128",
+            "--epochs",
+            "2",
+            "--grad_accum_switch_epoch",
+            "1",
+            "--grad_accum_steps_after_switch",
+            "2",
+            "--output_dir",
+            str(run),
+            "--report_to",
+            "tensorboard",
+        ]
+    )
     assert list(run.rglob("events.out.tfevents.*")), "tensorboard wrote nothing"
     steps = [m["step"] for m in metrics(run) if "train/loss" in m]
     assert steps == list(range(1, 18))
@@ -117,7 +156,9 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 300) -> None:
     end = time.time() + timeout
     while not predicate():
         if proc.poll() is not None:
-            raise AssertionError(f"run ended (exit {proc.returncode}) before the expected moment:\n{proc.stderr.read()[-3000:]}")
+            raise AssertionError(
+                f"run ended (exit {proc.returncode}) before the expected moment:\n{proc.stderr.read()[-3000:]}"
+            )
         if time.time() > end:
             proc.kill()
             raise AssertionError("timed out waiting for the run")
@@ -132,14 +173,39 @@ def test_sigkill_in_a_later_epoch_then_resume_matches_uninterrupted(tmp_path):
     Exercises everything that must come back: model, optimizer, EMA, RNG for dropout and Mixup,
     the sampler's order and each sample's augmentation in a worker process, in the right epoch.
     """
-    args = ["--model", "test_resnet", "--report_to", "none", "--num_workers", "1", "--batch_size", "128",
-            "--max_steps", "26", "--checkpoint_every", "7", "--log_every", "7", "--drop_rate", "0.2",
-            "--mixup", "0.4", "--ema_decay", "0.9"]
+    args = [
+        "--model",
+        "test_resnet",
+        "--report_to",
+        "none",
+        "--num_workers",
+        "1",
+        "--batch_size",
+        "128",
+        "--max_steps",
+        "26",
+        "--checkpoint_every",
+        "7",
+        "--log_every",
+        "7",
+        "--drop_rate",
+        "0.2",
+        "--mixup",
+        "0.4",
+        "--ema_decay",
+        "0.9",
+    ]
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     load_recipe("classifier").main(args + ["--output_dir", str(clean)])  # in-process: only the killed one is a process
 
-    proc = subprocess.Popen(recipe_cmd("classifier", args + ["--output_dir", str(killed)]), cwd=ROOT,
-                            env=recipe_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        recipe_cmd("classifier", args + ["--output_dir", str(killed)]),
+        cwd=ROOT,
+        env=recipe_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(lambda: (killed / "checkpoints" / "step_00000014" / "train_state.json").exists(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -162,11 +228,27 @@ def test_sigkill_in_a_later_epoch_then_resume_matches_uninterrupted(tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(tmp_path):
     run = tmp_path / "term"
-    args = TINY + ["--batch_size", "16", "--max_steps", "100000", "--checkpoint_every", "100000",
-                   "--output_dir", str(run)]
-    proc = subprocess.Popen(recipe_cmd("classifier", args), cwd=ROOT, env=recipe_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3, proc)
+    args = TINY + [
+        "--batch_size",
+        "16",
+        "--max_steps",
+        "100000",
+        "--checkpoint_every",
+        "100000",
+        "--output_dir",
+        str(run),
+    ]
+    proc = subprocess.Popen(
+        recipe_cmd("classifier", args),
+        cwd=ROOT,
+        env=recipe_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(
+        lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3, proc
+    )
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -175,8 +257,12 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(tmp_path):
     state = json.loads((ckpt / "train_state.json").read_text())
     assert state["step"] >= 3 and state["batches_in_epoch"] > 0
     assert weights(ckpt / "model.safetensors")  # loadable weights
-    again = check(run_recipe("classifier", args[:-4] + ["--max_steps", str(state["step"] + 2), "--output_dir", str(run),
-                                                        "--resume", "auto"]))
+    again = check(
+        run_recipe(
+            "classifier",
+            args[:-4] + ["--max_steps", str(state["step"] + 2), "--output_dir", str(run), "--resume", "auto"],
+        )
+    )
     assert f"at step {state['step']}" in again.stdout
 
 
@@ -191,10 +277,26 @@ def test_corrupted_image_is_named(tmp_path):
     for cls in ("a", "b"):
         (tmp_path / "data" / "train" / cls).mkdir(parents=True)
         for i in range(8):
-            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(tmp_path / "data" / "train" / cls / f"{i}.png")
+            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(
+                tmp_path / "data" / "train" / cls / f"{i}.png"
+            )
     (tmp_path / "data" / "train" / "b" / "3.png").write_bytes(b"\x89PNG broken on purpose")
-    proc = run_recipe("classifier", TINY + ["--data", str(tmp_path / "data"), "--batch_size", "4", "--num_workers", "1",
-                                            "--eval_split", "", "--output_dir", str(tmp_path / "run")])
+    proc = run_recipe(
+        "classifier",
+        TINY
+        + [
+            "--data",
+            str(tmp_path / "data"),
+            "--batch_size",
+            "4",
+            "--num_workers",
+            "1",
+            "--eval_split",
+            "",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+    )
     assert proc.returncode == 2
     line = _single_error_line(proc)
     assert "cannot read image" in line and str(Path("train") / "b" / "3.png") in line, line
@@ -207,8 +309,18 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys, monkeyp
 
     run = tmp_path / "nan"
     monkeypatch.setenv("CV_RECIPES_FAULT_NAN_AT_STEP", "7")
-    args = TINY + ["--batch_size", "16", "--max_steps", "20", "--checkpoint_every", "5", "--log_every", "100",
-                   "--output_dir", str(run)]
+    args = TINY + [
+        "--batch_size",
+        "16",
+        "--max_steps",
+        "20",
+        "--checkpoint_every",
+        "5",
+        "--log_every",
+        "100",
+        "--output_dir",
+        str(run),
+    ]
     with pytest.raises(SystemExit) as exit_info:
         cli_main(lambda: load_recipe("classifier").main(args))
     err = capsys.readouterr().err  # the progress bar writes there too
@@ -221,18 +333,26 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys, monkeyp
     assert all(torch.isfinite(t).all() for t in good.values())
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--lrr", "0.1"], "error: unknown config key 'lrr' in the command line (did you mean 'lr'?)"),
-    (["--model", "resnet_does_not_exist"], "error: unknown timm model 'resnet_does_not_exist'"),
-    (["--data", "not/a/dataset"], "error: dataset 'not/a/dataset' could not be loaded"),
-    (["--epochs", "many"], "error: config field 'epochs' expects an integer, got 'many'"),
-    (["--clip_grad", "[1]"], "error: config field 'clip_grad' expects a number, got '[1]'"),
-    (["--config", "configs/classifier/nope.yaml"], "error: config file 'configs/classifier/nope.yaml' does not exist"),
-    (["--bn_momentum_end", "0.01"], "error: bn_momentum_end needs bn_momentum > 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lrr", "0.1"], "error: unknown config key 'lrr' in the command line (did you mean 'lr'?)"),
+        (["--model", "resnet_does_not_exist"], "error: unknown timm model 'resnet_does_not_exist'"),
+        (["--data", "not/a/dataset"], "error: dataset 'not/a/dataset' could not be loaded"),
+        (["--epochs", "many"], "error: config field 'epochs' expects an integer, got 'many'"),
+        (["--clip_grad", "[1]"], "error: config field 'clip_grad' expects a number, got '[1]'"),
+        (
+            ["--config", "configs/classifier/nope.yaml"],
+            "error: config file 'configs/classifier/nope.yaml' does not exist",
+        ),
+        (["--bn_momentum_end", "0.01"], "error: bn_momentum_end needs bn_momentum > 0"),
+    ],
+)
 def test_bad_input_is_one_error_line_and_exit_2(capsys, tmp_path, args, message):
     """In-process (test_corrupted_image_is_named checks the same through a real process)."""
-    line = error_line(capsys, load_recipe("classifier").main, ["--report_to", "none", "--output_dir", str(tmp_path / "r"), *args])
+    line = error_line(
+        capsys, load_recipe("classifier").main, ["--report_to", "none", "--output_dir", str(tmp_path / "r"), *args]
+    )
     assert line.startswith(message), line
 
 
@@ -254,14 +374,39 @@ def test_starts_from_a_backbone_weights_file(tmp_path, capsys):
     safetensors.torch.save_file({k: v.contiguous() for k, v in donor.state_dict().items()}, str(backbone))
     run = tmp_path / "ft"
     main = load_recipe("classifier").main
-    main(TINY + ["--batch_size", "16", "--max_steps", "1", "--lr", "0", "--init_weights", str(backbone),
-                 "--output_dir", str(run)])
+    main(
+        TINY
+        + [
+            "--batch_size",
+            "16",
+            "--max_steps",
+            "1",
+            "--lr",
+            "0",
+            "--init_weights",
+            str(backbone),
+            "--output_dir",
+            str(run),
+        ]
+    )
     trained = weights(run / "final.safetensors")
     for k, v in donor.state_dict().items():
         assert torch.equal(trained[k], v), k  # lr 0: untouched since loading
     probe = tmp_path / "probe"
-    main(TINY + ["--batch_size", "16", "--max_steps", "2", "--linear_probe", "--init_weights", str(backbone),
-                 "--output_dir", str(probe)])
+    main(
+        TINY
+        + [
+            "--batch_size",
+            "16",
+            "--max_steps",
+            "2",
+            "--linear_probe",
+            "--init_weights",
+            str(backbone),
+            "--output_dir",
+            str(probe),
+        ]
+    )
     probed = weights(probe / "final.safetensors")
     assert all(torch.equal(probed[k], v) for k, v in donor.state_dict().items())  # backbone frozen
     assert not torch.equal(probed["head.weight"], trained["head.weight"])  # the head learned
@@ -285,11 +430,15 @@ def test_weights_of_a_compiled_model_are_saved_with_plain_keys(tmp_path):
     assert read_metadata(tmp_path / "w.safetensors")["recipe"] == "classifier"
     fresh = timm.create_model("test_vit", num_classes=10, img_size=32, checkpoint_path=str(tmp_path / "w.safetensors"))
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
-    classifier.load_init_weights(timm.create_model("test_vit", num_classes=3, img_size=32), str(tmp_path / "w.safetensors"))
+    classifier.load_init_weights(
+        timm.create_model("test_vit", num_classes=3, img_size=32), str(tmp_path / "w.safetensors")
+    )
 
 
-@pytest.mark.parametrize("args, mode, count", [(["--reprob", "0.25"], "pixel", 1),
-                                               (["--reprob", "0.25", "--remode", "const", "--recount", "2"], "const", 2)])
+@pytest.mark.parametrize(
+    "args, mode, count",
+    [(["--reprob", "0.25"], "pixel", 1), (["--reprob", "0.25", "--remode", "const", "--recount", "2"], "const", 2)],
+)
 def test_random_erasing_mode_and_count(args, mode, count):
     """timm and DeiT erase with per-pixel noise by default; mode and count are the user's to set."""
     from timm.data.random_erasing import RandomErasing
@@ -302,6 +451,7 @@ def test_random_erasing_mode_and_count(args, mode, count):
 
 
 classifier = load_recipe("classifier")
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
@@ -321,10 +471,23 @@ def test_eval_only_reproduces_the_trained_score(trained, tmp_path):
     """--eval_only --weights: the model is rebuilt from the file's saved config (test_vit at 32 px, not the
     defaults), top-1 equals the training run's last evaluation, per-class accuracy is written, no
     checkpoints."""
-    out = classifier.main(["--eval_only", "--weights", str(trained / "best.safetensors"), "--report_to", "none",
-                "--num_workers", "0", "--output_dir", str(tmp_path / "eval")])
+    out = classifier.main(
+        [
+            "--eval_only",
+            "--weights",
+            str(trained / "best.safetensors"),
+            "--report_to",
+            "none",
+            "--num_workers",
+            "0",
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ]
+    )
     final = [m for m in metrics(trained) if "eval/top1" in m][-1]
-    assert out["eval/top1"] == pytest.approx(final["eval/top1"]) and out["eval/top5"] == pytest.approx(final["eval/top5"])
+    assert out["eval/top1"] == pytest.approx(final["eval/top1"]) and out["eval/top5"] == pytest.approx(
+        final["eval/top5"]
+    )
     rows = (tmp_path / "eval" / "per_class_accuracy.csv").read_text().splitlines()
     assert rows[0] == "class,images,accuracy" and len(rows) == 11
     assert not list((tmp_path / "eval" / "checkpoints").glob("step_*"))
@@ -341,8 +504,20 @@ def test_predict_writes_top5_per_image(trained, tmp_path, capsys):
     digits = CLASSIFICATION["digits"]()["test"]
     for i in range(3):
         digits[i]["image"].save(folder / f"digit_{i}.png")
-    classifier.main(["--predict", str(tmp_path / "new_images"), "--weights", str(trained / "best.safetensors"),
-          "--data", "no/such-dataset", "--report_to", "none", "--output_dir", str(tmp_path / "pred")])
+    classifier.main(
+        [
+            "--predict",
+            str(tmp_path / "new_images"),
+            "--weights",
+            str(trained / "best.safetensors"),
+            "--data",
+            "no/such-dataset",
+            "--report_to",
+            "none",
+            "--output_dir",
+            str(tmp_path / "pred"),
+        ]
+    )
     import csv
 
     rows = list(csv.DictReader(open(tmp_path / "pred" / "predictions.csv")))
@@ -350,7 +525,9 @@ def test_predict_writes_top5_per_image(trained, tmp_path, capsys):
     for r in rows:
         probs = [float(r[f"prob_{k}"]) for k in range(1, 6)]
         assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-5
-        assert {r[f"class_{k}"] for k in range(1, 6)} <= {str(d) for d in range(10)} | set(digits.features["label"].names)
+        assert {r[f"class_{k}"] for k in range(1, 6)} <= {str(d) for d in range(10)} | set(
+            digits.features["label"].names
+        )
     assert "3 predictions" in capsys.readouterr().out
 
 
@@ -364,8 +541,19 @@ def test_weights_of_other_classes_are_refused_for_eval(trained, tmp_path, capsys
     from common.data import load_classification
 
     load_classification(str(folder))  # datasets reports building its cache once, on stderr: not the error line
-    line = error_line(capsys, classifier.main, ["--eval_only", "--weights", str(trained / "best.safetensors"), "--data",
-                                     str(folder), "--output_dir", str(tmp_path / "run")])
+    line = error_line(
+        capsys,
+        classifier.main,
+        [
+            "--eval_only",
+            "--weights",
+            str(trained / "best.safetensors"),
+            "--data",
+            str(folder),
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+    )
     assert "trained on classes" in line and not (tmp_path / "run").exists()
     assert "--eval_only" in error_line(capsys, classifier.main, ["--epochs", "0"])
 
@@ -373,8 +561,20 @@ def test_weights_of_other_classes_are_refused_for_eval(trained, tmp_path, capsys
 def test_bce_loss_is_per_class_sigmoids(tmp_path):
     """--bce_loss (with Mixup): the first loss is a mean of 10 per-class binary cross-entropies near log 2
     for an untrained model, where softmax cross-entropy starts near log 10."""
-    bce = classifier.main(TINY + ["--batch_size", "16", "--max_steps", "1", "--bce_loss", "--mixup", "0.8",
-                       "--output_dir", str(tmp_path / "bce")])
+    bce = classifier.main(
+        TINY
+        + [
+            "--batch_size",
+            "16",
+            "--max_steps",
+            "1",
+            "--bce_loss",
+            "--mixup",
+            "0.8",
+            "--output_dir",
+            str(tmp_path / "bce"),
+        ]
+    )
     ce = classifier.main(TINY + ["--batch_size", "16", "--max_steps", "1", "--output_dir", str(tmp_path / "ce")])
     first = [next(m for m in metrics(tmp_path / name) if "train/loss" in m)["train/loss"] for name in ("bce", "ce")]
     assert first[0] < 1.0 < 2.0 < first[1] and bce and ce
@@ -421,19 +621,47 @@ def test_dino_linear_evaluation_probes_the_last_blocks(trained, tmp_path):
     only the head trains, the backbone keeps the --init_weights values, and --eval_only rebuilds the probe
     from the saved config."""
     run = tmp_path / "probe"
-    classifier.main(TINY + ["--batch_size", "16", "--max_steps", "2", "--linear_probe", "--probe_blocks", "2",
-                            "--init_weights", str(trained / "best.safetensors"), "--output_dir", str(run)])
+    classifier.main(
+        TINY
+        + [
+            "--batch_size",
+            "16",
+            "--max_steps",
+            "2",
+            "--linear_probe",
+            "--probe_blocks",
+            "2",
+            "--init_weights",
+            str(trained / "best.safetensors"),
+            "--output_dir",
+            str(run),
+        ]
+    )
     init, final = weights(trained / "best.safetensors"), weights(run / "final.safetensors")
     assert final["head.weight"].shape == (10, 2 * 64)
     backbone = {k.removeprefix("backbone."): v for k, v in final.items() if k.startswith("backbone.")}
     assert backbone and all(torch.equal(v, init[k]) for k, v in backbone.items())
-    model = classifier.create_model(parse_config(classifier.Config, TINY + ["--linear_probe", "--probe_blocks", "2"]), 10)
+    model = classifier.create_model(
+        parse_config(classifier.Config, TINY + ["--linear_probe", "--probe_blocks", "2"]), 10
+    )
     model.load_state_dict(final)
     images = torch.randn(3, 3, 32, 32)
-    levels = model.backbone.forward_intermediates(images, indices=2, norm=True, output_fmt="NLC",
-                                                  intermediates_only=True, return_prefix_tokens=True)
+    levels = model.backbone.forward_intermediates(
+        images, indices=2, norm=True, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
+    )
     features = torch.cat([levels[0][1][:, 0], levels[1][1][:, 0]], dim=1)
     assert torch.allclose(model.eval()(images), model.head(features), atol=1e-5)
-    out = classifier.main(["--eval_only", "--weights", str(run / "final.safetensors"), "--report_to", "none",
-                           "--num_workers", "0", "--output_dir", str(tmp_path / "eval")])
+    out = classifier.main(
+        [
+            "--eval_only",
+            "--weights",
+            str(run / "final.safetensors"),
+            "--report_to",
+            "none",
+            "--num_workers",
+            "0",
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ]
+    )
     assert out["eval/top1"] == pytest.approx([m for m in metrics(run) if "eval/top1" in m][-1]["eval/top1"])

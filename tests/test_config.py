@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 import yaml
@@ -33,16 +33,15 @@ class Cfg:
     # data
     data: str = "digits"  # dataset name
     lr: float = 1e-3  # peak learning rate;
-        # a continuation line
+    # a continuation line
     epochs: int = 10  # training epochs
     # the comment lines right above a field without a trailing comment
     # describe it
     compile: bool = False
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # crop area
     milestones: list[int] = field(default_factory=list)  # epochs
-    note: Optional[str] = None  # a note
-    model_kwargs: dict = field(default_factory=lambda: {"depth": 4,
-                                                         "embed_dim": 96})  # a field over two lines
+    note: str | None = None  # a note
+    model_kwargs: dict = field(default_factory=lambda: {"depth": 4, "embed_dim": 96})  # a field over two lines
     # optimization: a heading with a colon
     sched: Literal["cosine", "linear", "step", "poly", "constant"] = "cosine"  # the schedule
     precision: Literal["", "no", "bf16"] = ""  # empty: as launched
@@ -61,7 +60,9 @@ def test_defaults_then_yaml_then_flags(tmp_path):
 
 
 def test_flag_forms():
-    cfg = parse_config(Cfg, ["--lr=0.1", "--compile", "false", "--data", "10", "--scale", "[0.2, 0.9]", "--note", "none"])
+    cfg = parse_config(
+        Cfg, ["--lr=0.1", "--compile", "false", "--data", "10", "--scale", "[0.2, 0.9]", "--note", "none"]
+    )
     assert cfg.lr == 0.1 and cfg.compile is False and cfg.data == "10" and cfg.scale == [0.2, 0.9]
     assert cfg.note is None
 
@@ -85,14 +86,17 @@ def test_unknown_yaml_key_names_closest_key(tmp_path):
         parse_config(Cfg, ["--config", str(path)])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--epochs", "ten"], "'epochs' expects an integer, got 'ten'"),
-    (["--lr", "fast"], "'lr' expects a number"),
-    (["--compile", "maybe"], "'compile' expects true or false"),
-    (["--scale", "[a, 1]"], "'scale' expects a number"),
-    (["--epochs"], "flag '--epochs' needs a value"),
-    (["epochs", "3"], "unexpected argument 'epochs'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--epochs", "ten"], "'epochs' expects an integer, got 'ten'"),
+        (["--lr", "fast"], "'lr' expects a number"),
+        (["--compile", "maybe"], "'compile' expects true or false"),
+        (["--scale", "[a, 1]"], "'scale' expects a number"),
+        (["--epochs"], "flag '--epochs' needs a value"),
+        (["epochs", "3"], "unexpected argument 'epochs'"),
+    ],
+)
 def test_wrong_types_and_shapes(argv, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
         parse_config(Cfg, argv)
@@ -146,9 +150,12 @@ def test_literal_fields_take_their_values(tmp_path):
 def test_literal_typo_on_the_command_line_names_the_closest_value():
     with pytest.raises(ConfigError) as e:
         parse_config(Cfg, ["--sched", "cosin"])
-    assert str(e.value) == ("config field 'sched' must be one of cosine, linear, step, poly, constant; "
-                            "got 'cosin' (did you mean 'cosine'?)")
-    with pytest.raises(ConfigError, match=r"'precision' must be one of '', no, bf16; got 'bf61' \(did you mean 'bf16'\?\)"):
+    assert str(e.value) == (
+        "config field 'sched' must be one of cosine, linear, step, poly, constant; got 'cosin' (did you mean 'cosine'?)"
+    )
+    with pytest.raises(
+        ConfigError, match=r"'precision' must be one of '', no, bf16; got 'bf61' \(did you mean 'bf16'\?\)"
+    ):
         parse_config(Cfg, ["--precision", "bf61"])
 
 
@@ -166,7 +173,9 @@ def test_run_time_choices_are_checked_only_when_given():
     calls = optimizers.calls
     assert parse_config(Cfg, []).opt == "adamw" and optimizers.calls == calls  # the default: not looked up
     assert parse_config(Cfg, ["--opt", "lamb"]).opt == "lamb"
-    with pytest.raises(ConfigError, match=r"'opt' must be one of adamw, sgd, lamb; got 'adamx' \(did you mean 'adamw'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"'opt' must be one of adamw, sgd, lamb; got 'adamx' \(did you mean 'adamw'\?\)"
+    ):
         parse_config(Cfg, ["--opt", "adamx"])
 
 
@@ -176,8 +185,9 @@ def test_field_docs_read_the_comments():
     assert docs["config"].description == "the YAML file" and docs["config"].heading == ""
     assert (docs["data"].description, docs["data"].heading) == ("dataset name", "data")
     assert docs["lr"].description == "peak learning rate; a continuation line"
-    assert docs["compile"].description == ("the comment lines right above a field without a trailing comment "
-                                           "describe it")
+    assert docs["compile"].description == (
+        "the comment lines right above a field without a trailing comment describe it"
+    )
     assert docs["compile"].heading == "" and docs["scale"].heading == ""
     assert docs["model_kwargs"].description == "a field over two lines"
     assert docs["sched"].heading == "optimization: a heading with a colon"
@@ -275,23 +285,37 @@ def test_a_redeclared_field_keeps_the_shared_description_and_help_lists_own_fiel
     assert docs["data"].description == field_docs(RunConfig)["data"].description and docs["data"].heading == "data"
     assert docs["epochs"].description == "training epochs"
     text = usage(Mine)
-    assert text.index("--data str (default: digits)") < text.index("--img_size") < text.index("--epochs int (default: 3)")
-    assert text.index("--epochs") < text.index("every recipe's fields (common.config.RunConfig):") < text.index(
-        "--output_dir")
+    assert (
+        text.index("--data str (default: digits)") < text.index("--img_size") < text.index("--epochs int (default: 3)")
+    )
+    assert (
+        text.index("--epochs")
+        < text.index("every recipe's fields (common.config.RunConfig):")
+        < text.index("--output_dir")
+    )
     assert text.count("--epochs") == 1
 
 
-@pytest.mark.parametrize("name, argv, message", [
-    ("classifier", ["--sched", "cosin"], "'sched' must be one of cosine, linear, step, poly, constant; got 'cosin' "
-                                         "(did you mean 'cosine'?)"),
-    ("classifier", ["--interpolation", "bicubik"], "(did you mean 'bicubic'?)"),
-    ("classifier", ["--opt", "adamW"], "got 'adamW' (did you mean 'adamw'?)"),
-    ("dino", ["--opt", "SGD"], "'opt' must be one of adamw, sgd; got 'SGD' (did you mean 'sgd'?)"),
-    ("yolo", ["--report_to", "wandbb"], "'report_to' must be one of wandb, tensorboard, none; got 'wandbb' "
-                                        "(did you mean 'wandb'?)"),
-    ("detr", ["--mixed_precision", "bf61"], "got 'bf61' (did you mean 'bf16'?)"),
-    ("faster_rcnn", ["--sched", "cosine"], "'sched' must be one of poly, step; got 'cosine'"),
-])
+@pytest.mark.parametrize(
+    "name, argv, message",
+    [
+        (
+            "classifier",
+            ["--sched", "cosin"],
+            "'sched' must be one of cosine, linear, step, poly, constant; got 'cosin' (did you mean 'cosine'?)",
+        ),
+        ("classifier", ["--interpolation", "bicubik"], "(did you mean 'bicubic'?)"),
+        ("classifier", ["--opt", "adamW"], "got 'adamW' (did you mean 'adamw'?)"),
+        ("dino", ["--opt", "SGD"], "'opt' must be one of adamw, sgd; got 'SGD' (did you mean 'sgd'?)"),
+        (
+            "yolo",
+            ["--report_to", "wandbb"],
+            "'report_to' must be one of wandb, tensorboard, none; got 'wandbb' (did you mean 'wandb'?)",
+        ),
+        ("detr", ["--mixed_precision", "bf61"], "got 'bf61' (did you mean 'bf16'?)"),
+        ("faster_rcnn", ["--sched", "cosine"], "'sched' must be one of poly, step; got 'cosine'"),
+    ],
+)
 def test_recipe_choices_are_checked_when_parsed(name, argv, message, tmp_path):
     """On the command line and in YAML alike, before the recipe makes anything."""
     module = recipe(name)

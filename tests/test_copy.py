@@ -40,8 +40,14 @@ def installed_common(site: Path) -> dict[str, str]:
 def test_a_copied_recipe_runs_outside_the_repository(name, tmp_path):
     script = copy_recipe(name, tmp_path / "work")
     args = ["--max_steps", "2", "--epochs", "1", "--num_workers", "0", "--report_to", "none", *QUICK.get(name, [])]
-    done = subprocess.run([sys.executable, str(script), *args], cwd=script.parent, env=installed_common(tmp_path),
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=script.parent,
+        env=installed_common(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # a copy under another name is its own recipe: its runs/<name>/, and its name where the run folder is said
     assert f"my_{name}: runs/my_{name}/default" in done.stdout.splitlines()
@@ -52,11 +58,13 @@ def test_without_common_a_copied_recipe_says_how_to_install_it(tmp_path):
     script = copy_recipe("classifier", tmp_path / "work")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # -S: no site-packages, so no installed common/ either; the check comes before any third-party import
-    missing = subprocess.run([sys.executable, "-S", str(script)], cwd=script.parent, env=env, capture_output=True,
-                             text=True, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, "-S", str(script)], cwd=script.parent, env=env, capture_output=True, text=True, timeout=60
+    )
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
-        "error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once"]
+        "error: this recipe needs the package common/: run `pip install -e <cv-recipes checkout>` once"
+    ]
     assert list(script.parent.iterdir()) == [script]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -45,9 +44,12 @@ def test_eval_split_carved_from_train_when_missing(tmp_path):
     assert isinstance(data.train.features["label"], datasets.ClassLabel)
 
 
-@pytest.mark.parametrize("data, message", [
-    ("no_such_dataset_anywhere", "dataset 'no_such_dataset_anywhere' could not be loaded"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ("no_such_dataset_anywhere", "dataset 'no_such_dataset_anywhere' could not be loaded"),
+    ],
+)
 def test_missing_dataset_is_one_clear_error(data, message):
     with pytest.raises(UserError, match=message):
         load_classification(data)
@@ -87,6 +89,7 @@ def test_augmentations_are_reproducible_per_sample():
 
     def noisy(image):  # an augmentation that draws from all three global generators
         import random
+
         return torch.tensor([torch.rand(()).item(), np.random.rand(), random.random()])
 
     a = ClassificationDataset(ds, "image", "label", noisy, seed=5)
@@ -119,7 +122,9 @@ def test_empty_split_and_class_mismatch_are_clear_errors(tmp_path):
     import datasets
 
     d = digits_dataset()
-    datasets.DatasetDict({"train": d["train"], "test": d["test"].filter(lambda row: False)}).save_to_disk(str(tmp_path / "empty"))
+    datasets.DatasetDict({"train": d["train"], "test": d["test"].filter(lambda row: False)}).save_to_disk(
+        str(tmp_path / "empty")
+    )
     with pytest.raises(UserError, match="the evaluation split of .* is empty"):
         load_classification(str(tmp_path / "empty"))
     other = d["test"].cast_column("label", datasets.ClassLabel(names=[f"c{i}" for i in range(10)]))

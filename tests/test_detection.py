@@ -40,11 +40,23 @@ def _xyxy(bbox) -> np.ndarray:
 
 # The least box-aware transform a recipe could use: a float image in 0..1, boxes clamped, boxes under
 # 1 px dropped with their labels (every recipe's transforms end so; recipes' own tests cover theirs).
-_plain = v2.Compose([v2.ToImage(), v2.ClampBoundingBoxes(), v2.SanitizeBoundingBoxes(min_size=1.0),
-                     v2.ToDtype(torch.float32, scale=True)])
+_plain = v2.Compose(
+    [
+        v2.ToImage(),
+        v2.ClampBoundingBoxes(),
+        v2.SanitizeBoundingBoxes(min_size=1.0),
+        v2.ToDtype(torch.float32, scale=True),
+    ]
+)
 # A random one: flip and photometric noise, seeded per sample by DetectionDataset.
-_random = v2.Compose([v2.ToImage(), v2.RandomHorizontalFlip(0.5), v2.RandomPhotometricDistort(p=1.0),
-                      v2.ToDtype(torch.float32, scale=True)])
+_random = v2.Compose(
+    [
+        v2.ToImage(),
+        v2.RandomHorizontalFlip(0.5),
+        v2.RandomPhotometricDistort(p=1.0),
+        v2.ToDtype(torch.float32, scale=True),
+    ]
+)
 
 
 # Sources: a COCO-json folder (two layouts) and a hub-schema dataset give the same rows
@@ -63,20 +75,45 @@ def _scenes() -> dict[str, list[dict]]:
             w, h = int(rng.integers(30, 60)), int(rng.integers(30, 60))
             count = 0 if image_id == 11 else 2  # an image without objects: a negative, kept
             boxes = [[float(rng.integers(0, w // 2)), float(rng.integers(0, h // 2)), 10.5, 12.0] for _ in range(count)]
-            rows.append({"image_id": image_id, "pixels": rng.integers(0, 255, (h, w, 3), dtype=np.uint8),
-                         "bbox": boxes, "category": rng.integers(0, 3, count).tolist(), "area": [100.0] * count})
+            rows.append(
+                {
+                    "image_id": image_id,
+                    "pixels": rng.integers(0, 255, (h, w, 3), dtype=np.uint8),
+                    "bbox": boxes,
+                    "category": rng.integers(0, 3, count).tolist(),
+                    "area": [100.0] * count,
+                }
+            )
         splits[split] = rows
     return splits
 
 
 def _coco_json(rows: list[dict], extra: list[dict] = ()) -> dict:
-    annotations = [{"id": 100 * r["image_id"] + k, "image_id": r["image_id"], "bbox": box, "area": area,
-                    "category_id": CATEGORY_IDS[c], "iscrowd": 0}
-                   for r in rows for k, (box, c, area) in enumerate(zip(r["bbox"], r["category"], r["area"]))]
-    return {"images": [{"id": r["image_id"], "file_name": f"{r['image_id']}.png", "width": r["pixels"].shape[1],
-                        "height": r["pixels"].shape[0]} for r in rows],
-            "annotations": annotations + list(extra),
-            "categories": [{"id": i, "name": n} for i, n in sorted(zip([7, 1, 3], ["dog", "bird", "cat"]))]}
+    annotations = [
+        {
+            "id": 100 * r["image_id"] + k,
+            "image_id": r["image_id"],
+            "bbox": box,
+            "area": area,
+            "category_id": CATEGORY_IDS[c],
+            "iscrowd": 0,
+        }
+        for r in rows
+        for k, (box, c, area) in enumerate(zip(r["bbox"], r["category"], r["area"]))
+    ]
+    return {
+        "images": [
+            {
+                "id": r["image_id"],
+                "file_name": f"{r['image_id']}.png",
+                "width": r["pixels"].shape[1],
+                "height": r["pixels"].shape[0],
+            }
+            for r in rows
+        ],
+        "annotations": annotations + list(extra),
+        "categories": [{"id": i, "name": n} for i, n in sorted(zip([7, 1, 3], ["dog", "bird", "cat"]))],
+    }
 
 
 def _write_coco(root: Path, layout: str, splits: dict[str, list[dict]]) -> Path:
@@ -98,27 +135,43 @@ def _hubdetection_table(splits: dict[str, list[dict]]):
     """The cppe-5 schema: image_id, image, width, height, objects{id, area, bbox, category: ClassLabel}."""
     import datasets
 
-    features = datasets.Features({
-        "image_id": datasets.Value("int64"), "image": datasets.Image(),
-        "width": datasets.Value("int32"), "height": datasets.Value("int32"),
-        "objects": {"id": datasets.Sequence(datasets.Value("int64")),
-                    "area": datasets.Sequence(datasets.Value("float64")),
-                    "bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float32"), length=4)),
-                    "category": datasets.Sequence(datasets.ClassLabel(names=CLASSES))},
-    })
+    features = datasets.Features(
+        {
+            "image_id": datasets.Value("int64"),
+            "image": datasets.Image(),
+            "width": datasets.Value("int32"),
+            "height": datasets.Value("int32"),
+            "objects": {
+                "id": datasets.Sequence(datasets.Value("int64")),
+                "area": datasets.Sequence(datasets.Value("float64")),
+                "bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float32"), length=4)),
+                "category": datasets.Sequence(datasets.ClassLabel(names=CLASSES)),
+            },
+        }
+    )
     out = {}
     for split, rows in splits.items():
-        out["validation" if split == "val" else split] = datasets.Dataset.from_dict({
-            "image_id": [r["image_id"] for r in rows], "image": [Image.fromarray(r["pixels"]) for r in rows],
-            "width": [r["pixels"].shape[1] for r in rows], "height": [r["pixels"].shape[0] for r in rows],
-            "objects": [{"id": list(range(len(r["bbox"]))), "area": r["area"], "bbox": r["bbox"],
-                         "category": r["category"]} for r in rows]}, features=features)
+        out["validation" if split == "val" else split] = datasets.Dataset.from_dict(
+            {
+                "image_id": [r["image_id"] for r in rows],
+                "image": [Image.fromarray(r["pixels"]) for r in rows],
+                "width": [r["pixels"].shape[1] for r in rows],
+                "height": [r["pixels"].shape[0] for r in rows],
+                "objects": [
+                    {"id": list(range(len(r["bbox"]))), "area": r["area"], "bbox": r["bbox"], "category": r["category"]}
+                    for r in rows
+                ],
+            },
+            features=features,
+        )
     return datasets.DatasetDict(out)
 
 
 def _rows(ds) -> list[tuple]:
-    return [(r["image_id"], r["width"], r["height"], r["objects"], np.asarray(decode_image(r["image"], "")).tobytes())
-            for r in ds]
+    return [
+        (r["image_id"], r["width"], r["height"], r["objects"], np.asarray(decode_image(r["image"], "")).tobytes())
+        for r in ds
+    ]
 
 
 def test_coco_folders_and_hub_dataset_load_to_the_same_rows(tmp_path):
@@ -129,13 +182,23 @@ def test_coco_folders_and_hub_dataset_load_to_the_same_rows(tmp_path):
     repo.mkdir(parents=True)
     for split, ds in hub.items():
         ds.to_parquet(str(repo / f"{split}-00000-of-00001.parquet"))
-    sources = {"coco": _write_coco(tmp_path / "coco", "coco", splits),
-               "roboflow": _write_coco(tmp_path / "roboflow", "roboflow", splits),
-               "saved": tmp_path / "saved", "repo": tmp_path / "repo"}
+    sources = {
+        "coco": _write_coco(tmp_path / "coco", "coco", splits),
+        "roboflow": _write_coco(tmp_path / "roboflow", "roboflow", splits),
+        "saved": tmp_path / "saved",
+        "repo": tmp_path / "repo",
+    }
     loaded = {name: load_detection(str(path)) for name, path in sources.items()}
-    expected = [(r["image_id"], r["pixels"].shape[1], r["pixels"].shape[0],
-                 {"bbox": r["bbox"], "category": r["category"], "area": r["area"], "iscrowd": [0] * len(r["bbox"])},
-                 r["pixels"].tobytes()) for r in splits["train"]]
+    expected = [
+        (
+            r["image_id"],
+            r["pixels"].shape[1],
+            r["pixels"].shape[0],
+            {"bbox": r["bbox"], "category": r["category"], "area": r["area"], "iscrowd": [0] * len(r["bbox"])},
+            r["pixels"].tobytes(),
+        )
+        for r in splits["train"]
+    ]
     for name, data in loaded.items():
         assert data.classes == CLASSES, name
         assert data.train.features == features() == data.eval.features, name
@@ -155,20 +218,27 @@ def test_every_source_keeps_the_datasets_category_ids(tmp_path):
     hub = _hubdetection_table(splits)
     hub.save_to_disk(str(tmp_path / "labels"))
     assert load_detection(str(tmp_path / "labels")).category_ids == [0, 1, 2]
-    raw = {name: ds.cast_column("objects", {**ds.features["objects"],
-                                            "category": datasets.Sequence(datasets.Value("int64"))})
-           .map(lambda row: {"objects": {**row["objects"], "category": [[0, 3, 7][c] for c in row["objects"]["category"]]}})
-           for name, ds in hub.items()}
+    raw = {
+        name: ds.cast_column(
+            "objects", {**ds.features["objects"], "category": datasets.Sequence(datasets.Value("int64"))}
+        ).map(
+            lambda row: {"objects": {**row["objects"], "category": [[0, 3, 7][c] for c in row["objects"]["category"]]}}
+        )
+        for name, ds in hub.items()
+    }
     datasets.DatasetDict(raw).save_to_disk(str(tmp_path / "raw"))
     data = load_detection(str(tmp_path / "raw"))
     assert data.classes == ["0", "3", "7"] and data.category_ids == [0, 3, 7]
     assert [o["category"] for o in data.train["objects"]] == [r["category"] for r in splits["train"]]
 
 
-@pytest.mark.parametrize("convert, message", [
-    (lambda b, w, h: [b[0] / w, b[1] / h, b[2] / w, b[3] / h], "look normalised"),
-    (lambda b, w, h: [b[0], b[1], b[0] + b[2], b[1] + b[3]], "look like corner boxes"),
-])
+@pytest.mark.parametrize(
+    "convert, message",
+    [
+        (lambda b, w, h: [b[0] / w, b[1] / h, b[2] / w, b[3] / h], "look normalised"),
+        (lambda b, w, h: [b[0], b[1], b[0] + b[2], b[1] + b[3]], "look like corner boxes"),
+    ],
+)
 def test_boxes_that_are_not_coco_pixels_are_one_clear_error(tmp_path, convert, message):
     """Normalised or [x0, y0, x1, y1] boxes in a hub table (or a COCO json) are refused, naming the data."""
     rng = np.random.default_rng(1)
@@ -176,8 +246,15 @@ def test_boxes_that_are_not_coco_pixels_are_one_clear_error(tmp_path, convert, m
     for image_id in range(12):
         w, h = 64, 48
         boxes = [[float(rng.integers(10, 40)), float(rng.integers(10, 30)), 20.0, 16.0] for _ in range(2)]
-        rows.append({"image_id": image_id, "pixels": rng.integers(0, 255, (h, w, 3), dtype=np.uint8), "area": [320.0] * 2,
-                     "bbox": [convert(b, w, h) for b in boxes], "category": [0, 1]})
+        rows.append(
+            {
+                "image_id": image_id,
+                "pixels": rng.integers(0, 255, (h, w, 3), dtype=np.uint8),
+                "area": [320.0] * 2,
+                "bbox": [convert(b, w, h) for b in boxes],
+                "category": [0, 1],
+            }
+        )
     _hubdetection_table({"train": rows[:8], "val": rows[8:]}).save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(UserError, match=f"boxes of split 'train' of '{tmp_path / 'saved'}'.*{message}"):
         load_detection(str(tmp_path / "saved"))
@@ -239,11 +316,13 @@ def test_bad_input_is_one_clear_error(tmp_path):
 # Dataset, collate, box helpers
 # --------------------------------------------------------------------------------------------
 def test_degenerate_boxes_are_dropped_and_counted():
-    boxes = [[10.0, 10.0, 20.0, 15.0],  # kept
-             [30.0, 10.0, 0.0, 10.0],  # zero width
-             [100.0, 100.0, 5.0, 5.0],  # outside the 80x60 image
-             [40.0, 40.0, 0.5, 0.5],  # under 1 px
-             [5.0, 5.0, 30.0, 30.0]]  # crowd: not a target, not counted as dropped
+    boxes = [
+        [10.0, 10.0, 20.0, 15.0],  # kept
+        [30.0, 10.0, 0.0, 10.0],  # zero width
+        [100.0, 100.0, 5.0, 5.0],  # outside the 80x60 image
+        [40.0, 40.0, 0.5, 0.5],  # under 1 px
+        [5.0, 5.0, 30.0, 30.0],
+    ]  # crowd: not a target, not counted as dropped
     ds = DetectionDataset(detection_table([bright_rectangle()], [boxes], [[0, 1, 2, 1, 2]], [[0, 0, 0, 0, 1]]), _plain)
     _, target = ds[0]
     assert target["boxes"].tolist() == [[10.0, 10.0, 30.0, 25.0]] and target["labels"].tolist() == [0]
@@ -266,8 +345,9 @@ def test_same_epoch_and_index_same_sample(digits_det):
 def test_workers_give_the_same_batches(digits_det):
     ds = DetectionDataset(digits_det.data.train.select(range(8)), _random, seed=0)
     batches = [[(1, i) for i in range(4)], [(1, i) for i in range(4, 8)]]
-    results = [list(torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=collate, num_workers=n))
-               for n in (0, 2)]
+    results = [
+        list(torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=collate, num_workers=n)) for n in (0, 2)
+    ]
     for (x0, m0, t0), (x1, m1, t1) in zip(*results):
         assert torch.equal(x0, x1) and torch.equal(m0, m1)
         assert all(torch.equal(a["boxes"], b["boxes"]) and a["image_id"] == b["image_id"] for a, b in zip(t0, t1))
@@ -309,9 +389,14 @@ def _predictions(ds, seed: int = 0) -> list[dict]:
         corner = rng.uniform(0, 70, (extra, 2))
         boxes = np.concatenate([boxes, np.concatenate([corner, corner + rng.uniform(8, 30, (extra, 2))], 1)])
         labels = np.concatenate([labels, rng.integers(0, 10, extra)])
-        out.append({"image_id": row["image_id"], "boxes": torch.tensor(boxes, dtype=torch.float32),
-                    "scores": torch.tensor(rng.random(len(boxes)), dtype=torch.float32),
-                    "labels": torch.tensor(labels, dtype=torch.int64)})
+        out.append(
+            {
+                "image_id": row["image_id"],
+                "boxes": torch.tensor(boxes, dtype=torch.float32),
+                "scores": torch.tensor(rng.random(len(boxes)), dtype=torch.float32),
+                "labels": torch.tensor(labels, dtype=torch.int64),
+            }
+        )
     return out
 
 
@@ -326,8 +411,9 @@ def _pycocotools(gt_json: dict, predictions: list[dict]) -> list[float]:
     for p in predictions:
         b = p["boxes"].double()
         for (x0, y0, x1, y1), s, c in zip(b.tolist(), p["scores"].double().tolist(), p["labels"].tolist()):
-            results.append({"image_id": p["image_id"], "bbox": [x0, y0, x1 - x0, y1 - y0], "score": s,
-                            "category_id": c})
+            results.append(
+                {"image_id": p["image_id"], "bbox": [x0, y0, x1 - x0, y1 - y0], "score": s, "category_id": c}
+            )
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO()
         gt.dataset = gt_json
@@ -344,8 +430,11 @@ def val_subset(digits_det):
     ds = digits_det.data.eval.select(range(120))
     gt = json.loads((digits_det.folder / "annotations" / "instances_val.json").read_text())
     ids = set(ds["image_id"])
-    gt = {"images": [i for i in gt["images"] if i["id"] in ids], "categories": gt["categories"],
-          "annotations": [a for a in gt["annotations"] if a["image_id"] in ids]}
+    gt = {
+        "images": [i for i in gt["images"] if i["id"] in ids],
+        "categories": gt["categories"],
+        "annotations": [a for a in gt["annotations"] if a["image_id"] in ids],
+    }
     return SimpleNamespace(ds=ds, gt=gt, predictions=_predictions(ds))
 
 
@@ -361,18 +450,34 @@ def test_evaluator_equals_pycocotools_whatever_the_batching(val_subset):
     assert 0.2 < metrics["map_50"] < 0.95 and metrics["map_large"] == -1  # no large digits in 96 px scenes
     shuffled = [predictions[i] for i in np.random.default_rng(1).permutation(len(predictions))]
     padded = predictions + predictions[:5]  # Accelerate repeats the first samples to fill the last batch
-    for batches in ([[p] for p in predictions], [shuffled[i:i + 4] for i in range(0, len(shuffled), 4)],
-                    [padded[i:i + 7] for i in range(0, len(padded), 7)]):
+    for batches in (
+        [[p] for p in predictions],
+        [shuffled[i : i + 4] for i in range(0, len(shuffled), 4)],
+        [padded[i : i + 7] for i in range(0, len(padded), 7)],
+    ):
         assert _evaluate(ds, batches) == metrics
 
 
 def test_evaluator_perfect_and_empty_predictions(val_subset):
-    perfect = [{"image_id": row["image_id"], "boxes": torch.tensor(_xyxy(row["objects"]["bbox"])),
-                "scores": torch.ones(len(row["objects"]["bbox"])), "labels": torch.tensor(row["objects"]["category"])}
-               for row in val_subset.ds]
+    perfect = [
+        {
+            "image_id": row["image_id"],
+            "boxes": torch.tensor(_xyxy(row["objects"]["bbox"])),
+            "scores": torch.ones(len(row["objects"]["bbox"])),
+            "labels": torch.tensor(row["objects"]["category"]),
+        }
+        for row in val_subset.ds
+    ]
     metrics = _evaluate(val_subset.ds, [perfect], [str(i) for i in range(10)])
-    assert metrics == {"map": 1.0, "map_50": 1.0, "map_75": 1.0, "map_small": 1.0, "map_medium": 1.0, "map_large": -1.0,
-                       "map_50_11pt": 1.0}
+    assert metrics == {
+        "map": 1.0,
+        "map_50": 1.0,
+        "map_75": 1.0,
+        "map_small": 1.0,
+        "map_medium": 1.0,
+        "map_large": -1.0,
+        "map_50_11pt": 1.0,
+    }
     evaluator = CocoEvaluator(val_subset.ds)
     assert evaluator.evaluate([]) == {**{k: 0.0 for k in metrics}, "map_large": -1.0}  # -1: no large ground truth
     with pytest.raises(ValueError, match="image_id 123456"):
@@ -382,9 +487,15 @@ def test_evaluator_perfect_and_empty_predictions(val_subset):
 def test_evaluator_keeps_nothing_between_calls(val_subset):
     """Each call scores only its own predictions: the first predictions per image win within one call
     (Accelerate's padding repeats), never across calls, so no reset can be forgotten."""
-    perfect = [{"image_id": row["image_id"], "boxes": torch.tensor(_xyxy(row["objects"]["bbox"])),
-                "scores": torch.ones(len(row["objects"]["bbox"])), "labels": torch.tensor(row["objects"]["category"])}
-               for row in val_subset.ds]
+    perfect = [
+        {
+            "image_id": row["image_id"],
+            "boxes": torch.tensor(_xyxy(row["objects"]["bbox"])),
+            "scores": torch.ones(len(row["objects"]["bbox"])),
+            "labels": torch.tensor(row["objects"]["category"]),
+        }
+        for row in val_subset.ds
+    ]
     evaluator = CocoEvaluator(val_subset.ds)
     state = dict(vars(evaluator))
     assert evaluator.evaluate(iter([perfect]))["map"] == 1.0
@@ -405,11 +516,20 @@ def test_evaluator_treats_crowd_and_area_as_coco_does(tmp_path):
     rows = {r["image_id"]: r for r in data.eval}
     gt = _xyxy(rows[10]["objects"]["bbox"])
     # two detections of the ground truth and two on the crowd region (class 1, 'cat'): COCO ignores the latter
-    predictions = [{"image_id": 10, "boxes": torch.tensor(np.concatenate([gt[:2] + 0.5, [[1, 1, 21, 21], [2, 2, 20, 19]]])),
-                    "scores": torch.tensor([0.9, 0.6, 0.8, 0.7]),
-                    "labels": torch.tensor(rows[10]["objects"]["category"][:2] + [1, 1])},
-                   {"image_id": 11, "boxes": torch.tensor([[3.0, 3.0, 12.0, 15.0]]), "scores": torch.tensor([0.95]),
-                    "labels": torch.tensor([0])}]
+    predictions = [
+        {
+            "image_id": 10,
+            "boxes": torch.tensor(np.concatenate([gt[:2] + 0.5, [[1, 1, 21, 21], [2, 2, 20, 19]]])),
+            "scores": torch.tensor([0.9, 0.6, 0.8, 0.7]),
+            "labels": torch.tensor(rows[10]["objects"]["category"][:2] + [1, 1]),
+        },
+        {
+            "image_id": 11,
+            "boxes": torch.tensor([[3.0, 3.0, 12.0, 15.0]]),
+            "scores": torch.tensor([0.95]),
+            "labels": torch.tensor([0]),
+        },
+    ]
     # pycocotools on the original json, with its COCO category ids
     direct = [{**p, "labels": torch.tensor([CATEGORY_IDS[int(c)] for c in p["labels"]])} for p in predictions]
     assert list(_evaluate(data.eval, [predictions], data.classes).values())[:6] == _pycocotools(gt_json, direct)
@@ -422,24 +542,38 @@ def _voc07_devkit(ds, predictions: list[dict], num_classes: int) -> float:
     over recall 0, 0.1, ..., 1 of the best precision at that recall or above. Difficult = crowd here."""
     aps = []
     for c in range(num_classes):
-        gt = {row["image_id"]: (_xyxy(row["objects"]["bbox"])[np.array(row["objects"]["category"]) == c],
-                                np.array(row["objects"]["iscrowd"], bool)[np.array(row["objects"]["category"]) == c])
-              for row in ds}
+        gt = {
+            row["image_id"]: (
+                _xyxy(row["objects"]["bbox"])[np.array(row["objects"]["category"]) == c],
+                np.array(row["objects"]["iscrowd"], bool)[np.array(row["objects"]["category"]) == c],
+            )
+            for row in ds
+        }
         positives = sum(int((~hard).sum()) for _, hard in gt.values())
         if not positives:
             continue
-        found = sorted(((float(s), p["image_id"], np.asarray(b, np.float64)) for p in predictions
-                        for b, s, l in zip(p["boxes"].tolist(), p["scores"].tolist(), p["labels"].tolist()) if l == c),
-                       key=lambda d: -d[0])
+        found = sorted(
+            (
+                (float(s), p["image_id"], np.asarray(b, np.float64))
+                for p in predictions
+                for b, s, label in zip(p["boxes"].tolist(), p["scores"].tolist(), p["labels"].tolist())
+                if label == c
+            ),
+            key=lambda d: -d[0],
+        )
         taken = {image_id: np.zeros(len(boxes), bool) for image_id, (boxes, _) in gt.items()}
         tp, fp = [], []
         for _, image_id, box in found:
             boxes, hard = gt[image_id]
             if len(boxes):
-                inter = (np.clip(np.minimum(box[2], boxes[:, 2]) - np.maximum(box[0], boxes[:, 0]), 0, None)
-                         * np.clip(np.minimum(box[3], boxes[:, 3]) - np.maximum(box[1], boxes[:, 1]), 0, None))
-                iou = inter / ((box[2] - box[0]) * (box[3] - box[1]) + (boxes[:, 2] - boxes[:, 0])
-                               * (boxes[:, 3] - boxes[:, 1]) - inter)
+                inter = np.clip(np.minimum(box[2], boxes[:, 2]) - np.maximum(box[0], boxes[:, 0]), 0, None) * np.clip(
+                    np.minimum(box[3], boxes[:, 3]) - np.maximum(box[1], boxes[:, 1]), 0, None
+                )
+                iou = inter / (
+                    (box[2] - box[0]) * (box[3] - box[1])
+                    + (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+                    - inter
+                )
                 j = int(iou.argmax())
                 if iou[j] >= 0.5:
                     if hard[j]:
@@ -450,8 +584,9 @@ def _voc07_devkit(ds, predictions: list[dict], num_classes: int) -> float:
             tp.append(False), fp.append(True)
         tp, fp = np.cumsum(tp), np.cumsum(fp)
         recall, precision = tp / positives, tp / np.maximum(tp + fp, 1e-12)
-        aps.append(np.mean([precision[recall >= t].max() if (recall >= t).any() else 0.0
-                            for t in np.linspace(0, 1, 11)]))
+        aps.append(
+            np.mean([precision[recall >= t].max() if (recall >= t).any() else 0.0 for t in np.linspace(0, 1, 11)])
+        )
     return float(np.mean(aps))
 
 
@@ -466,8 +601,12 @@ def test_evaluator_gives_voc07s_11_point_ap50_with_difficult_boxes_ignored(val_s
     # 1, 1/2, 2/3, 2/4, 3/5: the best precision at recall >= 0, .1, .2 is 1, at .3 .. .5 2/3, at .6 .. .7
     # 3/5, at .8 .. 1 nothing (0)
     found = [hit[0], [80, 80, 90, 90], [1, 41, 29, 69], hit[1], [0.5, 0, 10, 10], hit[2]]
-    prediction = {"image_id": 1, "boxes": torch.tensor(found, dtype=torch.float32),
-                  "scores": torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4]), "labels": torch.zeros(6, dtype=torch.int64)}
+    prediction = {
+        "image_id": 1,
+        "boxes": torch.tensor(found, dtype=torch.float32),
+        "scores": torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4]),
+        "labels": torch.zeros(6, dtype=torch.int64),
+    }
     metrics = _evaluate(ds, [[prediction]])
     expected = (3 * 1 + 3 * 2 / 3 + 2 * 3 / 5 + 3 * 0) / 11
     assert metrics["map_50_11pt"] == pytest.approx(expected, abs=1e-12)
@@ -504,16 +643,32 @@ accelerator.end_training()
 def test_two_processes_give_the_one_process_metrics(val_subset, tmp_path):
     if not torch.distributed.is_gloo_available():
         pytest.skip("gloo backend not available")
-    plain = [{"image_id": p["image_id"], "boxes": p["boxes"].tolist(), "scores": p["scores"].tolist(),
-              "labels": p["labels"].tolist()} for p in val_subset.predictions]
+    plain = [
+        {
+            "image_id": p["image_id"],
+            "boxes": p["boxes"].tolist(),
+            "scores": p["scores"].tolist(),
+            "labels": p["labels"].tolist(),
+        }
+        for p in val_subset.predictions
+    ]
     # Uneven shards; rank 1 ends with a repeat of the first image, as Accelerate pads the last batch.
     shards = [plain[:70], plain[70:] + plain[:1]]
     (tmp_path / "predictions.json").write_text(json.dumps(shards))
     (tmp_path / "script.py").write_text(_TWO_PROCESS_SCRIPT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               str(tmp_path / "script.py"), str(tmp_path / "predictions.json"), str(tmp_path)]
-    proc = subprocess.run(command, cwd=ROOT, env=recipe_env(2, PYTHONPATH=str(ROOT)),
-                          capture_output=True, text=True, timeout=300)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(tmp_path / "script.py"),
+        str(tmp_path / "predictions.json"),
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        command, cwd=ROOT, env=recipe_env(2, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = _evaluate(val_subset.ds, [val_subset.predictions])
     for rank in (0, 1):  # every process gets the same numbers
@@ -526,7 +681,11 @@ def test_two_processes_give_the_one_process_metrics(val_subset, tmp_path):
 def test_draw_detections_and_wandb_boxes():
     image = bright_rectangle(80, 60)
     gt, labels = torch.tensor([[20.0, 10.0, 45.0, 30.0]]), torch.tensor([1])
-    pred, pred_labels, scores = torch.tensor([[21.0, 11.0, 44.0, 29.0], [0.0, 0.0, 5.0, 5.0]]), torch.tensor([1, 2]), torch.tensor([0.9, 0.1])
+    pred, pred_labels, scores = (
+        torch.tensor([[21.0, 11.0, 44.0, 29.0], [0.0, 0.0, 5.0, 5.0]]),
+        torch.tensor([1, 2]),
+        torch.tensor([0.9, 0.1]),
+    )
     drawn = draw_detections(image, gt, labels, pred, pred_labels, scores, CLASSES)
     # enlarged 6x (a whole factor up to 512 px), with the same margin on every side for edge labels
     assert drawn.width - drawn.height == (80 - 60) * 6 and 480 < drawn.width < 560
@@ -536,8 +695,9 @@ def test_draw_detections_and_wandb_boxes():
     # the same picture from a uint8 tensor and from a float one in 0..1
     as_uint8 = torch.from_numpy(np.array(image)).permute(2, 0, 1)
     for same in (as_uint8, as_uint8.float() / 255):
-        assert np.array_equal(np.asarray(draw_detections(same, gt, labels, pred, pred_labels, scores, CLASSES)),
-                              np.asarray(drawn))
+        assert np.array_equal(
+            np.asarray(draw_detections(same, gt, labels, pred, pred_labels, scores, CLASSES)), np.asarray(drawn)
+        )
     boxes = wandb_boxes(gt, labels, pred, pred_labels, scores, CLASSES)
     assert boxes["ground_truth"]["class_labels"] == {0: "bird", 1: "cat", 2: "dog"}
     assert boxes["ground_truth"]["box_data"][0]["position"] == {"minX": 20.0, "minY": 10.0, "maxX": 45.0, "maxY": 30.0}
@@ -546,14 +706,18 @@ def test_draw_detections_and_wandb_boxes():
 
 
 def test_save_detections_writes_one_png_and_logs_plain_images_with_boxes(tmp_path):
-    images = [torch.from_numpy(np.array(bright_rectangle(80, 60))).permute(2, 0, 1),
-              torch.from_numpy(np.array(bright_rectangle(50, 70))).permute(2, 0, 1)]
-    targets = [{"boxes": torch.tensor([[20.0, 10.0, 45.0, 30.0]]), "labels": torch.tensor([1])},
-               {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long)}]
-    predictions = [{"boxes": torch.tensor([[21.0, 11.0, 44.0, 29.0]]), "labels": torch.tensor([1]),
-                    "scores": torch.tensor([0.9])},
-                   {"boxes": torch.tensor([[1.0, 2.0, 30.0, 40.0]]), "labels": torch.tensor([2]),
-                    "scores": torch.tensor([0.8])}]
+    images = [
+        torch.from_numpy(np.array(bright_rectangle(80, 60))).permute(2, 0, 1),
+        torch.from_numpy(np.array(bright_rectangle(50, 70))).permute(2, 0, 1),
+    ]
+    targets = [
+        {"boxes": torch.tensor([[20.0, 10.0, 45.0, 30.0]]), "labels": torch.tensor([1])},
+        {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long)},
+    ]
+    predictions = [
+        {"boxes": torch.tensor([[21.0, 11.0, 44.0, 29.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.9])},
+        {"boxes": torch.tensor([[1.0, 2.0, 30.0, 40.0]]), "labels": torch.tensor([2]), "scores": torch.tensor([0.8])},
+    ]
 
     class Run:  # stands in for a wandb run: records what is logged
         logged: list = []

@@ -38,12 +38,20 @@ def _user_folder(root: Path, sizes: dict[str, int]) -> Path:
         (root / split).mkdir(parents=True)
         for im in images:
             shutil.copy(source / split / im["file_name"], root / split / im["file_name"])
-        annotations = [dict(a, image_id=new_id[a["image_id"]], category_id=IDS[digit[a["category_id"]]], id=k + 1)
-                       for k, a in enumerate(a for a in coco["annotations"] if a["image_id"] in new_id)]
+        annotations = [
+            dict(a, image_id=new_id[a["image_id"]], category_id=IDS[digit[a["category_id"]]], id=k + 1)
+            for k, a in enumerate(a for a in coco["annotations"] if a["image_id"] in new_id)
+        ]
         (root / "annotations").mkdir(exist_ok=True)
-        (root / "annotations" / f"instances_{split}.json").write_text(json.dumps({
-            "images": [dict(im, id=new_id[im["id"]]) for im in images], "annotations": annotations,
-            "categories": [{"id": i, "name": NAMES[i]} for i in sorted(NAMES, key=str)]}))  # 0, 12, 15, 20, 3, ...
+        (root / "annotations" / f"instances_{split}.json").write_text(
+            json.dumps(
+                {
+                    "images": [dict(im, id=new_id[im["id"]]) for im in images],
+                    "annotations": annotations,
+                    "categories": [{"id": i, "name": NAMES[i]} for i in sorted(NAMES, key=str)],
+                }
+            )
+        )  # 0, 12, 15, 20, 3, ...
     return root
 
 
@@ -94,7 +102,8 @@ def test_weights_and_predictions_json_keep_the_users_ids(frcnn_run):
     assert reported["eval/map_50"] > 0.3, reported  # a detector that found the digits, not an empty file
     # the user's own scoring of the file gives the numbers the recipe reported
     assert _pycocotools(data / "annotations" / "instances_val.json", results) == pytest.approx(
-        [reported[f"eval/{k}"] for k in METRICS], abs=1e-12)
+        [reported[f"eval/{k}"] for k in METRICS], abs=1e-12
+    )
 
 
 @pytest.mark.slow
@@ -106,16 +115,36 @@ def test_eval_only_reproduces_the_run_in_fp32_and_under_bf16(frcnn_run, tmp_path
     scores = {}
     for precision in ("no", "bf16"):
         out = tmp_path / precision
-        check(run_recipe("faster_rcnn", ["--eval_only", "--weights", str(run / "final.safetensors"), "--data",
-                                         str(data), "--output_dir", str(out), "--mixed_precision", precision,
-                                         *FRCNN], timeout=300))
+        check(
+            run_recipe(
+                "faster_rcnn",
+                [
+                    "--eval_only",
+                    "--weights",
+                    str(run / "final.safetensors"),
+                    "--data",
+                    str(data),
+                    "--output_dir",
+                    str(out),
+                    "--mixed_precision",
+                    precision,
+                    *FRCNN,
+                ],
+                timeout=300,
+            )
+        )
         scores[precision] = _last_eval(out)
         assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.jsonl", "plots", "predictions.json"]
         assert sorted(p.name for p in (out / "plots").iterdir()) == [
-            "confusion_matrix.png", "detections.png", "per_class_ap.csv", "pr_curves.png"]
+            "confusion_matrix.png",
+            "detections.png",
+            "per_class_ap.csv",
+            "pr_curves.png",
+        ]
     assert {k: scores["no"][f"eval/{k}"] for k in METRICS} == {k: reported[f"eval/{k}"] for k in METRICS}
     assert json.loads((tmp_path / "no" / "predictions.json").read_text()) == json.loads(
-        (run / "predictions.json").read_text())
+        (run / "predictions.json").read_text()
+    )
     # bf16 features move scores and proposals a little, not the boxes' coordinates (rounded boxes cost
     # a perfect detector 0.19 mAP); a size bucket of a few dozen boxes moves in steps of about 0.01
     for k in METRICS:
@@ -134,24 +163,49 @@ def test_predict_writes_detections_in_original_pixels_and_the_users_ids(frcnn_ru
     (images / "sub").mkdir(parents=True)
     shutil.copy(data / "val" / first["file_name"], images / "plain.png")
     with Image.open(data / "val" / second["file_name"]) as picture:
-        picture.resize((picture.width * 3 // 2, picture.height * 3 // 2), Image.BICUBIC).save(images / "sub" / "big.png")
+        picture.resize((picture.width * 3 // 2, picture.height * 3 // 2), Image.BICUBIC).save(
+            images / "sub" / "big.png"
+        )
     out = tmp_path / "predict"
-    check(run_recipe("faster_rcnn", ["--predict", str(images), "--weights", str(run / "final.safetensors"),
-                                     "--data", "no/such/dataset", "--output_dir", str(out), "--predict_score", "0.3",
-                                     *FRCNN], timeout=300))
+    check(
+        run_recipe(
+            "faster_rcnn",
+            [
+                "--predict",
+                str(images),
+                "--weights",
+                str(run / "final.safetensors"),
+                "--data",
+                "no/such/dataset",
+                "--output_dir",
+                str(out),
+                "--predict_score",
+                "0.3",
+                *FRCNN,
+            ],
+            timeout=300,
+        )
+    )
     entries = {Path(e["file"]).name: e for e in json.loads((out / "predictions.json").read_text())}
     assert sorted(entries) == ["big.png", "plain.png"]
-    assert (entries["big.png"]["width"], entries["big.png"]["height"]) == (second["width"] * 3 // 2,
-                                                                           second["height"] * 3 // 2)
+    assert (entries["big.png"]["width"], entries["big.png"]["height"]) == (
+        second["width"] * 3 // 2,
+        second["height"] * 3 // 2,
+    )
     assert sorted(str(p.relative_to(out / "predictions")) for p in (out / "predictions").rglob("*.png")) == [
-        "plain.png", "sub/big.png"]
+        "plain.png",
+        "sub/big.png",
+    ]
     for e in entries.values():
         for d in e["detections"]:
             assert d["score"] >= 0.3 and NAMES[d["category_id"]] == d["class"]
             x0, y0, x1, y1 = d["box"]
             assert -0.5 <= x0 < x1 <= e["width"] + 0.5 and -0.5 <= y0 < y1 <= e["height"] + 0.5
-    evaluated = [r for r in json.loads((run / "predictions.json").read_text())
-                 if r["image_id"] == first["id"] and r["score"] >= 0.3]
+    evaluated = [
+        r
+        for r in json.loads((run / "predictions.json").read_text())
+        if r["image_id"] == first["id"] and r["score"] >= 0.3
+    ]
     plain = entries["plain.png"]["detections"]
     assert plain and len(plain) == len(evaluated)
     for d, r in zip(plain, sorted(evaluated, key=lambda r: -r["score"])):
@@ -173,8 +227,24 @@ def test_predict_with_two_processes_writes_what_one_does(frcnn_run, tmp_path):
     written = {}
     for nproc in (1, 2):
         out = tmp_path / f"predict{nproc}"
-        check(run_recipe("faster_rcnn", ["--predict", str(images), "--weights", str(run / "final.safetensors"),
-                                         "--output_dir", str(out), "--batch_size", "1", *FRCNN], nproc=nproc, timeout=300))
+        check(
+            run_recipe(
+                "faster_rcnn",
+                [
+                    "--predict",
+                    str(images),
+                    "--weights",
+                    str(run / "final.safetensors"),
+                    "--output_dir",
+                    str(out),
+                    "--batch_size",
+                    "1",
+                    *FRCNN,
+                ],
+                nproc=nproc,
+                timeout=300,
+            )
+        )
         written[nproc] = json.loads((out / "predictions.json").read_text())
         assert len(list((out / "predictions").glob("*.png"))) == 5
     assert [e["file"] for e in written[2]] == [e["file"] for e in written[1]] and len(written[1]) == 5
@@ -188,21 +258,38 @@ def test_predict_with_two_processes_writes_what_one_does(frcnn_run, tmp_path):
 def test_eval_only_refuses_weights_of_other_classes_and_predict_needs_weights(frcnn_run, capsys):
     _, run = frcnn_run
     frcnn = load_recipe("faster_rcnn")
-    line = error_line(capsys, frcnn.main, ["--eval_only", "--weights", str(run / "final.safetensors"),
-                                           "--data", "digits_det", "--report_to", "none"])
+    line = error_line(
+        capsys,
+        frcnn.main,
+        ["--eval_only", "--weights", str(run / "final.safetensors"), "--data", "digits_det", "--report_to", "none"],
+    )
     assert "were trained on classes 0:zero, 3:one, 7:two, 8:three, 12:four" in line, line
     assert "the data has 0:0, 1:1" in line, line
     assert "predict needs --weights" in error_line(capsys, frcnn.main, ["--predict", str(run), "--report_to", "none"])
     detr = load_recipe("detr")
-    assert "do not fit" in error_line(capsys, detr.main, ["--eval_only", "--weights", str(run / "final.safetensors"),
-                                                          "--data", str(frcnn_run[0]), "--report_to", "none"])
+    assert "do not fit" in error_line(
+        capsys,
+        detr.main,
+        [
+            "--eval_only",
+            "--weights",
+            str(run / "final.safetensors"),
+            "--data",
+            str(frcnn_run[0]),
+            "--report_to",
+            "none",
+        ],
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe, args", [
-    ("yolo", ["--export", "false", "--num_workers", "0", "--conf_threshold", "0"]),  # 4 steps: scores are low
-    ("detr", ["--pretrain_crops_epochs", "0", "--num_workers", "0", "--best_metric", "map_50_11pt"]),
-])
+@pytest.mark.parametrize(
+    "recipe, args",
+    [
+        ("yolo", ["--export", "false", "--num_workers", "0", "--conf_threshold", "0"]),  # 4 steps: scores are low
+        ("detr", ["--pretrain_crops_epochs", "0", "--num_workers", "0", "--best_metric", "map_50_11pt"]),
+    ],
+)
 def test_eval_only_and_predict_in_every_detector(recipe, args, tmp_path):
     """A few training steps, then --eval_only (the same metrics as the run's last evaluation, the ids in
     predictions.json) and --predict on a folder (one entry and one picture per image)."""
@@ -220,9 +307,23 @@ def test_eval_only_and_predict_in_every_detector(recipe, args, tmp_path):
     results = json.loads((tmp_path / "eval" / "predictions.json").read_text())
     assert results and {r["category_id"] for r in results} <= set(NAMES)
     assert _pycocotools(data / "annotations" / "instances_val.json", results) == pytest.approx(
-        [reported[f"eval/{k}"] for k in METRICS], abs=1e-12)
-    check(run_recipe(recipe, [*common, *weights, "--predict", str(data / "val"), "--predict_score", "0",
-                              "--output_dir", str(tmp_path / "predict")]))
+        [reported[f"eval/{k}"] for k in METRICS], abs=1e-12
+    )
+    check(
+        run_recipe(
+            recipe,
+            [
+                *common,
+                *weights,
+                "--predict",
+                str(data / "val"),
+                "--predict_score",
+                "0",
+                "--output_dir",
+                str(tmp_path / "predict"),
+            ],
+        )
+    )
     entries = json.loads((tmp_path / "predict" / "predictions.json").read_text())
     assert len(entries) == 16 and len(list((tmp_path / "predict" / "predictions").glob("*.png"))) == 16
     assert all(d["category_id"] in NAMES for e in entries for d in e["detections"])
@@ -243,7 +344,11 @@ def test_yolo_clips_its_boxes_to_the_original_image(monkeypatch):
         def decode(self, raw, height, width):
             return torch.zeros(len(raw), 1, 4), torch.zeros(len(raw), 1, 1)
 
-    box = {"boxes": torch.tensor([[-8.0, 10.0, 70.0, 40.0]]), "scores": torch.tensor([0.9]), "labels": torch.tensor([0])}
+    box = {
+        "boxes": torch.tensor([[-8.0, 10.0, 70.0, 40.0]]),
+        "scores": torch.tensor([0.9]),
+        "labels": torch.tensor([0]),
+    }
     monkeypatch.setattr(yolo, "postprocess", lambda *args: [dict(box)])
     loader = [(torch.zeros(1, 3, 64, 64), None, [{"image_id": 1, "size": (64, 64), "orig_size": (32, 48)}])]
     (batch,) = list(yolo.detect(Model(), loader, Accelerator(cpu=True), yolo.Config()))

@@ -24,10 +24,14 @@ detr = load_recipe("detr")
 
 
 def _random_case(gen: torch.Generator, queries: int, counts: list[int], classes: int = 5):
-    outputs = {"pred_logits": torch.randn(len(counts), queries, classes + 1, generator=gen),
-               "pred_boxes": torch.rand(len(counts), queries, 4, generator=gen) * 0.5 + 0.25}
-    targets = [{"labels": torch.randint(classes, (n,), generator=gen),
-                "boxes": torch.rand(n, 4, generator=gen) * 0.5 + 0.25} for n in counts]
+    outputs = {
+        "pred_logits": torch.randn(len(counts), queries, classes + 1, generator=gen),
+        "pred_boxes": torch.rand(len(counts), queries, 4, generator=gen) * 0.5 + 0.25,
+    }
+    targets = [
+        {"labels": torch.randint(classes, (n,), generator=gen), "boxes": torch.rand(n, 4, generator=gen) * 0.5 + 0.25}
+        for n in counts
+    ]
     return outputs, targets
 
 
@@ -43,17 +47,20 @@ def test_matcher_equals_brute_force_over_permutations():
     gen = torch.Generator().manual_seed(0)
     matcher = HungarianMatcher(1.0, 5.0, 2.0)
     for trial in range(6):
-        counts = [3, 0, 4, 1, 2][trial % 5:] + [3, 0, 4, 1, 2][: trial % 5]
+        counts = [3, 0, 4, 1, 2][trial % 5 :] + [3, 0, 4, 1, 2][: trial % 5]
         outputs, targets = _random_case(gen, 4, counts)
         for i, (rows, cols) in enumerate(matcher(outputs, targets)):
             cost = _cost_of(matcher, outputs, targets, i)
             n = counts[i]
             assert len(rows) == len(cols) == n and rows.dtype == cols.dtype == torch.int64
-            best = min(itertools.permutations(range(4), n), key=lambda qs: sum(float(cost[q, t]) for t, q in enumerate(qs)))
+            best = min(
+                itertools.permutations(range(4), n), key=lambda qs: sum(float(cost[q, t]) for t, q in enumerate(qs))
+            )
             got = dict(zip(cols.tolist(), rows.tolist()))  # target -> query
             assert tuple(got[t] for t in range(n)) == best
             assert sum(float(cost[q, t]) for t, q in got.items()) == pytest.approx(
-                sum(float(cost[q, t]) for t, q in enumerate(best)))
+                sum(float(cost[q, t]) for t, q in enumerate(best))
+            )
 
 
 def test_matcher_cost_is_minus_prob_plus_l1_minus_giou_and_batched_equals_per_image():
@@ -70,7 +77,9 @@ def test_matcher_cost_is_minus_prob_plus_l1_minus_giou_and_batched_equals_per_im
     for q in range(5):
         for t in range(3):
             expected = -prob[q, targets[2]["labels"][t]] + 5 * (pred[q] - tgt[t]).abs().sum() - 2 * giou[q, t]
-            assert float(cost[2, q, 2 + t]) == pytest.approx(float(expected), abs=1e-5)  # image 2's targets: columns 2..4
+            assert float(cost[2, q, 2 + t]) == pytest.approx(
+                float(expected), abs=1e-5
+            )  # image 2's targets: columns 2..4
     batched = matcher(outputs, targets)
     for i in range(3):
         alone = matcher({k: v[i : i + 1] for k, v in outputs.items()}, [targets[i]])[0]
@@ -88,19 +97,28 @@ def _hand_case():
     """Two images, 2 queries, 2 classes (+ no-object = index 2). Image 0 has one target (class 1,
     box (0.5, 0.5, 0.4, 0.2)); query 0 sits on it with half its width, query 1 says no-object far
     away. Image 1 has no target and both its queries claim an object."""
-    outputs = {"pred_logits": torch.tensor([[[0.0, 2.0, 0.0], [0.0, 0.0, 3.0]],
-                                            [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]]),
-               "pred_boxes": torch.tensor([[[0.5, 0.5, 0.2, 0.2], [0.1, 0.1, 0.1, 0.1]],
-                                           [[0.5, 0.5, 0.2, 0.2], [0.3, 0.3, 0.2, 0.2]]])}
-    targets = [{"labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.5, 0.4, 0.2]])},
-               {"labels": torch.zeros(0, dtype=torch.int64), "boxes": torch.zeros(0, 4)}]
+    outputs = {
+        "pred_logits": torch.tensor([[[0.0, 2.0, 0.0], [0.0, 0.0, 3.0]], [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]]),
+        "pred_boxes": torch.tensor(
+            [[[0.5, 0.5, 0.2, 0.2], [0.1, 0.1, 0.1, 0.1]], [[0.5, 0.5, 0.2, 0.2], [0.3, 0.3, 0.2, 0.2]]]
+        ),
+    }
+    targets = [
+        {"labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.5, 0.4, 0.2]])},
+        {"labels": torch.zeros(0, dtype=torch.int64), "boxes": torch.zeros(0, 4)},
+    ]
     return outputs, targets
 
 
 def test_each_loss_term_against_hand_computed_values():
     outputs, targets = _hand_case()
-    criterion = SetCriterion(2, HungarianMatcher(1, 5, 2), {"loss_ce": 1, "loss_bbox": 5, "loss_giou": 2},
-                                  0.1, ["labels", "boxes", "cardinality"])
+    criterion = SetCriterion(
+        2,
+        HungarianMatcher(1, 5, 2),
+        {"loss_ce": 1, "loss_bbox": 5, "loss_giou": 2},
+        0.1,
+        ["labels", "boxes", "cardinality"],
+    )
     losses = criterion(outputs, targets)
     # cross-entropy: image 0 query 0 -> class 1 (weight 1), every other query -> no-object (weight 0.1),
     # the weighted mean: sum of weight x CE over sum of weights
@@ -147,8 +165,13 @@ def test_auxiliary_losses_for_every_decoder_layer_matched_on_their_own():
     assert out["pred_logits"].shape == (2, cfg.num_queries, 11) and out["pred_boxes"].shape == (2, cfg.num_queries, 4)
     boxes = out["pred_boxes"].detach()
     assert len(out["aux_outputs"]) == 2 and 0 < float(boxes.min()) and float(boxes.max()) < 1
-    real = detr.create_criterion(cfg, 10)({**out}, [{"labels": torch.tensor([3, 4]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.3], [0.2, 0.3, 0.1, 0.1]])},
-                                                   {"labels": torch.zeros(0, dtype=torch.int64), "boxes": torch.zeros(0, 4)}])
+    real = detr.create_criterion(cfg, 10)(
+        {**out},
+        [
+            {"labels": torch.tensor([3, 4]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.3], [0.2, 0.3, 0.1, 0.1]])},
+            {"labels": torch.zeros(0, dtype=torch.int64), "boxes": torch.zeros(0, 4)},
+        ],
+    )
     assert {"loss_ce_1", "loss_bbox_1", "loss_giou_1"} <= set(real) and "loss_ce_2" not in real
     sum(real[k] * w for k, w in criterion.weight_dict.items()).backward()
     assert all(p.grad is not None for p in model.parameters())  # every parameter takes part
@@ -182,7 +205,10 @@ def test_postprocess_round_trips_boxes_to_original_pixels():
     batch = []
     for (h, w), b in zip(sizes, boxes):
         image = Image.new("RGB", (w, h))
-        target = {"boxes": tv_tensors.BoundingBoxes(b, format="XYXY", canvas_size=(h, w)), "labels": torch.tensor([1] * len(b))}
+        target = {
+            "boxes": tv_tensors.BoundingBoxes(b, format="XYXY", canvas_size=(h, w)),
+            "labels": torch.tensor([1] * len(b)),
+        }
         out, t = transform(image, target)
         assert max(out.shape[-2:]) <= cfg.max_size
         t.update(image_id=0, orig_size=(h, w), dropped=0, size=tuple(out.shape[-2:]))
@@ -202,8 +228,10 @@ def test_postprocess_round_trips_boxes_to_original_pixels():
         assert r["labels"][: len(b)].tolist() == [2] * len(b)
         assert float(r["scores"][0]) == pytest.approx(math.exp(5) / (math.exp(5) + 3), rel=1e-5)
     # a query sure of no-object scores low: its best real class has p = 1 / (3 + e^5)
-    results = postprocess({"pred_logits": torch.tensor([[[0.0, 0.0, 0.0, 5.0]]]), "pred_boxes": torch.rand(1, 1, 4)},
-                               torch.tensor([[10, 10]]))
+    results = postprocess(
+        {"pred_logits": torch.tensor([[[0.0, 0.0, 0.0, 5.0]]]), "pred_boxes": torch.rand(1, 1, 4)},
+        torch.tensor([[10, 10]]),
+    )
     assert float(results[0]["scores"][0]) == pytest.approx(1 / (3 + math.exp(5)), rel=1e-5)
 
 
@@ -225,10 +253,13 @@ def test_box_crop_dataset_is_the_crops_set_normalised_and_shifts_reproducibly():
     assert label == crops["train"][3]["label"] and image.shape == (3, 32, 32)
     assert torch.allclose(image, TF.normalize(expected, IMAGENET_MEAN, IMAGENET_STD))
     shifted = BoxCropDataset(train, 32, 0.15, shift=0.1, seed=0)
-    assert torch.equal(shifted[(2, 3)][0], shifted[(2, 3)][0]) and not torch.equal(shifted[(2, 3)][0], shifted[(3, 3)][0])
+    assert torch.equal(shifted[(2, 3)][0], shifted[(2, 3)][0]) and not torch.equal(
+        shifted[(2, 3)][0], shifted[(3, 3)][0]
+    )
     assert not torch.equal(shifted[(2, 3)][0], image) and shifted[(2, 3)][1] == label
     crowd = train.select(range(2)).map(
-        lambda row: {"objects": {**row["objects"], "iscrowd": [1] + row["objects"]["iscrowd"][1:]}})
+        lambda row: {"objects": {**row["objects"], "iscrowd": [1] + row["objects"]["iscrowd"][1:]}}
+    )
     assert len(BoxCropDataset(crowd)) == sum(len(o["bbox"]) for o in crowd["objects"]) - 2
 
 
@@ -243,8 +274,20 @@ def test_box_crop_dataset_is_the_crops_set_normalised_and_shifts_reproducibly():
 # first-interval values (measured: L1 0.90 -> 0.27, 1 - GIoU 1.12 -> 0.82, total 27.5 -> 16.7 from steps
 # 1-20 to 81-100; the pre-training's held-out top-1 91.9 %), on top of the held-out evaluation running
 # end to end.
-SHORT = ["--max_steps", "100", "--num_workers", "0", "--log_every", "20", "--plot_images", "2",
-         "--pretrain_crops_epochs", "1", "--pretrain_crops_size", "16"]
+SHORT = [
+    "--max_steps",
+    "100",
+    "--num_workers",
+    "0",
+    "--log_every",
+    "20",
+    "--plot_images",
+    "2",
+    "--pretrain_crops_epochs",
+    "1",
+    "--pretrain_crops_size",
+    "16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -301,8 +344,9 @@ def test_backbone_pretraining_learns_the_box_classes_and_is_skipped_on_resume(sh
     assert pretrain[0]["pretrain/top1"] > 40, pretrain
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    resumed = check(run_recipe("detr", ["--output_dir", str(copy), "--report_to", "none", *SHORT, "--resume", "auto"],
-                               timeout=600))
+    resumed = check(
+        run_recipe("detr", ["--output_dir", str(copy), "--report_to", "none", *SHORT, "--resume", "auto"], timeout=600)
+    )
     assert "backbone pre-training on box crops skipped: resuming" in resumed.stdout, resumed.stdout[-2000:]
     again = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in again if "pretrain/top1" in r] == pretrain
@@ -333,13 +377,16 @@ def test_init_backbone_loads_a_classifiers_weights_and_refuses_a_mismatch(tmp_pa
         detr.create_model(parse_config(detr.Config, ["--init_backbone", str(tmp_path / "none")]), 10)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--loss_weights", "1,1"], "loss_weights must be 3 non-negative numbers"),
-    (["--matcher_costs", "1,-1,1"], "matcher_costs must be 3 non-negative numbers"),
-    (["--d_model", "100"], "must be a multiple of 4 and of nheads"),
-    (["--crop_size", "96,64"], "crop_size must be"),
-    (["--model", "no_such_net"], "unknown timm model 'no_such_net'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--loss_weights", "1,1"], "loss_weights must be 3 non-negative numbers"),
+        (["--matcher_costs", "1,-1,1"], "matcher_costs must be 3 non-negative numbers"),
+        (["--d_model", "100"], "must be a multiple of 4 and of nheads"),
+        (["--crop_size", "96,64"], "crop_size must be"),
+        (["--model", "no_such_net"], "unknown timm model 'no_such_net'"),
+    ],
+)
 def test_bad_input_is_a_user_error(args, message):
     from common import UserError
 
@@ -350,7 +397,9 @@ def test_bad_input_is_a_user_error(args, message):
 
 
 def test_unknown_key_is_one_clear_line(tmp_path, capsys):
-    line = error_line(capsys, detr.main, ["--output_dir", str(tmp_path / "run"), "--report_to", "none", "--num_querys", "8"])
+    line = error_line(
+        capsys, detr.main, ["--output_dir", str(tmp_path / "run"), "--report_to", "none", "--num_querys", "8"]
+    )
     assert "num_querys" in line and "num_queries" in line
     assert not (tmp_path / "run").exists()
 
@@ -371,8 +420,22 @@ def test_default_config_reaches_map50_055_and_evaluates_alike_under_bf16(tmp_pat
     evaluated = {}
     for precision in ("no", "bf16"):
         out = tmp_path / precision
-        check(run_recipe("detr", ["--eval_only", "--weights", str(run / "final.safetensors"), "--output_dir", str(out),
-                                  "--mixed_precision", precision, "--report_to", "none"]))
+        check(
+            run_recipe(
+                "detr",
+                [
+                    "--eval_only",
+                    "--weights",
+                    str(run / "final.safetensors"),
+                    "--output_dir",
+                    str(out),
+                    "--mixed_precision",
+                    precision,
+                    "--report_to",
+                    "none",
+                ],
+            )
+        )
         lines = (out / "metrics.jsonl").read_text().splitlines()
         evaluated[precision] = [r for r in map(json.loads, lines) if "eval/map_50" in r][-1]
     for name in ("map", "map_50", "map_75"):
@@ -421,7 +484,8 @@ def test_max_steps_caps_the_backbone_pretraining_and_its_errors_name_its_flag(tm
     final = records[-1]
     assert final["best/map"] == final["eval/map"] and "best/map_50" not in final
     assert (tmp_path / "run" / "best.safetensors").is_file()
-    line = error_line(capsys, detr.main, args + ["--pretrain_crops_batch_size", "100000",
-                                                 "--output_dir", str(tmp_path / "big")])
+    line = error_line(
+        capsys, detr.main, args + ["--pretrain_crops_batch_size", "100000", "--output_dir", str(tmp_path / "big")]
+    )
     assert "boxes to pre-train the backbone on" in line and "lower --pretrain_crops_batch_size" in line
     assert not (tmp_path / "big").exists()

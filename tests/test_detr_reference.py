@@ -15,25 +15,44 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+import detr_checkpoint as checkpoint  # the reader beside the recipe
 from common import UserError
 from conftest import error_line, load_recipe
-import detr_checkpoint as checkpoint  # the reader beside the recipe
 
 detr = load_recipe("detr")
 
 # DETR-R50 as the reference trains it (frozen batch norm, the stem and layer1 frozen)
-R50 = {"model": "resnet50", "model_kwargs": {}, "out_index": -1, "pretrained": False, "frozen_bn": True, "freeze_at": 2,
-       "d_model": 256, "nheads": 8, "enc_layers": 6, "dec_layers": 6, "dim_feedforward": 2048, "dropout": 0.1,
-       "num_queries": 100}
+R50 = {
+    "model": "resnet50",
+    "model_kwargs": {},
+    "out_index": -1,
+    "pretrained": False,
+    "frozen_bn": True,
+    "freeze_at": 2,
+    "d_model": 256,
+    "nheads": 8,
+    "enc_layers": 6,
+    "dec_layers": 6,
+    "dim_feedforward": 2048,
+    "dropout": 0.1,
+    "num_queries": 100,
+}
 BN = ("weight", "bias", "running_mean", "running_var")  # the reference's FrozenBatchNorm2d buffers
 
 
 # ---------------------------------------------------------------------------------------------------
 # The reference's state dict, written out from its structure
 # ---------------------------------------------------------------------------------------------------
-def reference_shapes(d: int = 256, ff: int = 2048, enc: int = 6, dec: int = 6, queries: int = 100, classes: int = 91,
-                     blocks: tuple[int, ...] = (3, 4, 6, 3), widths: tuple[int, ...] = (64, 128, 256, 512)
-                     ) -> dict[str, tuple[int, ...]]:
+def reference_shapes(
+    d: int = 256,
+    ff: int = 2048,
+    enc: int = 6,
+    dec: int = 6,
+    queries: int = 100,
+    classes: int = 91,
+    blocks: tuple[int, ...] = (3, 4, 6, 3),
+    widths: tuple[int, ...] = (64, 128, 256, 512),
+) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the reference's DETR (models/detr.py, transformer.py, backbone.py):
     torchvision's bottleneck resnet under ``backbone.0.body`` (``blocks`` per stage, frozen batch norm: no
     num_batches_tracked, no fc), a post-norm transformer with nn.MultiheadAttention (``in_proj`` = q, k, v
@@ -65,8 +84,10 @@ def reference_shapes(d: int = 256, ff: int = 2048, enc: int = 6, dec: int = 6, q
             cin = 4 * width
     shapes["input_proj.weight"], shapes["input_proj.bias"] = (d, cin, 1, 1), (d,)
     shapes["query_embed.weight"] = (queries, d)
-    for kind, count, attentions, norms in (("encoder", enc, ("self_attn",), 2),
-                                           ("decoder", dec, ("self_attn", "multihead_attn"), 3)):
+    for kind, count, attentions, norms in (
+        ("encoder", enc, ("self_attn",), 2),
+        ("decoder", dec, ("self_attn", "multihead_attn"), 3),
+    ):
         for i in range(count):
             p = f"transformer.{kind}.layers.{i}"
             for a in attentions:
@@ -113,27 +134,39 @@ def transformers_state(ref: dict[str, torch.Tensor], timm_backbone: bool = True)
     """The reference's tensors under transformers' DetrForObjectDetection names (its conversion script:
     ``model.`` before the base model, q/k/v projections split out of ``in_proj``; the backbone timm's
     resnet, whose names are torchvision's, or with ``timm_backbone=False`` transformers' own ResNet)."""
-    layer = {"linear1": "fc1", "linear2": "fc2", "self_attn.out_proj": "self_attn.out_proj",
-             "multihead_attn.out_proj": "encoder_attn.out_proj"}
-    norms = {"encoder": {"norm1": "self_attn_layer_norm", "norm2": "final_layer_norm"},
-             "decoder": {"norm1": "self_attn_layer_norm", "norm2": "encoder_attn_layer_norm", "norm3": "final_layer_norm"}}
-    top = {"input_proj": "model.input_projection", "query_embed": "model.query_position_embeddings",
-           "transformer.decoder.norm": "model.decoder.layernorm", "class_embed": "class_labels_classifier"}
+    layer = {
+        "linear1": "fc1",
+        "linear2": "fc2",
+        "self_attn.out_proj": "self_attn.out_proj",
+        "multihead_attn.out_proj": "encoder_attn.out_proj",
+    }
+    norms = {
+        "encoder": {"norm1": "self_attn_layer_norm", "norm2": "final_layer_norm"},
+        "decoder": {"norm1": "self_attn_layer_norm", "norm2": "encoder_attn_layer_norm", "norm3": "final_layer_norm"},
+    }
+    top = {
+        "input_proj": "model.input_projection",
+        "query_embed": "model.query_position_embeddings",
+        "transformer.decoder.norm": "model.decoder.layernorm",
+        "class_embed": "class_labels_classifier",
+    }
     out = {}
     for k, v in ref.items():
         module, leaf = k.rsplit(".", 1)
         if module.startswith("backbone.0.body."):
-            name = module[len("backbone.0.body."):]
+            name = module[len("backbone.0.body.") :]
             if not timm_backbone:
                 parts = name.split(".")
                 if parts[0] in ("conv1", "bn1"):
                     name = "embedder.embedder." + ("convolution" if parts[0] == "conv1" else "normalization")
                 else:
-                    stage, block, rest = int(parts[0][len("layer"):]) - 1, parts[1], parts[2:]
+                    stage, block, rest = int(parts[0][len("layer") :]) - 1, parts[1], parts[2:]
                     if rest[0] == "downsample":
                         sub = "shortcut." + ("convolution" if rest[1] == "0" else "normalization")
                     else:
-                        sub = f"layer.{int(rest[0][-1]) - 1}." + ("convolution" if rest[0].startswith("conv") else "normalization")
+                        sub = f"layer.{int(rest[0][-1]) - 1}." + (
+                            "convolution" if rest[0].startswith("conv") else "normalization"
+                        )
                     name = f"encoder.stages.{stage}.layers.{block}.{sub}"
             out[f"model.backbone.conv_encoder.model.{name}.{leaf}"] = v
         elif module.startswith("transformer.") and ".layers." in module:
@@ -142,11 +175,11 @@ def transformers_state(ref: dict[str, torch.Tensor], timm_backbone: bool = True)
             if leaf.startswith("in_proj_"):
                 attn = "self_attn" if sub == "self_attn" else "encoder_attn"
                 for part, t in zip("qkv", v.chunk(3)):
-                    out[f"{base}.{attn}.{part}_proj.{leaf[len('in_proj_'):]}"] = t
+                    out[f"{base}.{attn}.{part}_proj.{leaf[len('in_proj_') :]}"] = t
             else:
                 out[f"{base}.{norms[kind].get(sub) or layer[sub]}.{leaf}"] = v
         elif module.startswith("bbox_embed."):
-            out[f"bbox_predictor.{module[len('bbox_embed.'):]}.{leaf}"] = v
+            out[f"bbox_predictor.{module[len('bbox_embed.') :]}.{leaf}"] = v
         else:
             out[f"{top[module]}.{leaf}"] = v
     return out
@@ -164,7 +197,10 @@ def _attention(query, key, value, w_in, b_in, w_out, b_out, heads: int) -> torch
     wq, wk, wv = w_in.chunk(3)
     bq, bk, bv = b_in.chunk(3)
     q, k, v = query @ wq.T + bq, key @ wk.T + bk, value @ wv.T + bv
-    split = lambda t: t.unflatten(-1, (heads, -1)).transpose(1, 2)  # [B, heads, N, d / heads]
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (heads, -1)).transpose(1, 2)  # [B, heads, N, d / heads]
+
     q, k, v = split(q), split(k), split(v)
     weights = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
     return (weights @ v).transpose(1, 2).flatten(2) @ w_out.T + b_out
@@ -180,8 +216,16 @@ def _ffn(x, ref, p):
 
 
 def _attn(ref, name, query, key, value, heads=8):
-    return _attention(query, key, value, ref[f"{name}.in_proj_weight"], ref[f"{name}.in_proj_bias"],
-                      ref[f"{name}.out_proj.weight"], ref[f"{name}.out_proj.bias"], heads)
+    return _attention(
+        query,
+        key,
+        value,
+        ref[f"{name}.in_proj_weight"],
+        ref[f"{name}.in_proj_bias"],
+        ref[f"{name}.out_proj.weight"],
+        ref[f"{name}.out_proj.bias"],
+        heads,
+    )
 
 
 def reference_encoder_layer(ref, i, src, pos):
@@ -221,7 +265,7 @@ def test_reference_names_load_strictly_and_compute_as_the_reference(reference):
     with torch.no_grad():
         # backbone: torchvision's resnet50 (the reference's body) with the same tensors, up to layer4
         tv = torchvision.models.resnet50(norm_layer=torchvision.ops.FrozenBatchNorm2d).eval()
-        body = {k[len("backbone.0.body."):]: v for k, v in reference.items() if k.startswith("backbone.0.body.")}
+        body = {k[len("backbone.0.body.") :]: v for k, v in reference.items() if k.startswith("backbone.0.body.")}
         assert set(tv.state_dict()) - set(body) == {"fc.weight", "fc.bias"}
         tv.load_state_dict(body, strict=False)
         x = torch.randn(1, 3, 64, 96, generator=gen)
@@ -231,14 +275,21 @@ def test_reference_names_load_strictly_and_compute_as_the_reference(reference):
         torch.testing.assert_close(model.backbone(x)[-1], expected, rtol=1e-4, atol=1e-4)
         # one encoder layer and one decoder layer, [B, N, d] with positions
         src, pos = torch.randn(2, 12, 256, generator=gen), torch.randn(2, 12, 256, generator=gen)
-        torch.testing.assert_close(model.encoder[3](src, pos, None), reference_encoder_layer(reference, 3, src, pos),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model.encoder[3](src, pos, None), reference_encoder_layer(reference, 3, src, pos), rtol=1e-4, atol=1e-4
+        )
         tgt, query_pos = torch.randn(2, 5, 256, generator=gen), torch.randn(2, 5, 256, generator=gen)
-        torch.testing.assert_close(model.decoder[4](tgt, src, pos, query_pos, None),
-                                   reference_decoder_layer(reference, 4, tgt, src, pos, query_pos), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model.decoder[4](tgt, src, pos, query_pos, None),
+            reference_decoder_layer(reference, 4, tgt, src, pos, query_pos),
+            rtol=1e-4,
+            atol=1e-4,
+        )
         # the heads on a fixed decoder output, the decoder's final norm, the projection and the queries
         hs = torch.randn(2, 5, 256, generator=gen)
-        torch.testing.assert_close(model.class_embed(hs), hs @ reference["class_embed.weight"].T + reference["class_embed.bias"])
+        torch.testing.assert_close(
+            model.class_embed(hs), hs @ reference["class_embed.weight"].T + reference["class_embed.bias"]
+        )
         box = hs
         for j in range(3):
             box = box @ reference[f"bbox_embed.layers.{j}.weight"].T + reference[f"bbox_embed.layers.{j}.bias"]
@@ -278,7 +329,9 @@ def test_coco_classes_keep_their_rows_and_other_classes_get_a_new_head(tmp_path,
     assert rows[:3] == [1, 2, 3] and rows[-2:] == [90, 91] and len(rows) == 81
 
     model = r50(3)
-    checkpoint.load_init_weights(model, path, ["Dog", "traffic_light", "person"], [18, 10, 1])  # names as datasets spell them
+    checkpoint.load_init_weights(
+        model, path, ["Dog", "traffic_light", "person"], [18, 10, 1]
+    )  # names as datasets spell them
     assert torch.equal(model.class_embed.weight, w[[18, 10, 1, 91]])
 
     model = r50(3)
@@ -353,8 +406,10 @@ def test_shape_and_layer_mismatches_name_the_first_difference(tmp_path):
     path = write_reference_checkpoint(tmp_path / "detr-r50.pth")
     with pytest.raises(UserError) as e:
         checkpoint.load_init_weights(r50(3, dim_feedforward=1024), path, ["a", "b", "c"], [0, 1, 2])
-    assert ("transformer.encoder.layers.0.linear1.weight is [2048, 256] in the file, encoder.0.ff.0.weight is "
-            "[1024, 256] in the model") in _one_line(e)
+    assert (
+        "transformer.encoder.layers.0.linear1.weight is [2048, 256] in the file, encoder.0.ff.0.weight is "
+        "[1024, 256] in the model"
+    ) in _one_line(e)
     with pytest.raises(UserError) as e:
         checkpoint.load_init_weights(r50(3, enc_layers=5), path, ["a", "b", "c"], [0, 1, 2])
     assert "transformer.encoder.layers.5." in _one_line(e) and "DETR-R50" in str(e.value)
@@ -368,9 +423,27 @@ def test_shape_and_layer_mismatches_name_the_first_difference(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # A small model in the reference's exact naming: timm's resnet50 with one block per stage at a quarter
 # of the widths, a 2 + 2-layer transformer of width 64; its checkpoint has the COCO head
-SMALL = {"model": "resnet50", "out_index": -1, "d_model": 64, "nheads": 8, "enc_layers": 2, "dec_layers": 2,
-         "dim_feedforward": 128, "num_queries": 10, "frozen_bn": True, "freeze_at": 2}
-SMALL_SHAPES = {"d": 64, "ff": 128, "enc": 2, "dec": 2, "queries": 10, "blocks": (1, 1, 1, 1), "widths": (16, 32, 64, 128)}
+SMALL = {
+    "model": "resnet50",
+    "out_index": -1,
+    "d_model": 64,
+    "nheads": 8,
+    "enc_layers": 2,
+    "dec_layers": 2,
+    "dim_feedforward": 128,
+    "num_queries": 10,
+    "frozen_bn": True,
+    "freeze_at": 2,
+}
+SMALL_SHAPES = {
+    "d": 64,
+    "ff": 128,
+    "enc": 2,
+    "dec": 2,
+    "queries": 10,
+    "blocks": (1, 1, 1, 1),
+    "widths": (16, 32, 64, 128),
+}
 
 
 def _flags(values: dict) -> list[str]:
@@ -390,10 +463,13 @@ def coco_folder(tmp_path) -> Path:
             pixels = torch.full((64, 64, 3), 40, dtype=torch.uint8)
             pixels[10:40, 20:50] = 220
             Image.fromarray(pixels.numpy()).save(folder / split / f"{k}.png")
-        annotations = [{"id": k + 1, "image_id": k + 1, "bbox": [20, 10, 30, 30], "area": 900, "iscrowd": 0,
-                        "category_id": 18} for k in range(n)]
+        annotations = [
+            {"id": k + 1, "image_id": k + 1, "bbox": [20, 10, 30, 30], "area": 900, "iscrowd": 0, "category_id": 18}
+            for k in range(n)
+        ]
         (folder / "annotations" / f"instances_{split}.json").write_text(
-            json.dumps({"images": images, "annotations": annotations, "categories": categories}))
+            json.dumps({"images": images, "annotations": annotations, "categories": categories})
+        )
     return folder
 
 
@@ -406,11 +482,39 @@ def test_entry_point_starts_from_a_reference_checkpoint(tmp_path, coco_folder):
     path = write_reference_checkpoint(tmp_path / "detr.pth", **SMALL_SHAPES)
     ref = torch.load(path, weights_only=True)["model"]
     run = tmp_path / "run"
-    detr.main(["--data", str(coco_folder), "--init_weights", path, *_flags(SMALL),
-               "--model_kwargs", "{layers: [1, 1, 1, 1], channels: [16, 32, 64, 128]}", "--scales", "64",
-               "--max_size", "64", "--batch_size", "2", "--max_steps", "1", "--lr", "1e-4", "--lr_backbone", "1e-5",
-               "--warmup_epochs", "0", "--num_workers", "0", "--report_to", "none", "--plot_images", "0",
-               "--output_dir", str(run)])
+    detr.main(
+        [
+            "--data",
+            str(coco_folder),
+            "--init_weights",
+            path,
+            *_flags(SMALL),
+            "--model_kwargs",
+            "{layers: [1, 1, 1, 1], channels: [16, 32, 64, 128]}",
+            "--scales",
+            "64",
+            "--max_size",
+            "64",
+            "--batch_size",
+            "2",
+            "--max_steps",
+            "1",
+            "--lr",
+            "1e-4",
+            "--lr_backbone",
+            "1e-5",
+            "--warmup_epochs",
+            "0",
+            "--num_workers",
+            "0",
+            "--report_to",
+            "none",
+            "--plot_images",
+            "0",
+            "--output_dir",
+            str(run),
+        ]
+    )
     final = safetensors.torch.load_file(run / "final.safetensors")
     rows = checkpoint.COCO_IDS + [91]
     torch.testing.assert_close(final["class_embed.weight"], ref["class_embed.weight"][rows], rtol=0, atol=2e-4)
@@ -419,14 +523,37 @@ def test_entry_point_starts_from_a_reference_checkpoint(tmp_path, coco_folder):
         assert torch.equal(final[f"backbone.{frozen}"], ref[f"backbone.0.body.{frozen}"]), frozen
     moved = final["backbone.layer2.0.conv2.weight"] - ref["backbone.0.body.layer2.0.conv2.weight"]
     assert 0 < moved.abs().max() < 2e-5
-    torch.testing.assert_close(final["encoder.1.self_attn.in_proj_weight"],
-                               ref["transformer.encoder.layers.1.self_attn.in_proj_weight"], rtol=0, atol=2e-4)
+    torch.testing.assert_close(
+        final["encoder.1.self_attn.in_proj_weight"],
+        ref["transformer.encoder.layers.1.self_attn.in_proj_weight"],
+        rtol=0,
+        atol=2e-4,
+    )
 
 
 def test_entry_point_refuses_a_pickled_checkpoint_with_one_line(tmp_path, capsys, coco_folder):
     path = tmp_path / "evil.pth"
     torch.save({"model": {}, "args": _Opener(str(tmp_path / "ran"))}, path)
-    err = error_line(capsys, detr.main, ["--data", str(coco_folder), "--init_weights", str(path), "--scales", "64",
-                                         "--max_size", "64", "--batch_size", "2", "--num_workers", "0", "--report_to", "none",
-                                         "--output_dir", str(tmp_path / "run")])
+    err = error_line(
+        capsys,
+        detr.main,
+        [
+            "--data",
+            str(coco_folder),
+            "--init_weights",
+            str(path),
+            "--scales",
+            "64",
+            "--max_size",
+            "64",
+            "--batch_size",
+            "2",
+            "--num_workers",
+            "0",
+            "--report_to",
+            "none",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+    )
     assert "pickled Python object" in err and not (tmp_path / "ran").exists()

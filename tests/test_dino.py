@@ -22,10 +22,32 @@ dino = load_recipe("dino")
 # different process counts draw no per-sample randomness in the model; a tiny ViT, which has no
 # batch norm: on CPU (no SyncBatchNorm) 2 processes x 16 images would see other batch statistics
 # than 1 x 32, and its parameters are all the state the EMA moves.
-FAST = ["--data", "digits", "--report_to", "none", "--num_workers", "0", "--batch_size", "16", "--local_crops", "2",
-        "--knn_train_limit", "200", "--plot_images", "0", "--drop_path_rate", "0", "--log_every", "1",
-        "--model", "vit_tiny_patch16_224", "--model_kwargs", "{patch_size: 4, embed_dim: 96, depth: 4, num_heads: 3}",
-        "--head_use_bn", "false"]
+FAST = [
+    "--data",
+    "digits",
+    "--report_to",
+    "none",
+    "--num_workers",
+    "0",
+    "--batch_size",
+    "16",
+    "--local_crops",
+    "2",
+    "--knn_train_limit",
+    "200",
+    "--plot_images",
+    "0",
+    "--drop_path_rate",
+    "0",
+    "--log_every",
+    "1",
+    "--model",
+    "vit_tiny_patch16_224",
+    "--model_kwargs",
+    "{patch_size: 4, embed_dim: 96, depth: 4, num_heads: 3}",
+    "--head_use_bn",
+    "false",
+]
 
 
 def _log_softmax(x):
@@ -61,7 +83,7 @@ def test_loss_is_unchanged_when_the_global_views_swap():
     torch.manual_seed(0)
     B, K = 4, 16
     student, teacher = torch.randn(4 * B, K), torch.randn(2 * B, K)
-    swap_s = torch.cat([student[B:2 * B], student[:B], student[2 * B:]])
+    swap_s = torch.cat([student[B : 2 * B], student[:B], student[2 * B :]])
     swap_t = torch.cat([teacher[B:], teacher[:B]])
     a = dino.DINOLoss(K, 4, 0.04, 0.04, 0, 1)(student, teacher, 0)
     b = dino.DINOLoss(K, 4, 0.04, 0.04, 0, 1)(swap_s, swap_t, 0)
@@ -95,7 +117,9 @@ def test_per_parameter_clipping_is_one_same_shape_foreach_call(monkeypatch):
     dino.clip_gradients_per_param(params, clip=2.0)
     assert len(calls) == 1
     grads, scales = calls[0]
-    assert all(isinstance(s, torch.Tensor) and s.shape == g.shape and s.stride() == g.stride() for g, s in zip(grads, scales))
+    assert all(
+        isinstance(s, torch.Tensor) and s.shape == g.shape and s.stride() == g.stride() for g, s in zip(grads, scales)
+    )
     assert all(torch.allclose(p.grad, e, atol=1e-6) for p, e in zip(params, expected))
 
 
@@ -109,9 +133,19 @@ def test_head_shapes_and_fixed_last_layer_norm():
     assert torch.allclose(head.last_layer.weight.norm(dim=1), torch.ones(100), atol=1e-5)
     assert out.abs().max() <= 1 + 1e-5
     # The reference's key names (mlp.0, mlp.2, mlp.4) with BN off; BatchNorm after both hidden layers with it on.
-    assert [k for k in head.state_dict() if k.startswith("mlp.")] == [f"mlp.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")]
+    assert [k for k in head.state_dict() if k.startswith("mlp.")] == [
+        f"mlp.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")
+    ]
     with_bn = dino.DINOHead(32, 100, hidden_dim=64, bottleneck_dim=16, use_bn=True)
-    assert [type(m).__name__ for m in with_bn.mlp] == ["Linear", "BatchNorm1d", "GELU", "Linear", "BatchNorm1d", "GELU", "Linear"]
+    assert [type(m).__name__ for m in with_bn.mlp] == [
+        "Linear",
+        "BatchNorm1d",
+        "GELU",
+        "Linear",
+        "BatchNorm1d",
+        "GELU",
+        "Linear",
+    ]
 
 
 def test_knn_weighted_vote_by_hand():
@@ -128,8 +162,15 @@ def test_knn_weighted_vote_by_hand():
 
 @pytest.mark.parametrize("kwargs", [{}, {"pos_embed": "none", "class_token": False, "global_pool": "avg"}])
 def test_attention_maps_with_and_without_a_class_token(tmp_path, kwargs):
-    cfg = parse_config(dino.Config, ["--model", "vit_tiny_patch16_224", "--model_kwargs",
-                                          str({"patch_size": 4, "embed_dim": 96, "depth": 2, "num_heads": 3, **kwargs})])
+    cfg = parse_config(
+        dino.Config,
+        [
+            "--model",
+            "vit_tiny_patch16_224",
+            "--model_kwargs",
+            str({"patch_size": 4, "embed_dim": 96, "depth": 2, "num_heads": 3, **kwargs}),
+        ],
+    )
     backbone = dino.create_backbone(cfg).eval()
     images = torch.randn(3, 3, 32, 32)
     maps = dino.attention_maps(backbone, images)
@@ -154,8 +195,18 @@ def _teacher(ckpt: Path) -> dict[str, torch.Tensor]:
 # Three steps of 32 images from the first learning-rate step (no warmup, so every step moves the
 # weights by ~lr and a wrong teacher momentum shows), a checkpoint after each, the last layer frozen in
 # the first epoch. One process here; test_two_processes_match_one_process runs the same with 2 x 16.
-SHORT = FAST + ["--max_steps", "3", "--warmup_epochs", "0", "--checkpoint_every", "1", "--keep_checkpoints", "5",
-                "--freeze_last_layer", "1"]
+SHORT = FAST + [
+    "--max_steps",
+    "3",
+    "--warmup_epochs",
+    "0",
+    "--checkpoint_every",
+    "1",
+    "--keep_checkpoints",
+    "5",
+    "--freeze_last_layer",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +243,26 @@ def test_one_epoch_of_the_demo_learns(tmp_path):
     network and raw pixels, the issue's two bars. Measured on one core: 42.3 % against 23.2 % (step 0)
     and 25.3 % (raw pixels); the step-0 network and raw pixels both near 25 %."""
     run = tmp_path / "demo"
-    check(run_recipe("dino", ["--report_to", "none", "--epochs", "1", "--warmup_epochs", "0.5", "--momentum_teacher", "0.9",
-                              "--num_workers", "1", "--output_dir", str(run)], timeout=900))
+    check(
+        run_recipe(
+            "dino",
+            [
+                "--report_to",
+                "none",
+                "--epochs",
+                "1",
+                "--warmup_epochs",
+                "0.5",
+                "--momentum_teacher",
+                "0.9",
+                "--num_workers",
+                "1",
+                "--output_dir",
+                str(run),
+            ],
+            timeout=900,
+        )
+    )
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     final = [m for m in metrics if "knn/teacher_top1" in m][-1]
     assert final["knn/raw_pixels_top1"] < 60, final  # the set is hard for pixels (plain digits: 97.5 %)
@@ -216,7 +285,8 @@ def test_two_processes_match_one_process(one_process, tmp_path):
     m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     m2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert [m["train/loss"] for m in m1 if "train/loss" in m] == pytest.approx(
-        [m["train/loss"] for m in m2 if "train/loss" in m], abs=1e-5)
+        [m["train/loss"] for m in m2 if "train/loss" in m], abs=1e-5
+    )
     t1, t2 = _teacher(_checkpoint(one, 3)), _teacher(_checkpoint(two, 3))
     assert all(torch.allclose(t1[k], t2[k], atol=1e-5) for k in t1)
     assert m1[-1]["knn/teacher_top1"] == pytest.approx(m2[-1]["knn/teacher_top1"])
@@ -229,7 +299,10 @@ def test_knn_over_shards_equals_the_whole_bank():
 
     g = torch.Generator().manual_seed(0)
     bank = torch.nn.functional.normalize(torch.randn(300, 16, generator=g), dim=1)
-    bank_y, queries = torch.randint(0, 5, (300,), generator=g), torch.nn.functional.normalize(torch.randn(70, 16, generator=g), dim=1)
+    bank_y, queries = (
+        torch.randint(0, 5, (300,), generator=g),
+        torch.nn.functional.normalize(torch.randn(70, 16, generator=g), dim=1),
+    )
     query_y = torch.randint(0, 5, (70,), generator=g)
     sims, labels, got_y = knn_predict(bank, bank_y, queries, query_y, k=20, chunk=16)
     top, index = (queries @ bank.T).topk(20, dim=1)
@@ -261,8 +334,25 @@ def test_eval_only_scores_a_saved_backbone(one_process, tmp_path):
     """--eval_only --weights: the kNN of the file's backbone (model rebuilt from its saved config), metrics.jsonl
     and no checkpoints; the same score as the training run's last evaluation."""
     weights = one_process / "teacher_backbone.safetensors"
-    out = dino.main(["--eval_only", "--weights", str(weights), "--data", "digits", "--knn_train_limit", "200",
-                     "--report_to", "none", "--num_workers", "0", "--plot_images", "0", "--output_dir", str(tmp_path)])
+    out = dino.main(
+        [
+            "--eval_only",
+            "--weights",
+            str(weights),
+            "--data",
+            "digits",
+            "--knn_train_limit",
+            "200",
+            "--report_to",
+            "none",
+            "--num_workers",
+            "0",
+            "--plot_images",
+            "0",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     trained = [json.loads(x) for x in (one_process / "metrics.jsonl").read_text().splitlines()][-1]
     assert out["knn/teacher_top1"] == pytest.approx(trained["knn/teacher_top1"])
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["knn/teacher_top1"] == out["knn/teacher_top1"]

@@ -82,8 +82,10 @@ def test_model_returns_the_four_terms_under_the_recipes_names():
     model = _model()
     torch.manual_seed(0)
     images = [torch.rand(3, 96, 96), torch.rand(3, 80, 96)]
-    targets = [{"boxes": torch.tensor([[10.0, 10.0, 30.0, 40.0]]), "labels": torch.tensor([3])},
-               {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)}]  # a negative image
+    targets = [
+        {"boxes": torch.tensor([[10.0, 10.0, 30.0, 40.0]]), "labels": torch.tensor([3])},
+        {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)},
+    ]  # a negative image
     losses = model(images, targets)
     assert list(losses) == list(frcnn.LOSS_NAMES.values())
     assert all(v.ndim == 0 and torch.isfinite(v) and v >= 0 for v in losses.values())
@@ -107,12 +109,15 @@ def test_model_normalises_once_and_returns_boxes_in_input_pixels():
     resized = torch.nn.functional.interpolate(image[None], size=(128, 85), mode="bilinear", align_corners=False)[0]
     mean, std = torch.tensor(IMAGENET_MEAN)[:, None, None], torch.tensor(IMAGENET_STD)[:, None, None]
     assert torch.allclose(batch.tensors[0, :, :128, :85], (resized - mean) / std, atol=1e-5)
-    detections = [{"boxes": torch.tensor([[0.0, 0.0, 85.0, 128.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.9])}]
+    detections = [
+        {"boxes": torch.tensor([[0.0, 0.0, 85.0, 128.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.9])}
+    ]
     back = model.transform.postprocess(detections, batch.image_sizes, [(96, 64)])
     assert back[0]["boxes"][0].tolist() == pytest.approx([0.0, 0.0, 64.0, 96.0])
     train_tf = frcnn.data_transforms(True, 0.0, False)
     from PIL import Image
     from torchvision import tv_tensors
+
     picture = Image.fromarray((torch.rand(40, 50, 3) * 255).byte().numpy())
     boxes = tv_tensors.BoundingBoxes([[1.0, 2.0, 20.0, 30.0]], format="XYXY", canvas_size=(40, 50))
     out, target = train_tf(picture, {"boxes": boxes, "labels": torch.tensor([2])})
@@ -132,9 +137,17 @@ def test_default_run_learns_the_builtin_scenes(default_run):
     run, proc = default_run
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/loss" in r]
-    assert train and all(k in train[-1] for k in ("train/loss_rpn_objectness", "train/loss_rpn_box",
-                                                  "train/loss_roi_classifier", "train/loss_roi_box",
-                                                  "train/boxes_per_image", "train/data_wait"))
+    assert train and all(
+        k in train[-1]
+        for k in (
+            "train/loss_rpn_objectness",
+            "train/loss_rpn_box",
+            "train/loss_roi_classifier",
+            "train/loss_roi_box",
+            "train/boxes_per_image",
+            "train/data_wait",
+        )
+    )
     for r in train:  # the logged total is the weighted (here: plain) sum of the logged terms
         terms = sum(r[f"train/loss_{k}"] for k in ("rpn_objectness", "rpn_box", "roi_classifier", "roi_box"))
         assert r["train/loss"] == pytest.approx(terms, rel=1e-4)
@@ -150,14 +163,17 @@ def test_default_run_learns_the_builtin_scenes(default_run):
     model.load_state_dict(safetensors.torch.load_file(str(run / "best.safetensors")))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--loss_weights", "1,1,1"], "loss_weights must be 4 non-negative numbers"),
-    (["--min_size", "128"], "min_size must be one or more positive sizes no larger than max_size"),
-    (["--anchor_sizes", "[[16], [32]]"], "anchor_sizes must give one list of sizes per FPN level"),
-    (["--anchor_sizes", "[[16], [32, 48], [64]]"], "anchor_sizes must give one list of sizes per FPN level"),
-    (["--model", "no_such_net"], "unknown timm model 'no_such_net'"),
-    (["--model", "fasterrcnn_resnet50_fpn"], "do not fit fasterrcnn_resnet50_fpn"),  # the demo's timm kwargs
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--loss_weights", "1,1,1"], "loss_weights must be 4 non-negative numbers"),
+        (["--min_size", "128"], "min_size must be one or more positive sizes no larger than max_size"),
+        (["--anchor_sizes", "[[16], [32]]"], "anchor_sizes must give one list of sizes per FPN level"),
+        (["--anchor_sizes", "[[16], [32, 48], [64]]"], "anchor_sizes must give one list of sizes per FPN level"),
+        (["--model", "no_such_net"], "unknown timm model 'no_such_net'"),
+        (["--model", "fasterrcnn_resnet50_fpn"], "do not fit fasterrcnn_resnet50_fpn"),  # the demo's timm kwargs
+    ],
+)
 def test_bad_input_is_a_user_error(args, message):
     """In-process (a subprocess per case would cost seconds of imports each): what ``main`` checks
     before it makes the run folder (``check_config``, then ``create_model``) raises a UserError,
@@ -180,8 +196,10 @@ def test_proposals_and_boxes_stay_fp32_under_bf16_autocast():
     """torchvision's BoxCoder decodes in the regression's dtype, casting the anchors and proposals to
     it: under bf16 autocast every box would be rounded to 2-8 px on COCO-sized images. The recipe's
     heads hand their regressions over in fp32, so proposals and detections stay fp32."""
-    model = frcnn.create_model(parse_config(frcnn.Config, ["--min_size", "800", "--max_size", "1333",
-                                                                 "--box_score_thresh", "0"]), num_classes=10).eval()
+    model = frcnn.create_model(
+        parse_config(frcnn.Config, ["--min_size", "800", "--max_size", "1333", "--box_score_thresh", "0"]),
+        num_classes=10,
+    ).eval()
     proposals = []
     model.rpn.register_forward_hook(lambda m, i, o: proposals.append(o[0]))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -234,6 +252,7 @@ def test_sampler_groups_ratios_into_torchvisions_bins():
 
 def test_images_without_a_box_to_learn_are_told_apart():
     """torchvision's rule (no box, or only boxes at most 1 px wide or high), and crowd-only images count as empty."""
+
     def objects(boxes, crowd=None):
         return {"bbox": boxes, "iscrowd": crowd or [0] * len(boxes)}
 
@@ -251,8 +270,9 @@ def _saved_detection(folder, train_boxes, train_crowd=None):
 
     from conftest import bright_rectangle, detection_table
 
-    train = detection_table([bright_rectangle(32, 32, (4, 4, 12, 12)) for _ in train_boxes], train_boxes,
-                            crowd=train_crowd)
+    train = detection_table(
+        [bright_rectangle(32, 32, (4, 4, 12, 12)) for _ in train_boxes], train_boxes, crowd=train_crowd
+    )
     validation = detection_table([bright_rectangle(32, 32, (4, 4, 12, 12))] * 2, [[[4, 4, 12, 12]]] * 2)
     datasets.DatasetDict({"train": train, "validation": validation}).save_to_disk(str(folder))
     return str(folder)
@@ -261,35 +281,73 @@ def _saved_detection(folder, train_boxes, train_crowd=None):
 def test_training_drops_images_without_a_box_to_learn(tmp_path, capsys):
     """Through the entry point: the left-out images are counted in one line; none left is one clear error."""
     good = [[4, 4, 12, 12]]
-    data = _saved_detection(tmp_path / "data", [good, [], good, [[0, 0, 1, 5]], good, good],
-                            [[0], [], [0], [0], [0], [1]])  # left out: no box, a 1 px wide one, a crowd region
-    args = ["--data", data, "--output_dir", str(tmp_path / "run"), "--report_to", "none", "--num_workers", "0",
-            "--batch_size", "1", "--max_steps", "1", "--min_size", "32", "--max_size", "32", "--plot_images", "0"]
+    data = _saved_detection(
+        tmp_path / "data", [good, [], good, [[0, 0, 1, 5]], good, good], [[0], [], [0], [0], [0], [1]]
+    )  # left out: no box, a 1 px wide one, a crowd region
+    args = [
+        "--data",
+        data,
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--report_to",
+        "none",
+        "--num_workers",
+        "0",
+        "--batch_size",
+        "1",
+        "--max_steps",
+        "1",
+        "--min_size",
+        "32",
+        "--max_size",
+        "32",
+        "--plot_images",
+        "0",
+    ]
     proc = check(run_recipe("faster_rcnn", args, timeout=300))
     assert "training on 3 of 6 images: 3 without a box to learn left out (--keep_empty true keeps them)" in proc.stdout
     empty = _saved_detection(tmp_path / "empty", [[], [[2, 2, 1, 6]], good], [[], [0], [1]])
-    line = error_line(capsys, frcnn.main, ["--data", empty, "--output_dir", str(tmp_path / "run_empty"),
-                                           "--report_to", "none", "--num_workers", "0"])
+    line = error_line(
+        capsys,
+        frcnn.main,
+        ["--data", empty, "--output_dir", str(tmp_path / "run_empty"), "--report_to", "none", "--num_workers", "0"],
+    )
     assert "no training image of" in line and "--keep_empty true" in line
 
 
 def _sampled(model) -> tuple:
     """(pre-NMS top n [train, eval], post-NMS top n [train, eval], RPN anchors and RoI proposals sampled per image)."""
     rpn = model.rpn
-    return ([rpn._pre_nms_top_n["training"], rpn._pre_nms_top_n["testing"]],
-            [rpn._post_nms_top_n["training"], rpn._post_nms_top_n["testing"]],
-            rpn.fg_bg_sampler.batch_size_per_image, model.roi_heads.fg_bg_sampler.batch_size_per_image)
+    return (
+        [rpn._pre_nms_top_n["training"], rpn._pre_nms_top_n["testing"]],
+        [rpn._post_nms_top_n["training"], rpn._post_nms_top_n["testing"]],
+        rpn.fg_bg_sampler.batch_size_per_image,
+        model.roi_heads.fg_bg_sampler.batch_size_per_image,
+    )
 
 
 def test_budgets_left_empty_are_the_models_own_and_a_set_value_wins():
     preset = ["--model", "fasterrcnn_resnet50_fpn", "--model_kwargs", "{}", "--anchor_sizes", "[]"]
-    assert _sampled(frcnn.create_model(parse_config(frcnn.Config, preset), 10)) == ([2000, 1000], [2000, 1000], 256, 512)
+    assert _sampled(frcnn.create_model(parse_config(frcnn.Config, preset), 10)) == (
+        [2000, 1000],
+        [2000, 1000],
+        256,
+        512,
+    )
     mobile = ["--model", "fasterrcnn_mobilenet_v3_large_320_fpn", "--model_kwargs", "{}", "--anchor_sizes", "[]"]
     assert _sampled(frcnn.create_model(parse_config(frcnn.Config, mobile), 10)) == ([2000, 150], [2000, 150], 256, 512)
     demo = frcnn.create_model(parse_config(frcnn.Config, []), 10)
     assert _sampled(demo) == ([200, 200], [100, 100], 128, 32)  # the demo's, as before these fields could be empty
-    explicit = ["--rpn_pre_nms_top_n", "300,250", "--rpn_post_nms_top_n", "60,50", "--rpn_batch_size_per_image", "64",
-                "--box_batch_size_per_image", "16"]
+    explicit = [
+        "--rpn_pre_nms_top_n",
+        "300,250",
+        "--rpn_post_nms_top_n",
+        "60,50",
+        "--rpn_batch_size_per_image",
+        "64",
+        "--box_batch_size_per_image",
+        "16",
+    ]
     for base in (preset, []):
         cfg = parse_config(frcnn.Config, base + explicit)
         assert _sampled(frcnn.create_model(cfg, 10)) == ([300, 250], [60, 50], 64, 16)
@@ -318,12 +376,17 @@ def test_presets_take_the_imagenet_v1_backbone_of_torchvisions_reference(monkeyp
 
     for name in frcnn.PRESETS:
         monkeypatch.setattr(torchvision.models.detection, name, builder)
-    for name, weights in [("fasterrcnn_resnet50_fpn", ResNet50_Weights.IMAGENET1K_V1),
-                          ("fasterrcnn_resnet50_fpn_v2", ResNet50_Weights.IMAGENET1K_V1),
-                          ("fasterrcnn_mobilenet_v3_large_fpn", MobileNet_V3_Large_Weights.IMAGENET1K_V1),
-                          ("fasterrcnn_mobilenet_v3_large_320_fpn", MobileNet_V3_Large_Weights.IMAGENET1K_V1)]:
-        for flags, expected in ((["--pretrained_backbone", "true"], (None, weights)),
-                                (["--pretrained", "true"], ("DEFAULT", None)), ([], (None, None))):
+    for name, weights in [
+        ("fasterrcnn_resnet50_fpn", ResNet50_Weights.IMAGENET1K_V1),
+        ("fasterrcnn_resnet50_fpn_v2", ResNet50_Weights.IMAGENET1K_V1),
+        ("fasterrcnn_mobilenet_v3_large_fpn", MobileNet_V3_Large_Weights.IMAGENET1K_V1),
+        ("fasterrcnn_mobilenet_v3_large_320_fpn", MobileNet_V3_Large_Weights.IMAGENET1K_V1),
+    ]:
+        for flags, expected in (
+            (["--pretrained_backbone", "true"], (None, weights)),
+            (["--pretrained", "true"], ("DEFAULT", None)),
+            ([], (None, None)),
+        ):
             cfg = parse_config(frcnn.Config, ["--model", name, "--model_kwargs", "{}", *flags])
             with pytest.raises(Built):
                 frcnn.create_model(cfg, 10)
@@ -336,7 +399,8 @@ def test_presets_take_the_imagenet_v1_backbone_of_torchvisions_reference(monkeyp
 def test_freeze_at_counts_a_presets_stages_as_torchvision_does(monkeypatch):
     """freeze_at (the stem counted as 1) becomes the preset's trainable_backbone_layers: of 5 stages for a resnet,
     of 6 for a MobileNetV3 (its first convolution with the block after it, four stride-2 stages, its last
-    convolution), so freeze_at 1 freezes exactly the stem of either and 0 nothing. Checked on torchvision's own extractors with the numbers passed."""
+    convolution), so freeze_at 1 freezes exactly the stem of either and 0 nothing. Checked on
+    torchvision's own extractors with the numbers passed."""
     import torchvision
     from torchvision.models.detection.backbone_utils import _mobilenet_extractor, _resnet_fpn_extractor
 
@@ -354,8 +418,19 @@ def test_freeze_at_counts_a_presets_stages_as_torchvision_does(monkeypatch):
     trainable = {}
     for name in ("fasterrcnn_resnet50_fpn", "fasterrcnn_mobilenet_v3_large_fpn"):
         for freeze_at in (0, 1, 2):
-            cfg = parse_config(frcnn.Config, ["--model", name, "--model_kwargs", "{}", "--pretrained_backbone", "true",
-                                              "--freeze_at", str(freeze_at)])
+            cfg = parse_config(
+                frcnn.Config,
+                [
+                    "--model",
+                    name,
+                    "--model_kwargs",
+                    "{}",
+                    "--pretrained_backbone",
+                    "true",
+                    "--freeze_at",
+                    str(freeze_at),
+                ],
+            )
             frcnn.check_config(cfg)
             with pytest.raises(Built):
                 frcnn.create_model(cfg, 10)
@@ -364,14 +439,23 @@ def test_freeze_at_counts_a_presets_stages_as_torchvision_does(monkeypatch):
     def frozen(module):
         return sorted({n.split(".")[0] for n, p in module.named_parameters() if not p.requires_grad})
 
-    mobile = _mobilenet_extractor(torchvision.models.mobilenet_v3_large(), True, trainable["fasterrcnn_mobilenet_v3_large_fpn", 1])
+    mobile = _mobilenet_extractor(
+        torchvision.models.mobilenet_v3_large(), True, trainable["fasterrcnn_mobilenet_v3_large_fpn", 1]
+    )
     assert frozen(mobile.body) == ["0", "1"]  # the stem: features[0] and the block before the first stride-2 one
-    assert not frozen(_mobilenet_extractor(torchvision.models.mobilenet_v3_large(), True,
-                                           trainable["fasterrcnn_mobilenet_v3_large_fpn", 0]).body)
+    assert not frozen(
+        _mobilenet_extractor(
+            torchvision.models.mobilenet_v3_large(), True, trainable["fasterrcnn_mobilenet_v3_large_fpn", 0]
+        ).body
+    )
     resnet = _resnet_fpn_extractor(torchvision.models.resnet50(), trainable["fasterrcnn_resnet50_fpn", 2])
     assert frozen(resnet.body) == ["bn1", "conv1", "layer1"]
-    assert not frozen(_resnet_fpn_extractor(torchvision.models.resnet50(), trainable["fasterrcnn_resnet50_fpn", 0]).body)
+    assert not frozen(
+        _resnet_fpn_extractor(torchvision.models.resnet50(), trainable["fasterrcnn_resnet50_fpn", 0]).body
+    )
     from common import UserError
 
     with pytest.raises(UserError, match=r"freeze_at must be 0..6 for fasterrcnn_mobilenet_v3_large_fpn, got 7"):
-        frcnn.check_config(parse_config(frcnn.Config, ["--model", "fasterrcnn_mobilenet_v3_large_fpn", "--freeze_at", "7"]))
+        frcnn.check_config(
+            parse_config(frcnn.Config, ["--model", "fasterrcnn_mobilenet_v3_large_fpn", "--freeze_at", "7"])
+        )

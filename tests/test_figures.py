@@ -21,8 +21,15 @@ from common.coco_eval import CocoEvaluator, detection_confusion
 from common.detection_figures import class_colour, font, plot_pr_curves, save_detections
 from common.detection_outputs import evaluation_samples, save_evaluation_figures
 from common.feature_figures import attention_overlay, neighbour_grid
-from common.figures import (_panels, confusion_counts, format_table, plot_confusion_matrix, plot_curves,
-                            read_metrics, save_table_csv)
+from common.figures import (
+    _panels,
+    confusion_counts,
+    format_table,
+    plot_confusion_matrix,
+    plot_curves,
+    read_metrics,
+    save_table_csv,
+)
 from conftest import ROOT, detection_table
 
 
@@ -43,15 +50,35 @@ def check_png(path: Path, returned: Image.Image, width: tuple[int, int], height:
 def _write_metrics(path: Path) -> Path:
     lines = []
     for step in range(5, 105, 5):
-        record = {"step": step, "train/loss": 3.0 / step ** 0.5, "train/loss_ce": 2.0 / step ** 0.5,
-                  "train/loss_giou": 0.5, "train/lr": 1e-3 * min(step, 20) / 20, "train/images_per_s": 80.0,
-                  "train/data_wait": 0.01, "train/eta_s": 100.0 - step, "train/grad_norm": 5.0, "epoch": step // 50}
+        record = {
+            "step": step,
+            "train/loss": 3.0 / step**0.5,
+            "train/loss_ce": 2.0 / step**0.5,
+            "train/loss_giou": 0.5,
+            "train/lr": 1e-3 * min(step, 20) / 20,
+            "train/images_per_s": 80.0,
+            "train/data_wait": 0.01,
+            "train/eta_s": 100.0 - step,
+            "train/grad_norm": 5.0,
+            "epoch": step // 50,
+        }
         if step == 40:
             record["train/loss"] = float("nan")  # json writes NaN; the curve gets a gap
         lines.append(json.dumps(record))
         if step % 50 == 0:
-            lines.append(json.dumps({"step": step, "eval/top1": step / 2, "eval/top5": step, "eval/loss": 1 / step,
-                                     "eval/map_large": -1.0, "best/top1": step / 2, "epoch": step // 50}))
+            lines.append(
+                json.dumps(
+                    {
+                        "step": step,
+                        "eval/top1": step / 2,
+                        "eval/top5": step,
+                        "eval/loss": 1 / step,
+                        "eval/map_large": -1.0,
+                        "best/top1": step / 2,
+                        "epoch": step // 50,
+                    }
+                )
+            )
     lines.append(json.dumps({"step": 0, "knn/raw_pixels_top1": 41.5}))  # a key that appears once
     lines.append('{"step": 105, "train/lo')  # a run killed while writing
     path.write_text("\n".join(lines) + "\n")
@@ -64,9 +91,14 @@ def test_plot_curves_panels_and_png(tmp_path):
     assert math.isnan(series["train/loss"][1][7]) and len(series["train/loss"][0]) == 20
     assert series["knn/raw_pixels_top1"][0].tolist() == [0.0]
     titles = {title: keys for title, keys, _ in _panels(list(series))}
-    assert titles == {"training loss": ["train/loss", "train/loss_ce", "train/loss_giou"], "train/lr": ["train/lr"],
-                      "eval metrics": ["eval/top1", "eval/top5", "eval/map_large"], "eval/loss": ["eval/loss"],
-                      "knn/raw_pixels_top1": ["knn/raw_pixels_top1"], "train/grad_norm": ["train/grad_norm"]}
+    assert titles == {
+        "training loss": ["train/loss", "train/loss_ce", "train/loss_giou"],
+        "train/lr": ["train/lr"],
+        "eval metrics": ["eval/top1", "eval/top5", "eval/map_large"],
+        "eval/loss": ["eval/loss"],
+        "knn/raw_pixels_top1": ["knn/raw_pixels_top1"],
+        "train/grad_norm": ["train/grad_norm"],
+    }
     picture = plot_curves(metrics, tmp_path / "curves.png")
     # six panels (eval/map_large is -1 throughout: left out, not a panel) in 3 columns, 2 rows
     check_png(tmp_path / "curves.png", picture, (1440, 1440), (670, 670))
@@ -82,9 +114,19 @@ def test_plot_curves_with_one_point_and_with_thirty_keys(tmp_path):
     check_png(tmp_path / "one.png", plot_curves(one, tmp_path / "one.png"), (480, 480), (350, 350))
     many = tmp_path / "many.jsonl"
     rng = np.random.default_rng(0)
-    many.write_text("".join(json.dumps({"step": s, **{f"train/loss_term{t}": float(rng.random()) for t in range(10)},
-                                        **{f"eval/metric{m}": float(rng.random()) for m in range(20)}}) + "\n"
-                            for s in range(100)))
+    many.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "step": s,
+                    **{f"train/loss_term{t}": float(rng.random()) for t in range(10)},
+                    **{f"eval/metric{m}": float(rng.random()) for m in range(20)},
+                }
+            )
+            + "\n"
+            for s in range(100)
+        )
+    )
     panels = _panels(list(read_metrics(many)))
     assert max(len(keys) for _, keys, _ in panels) <= 6 and sum(len(keys) for _, keys, _ in panels) == 30
     check_png(tmp_path / "many.png", plot_curves(many, tmp_path / "many.png"), (1920, 1920), (1000, 2000))
@@ -116,8 +158,10 @@ def test_plot_confusion_matrix(tmp_path, k):
 
 
 def test_tables(tmp_path):
-    rows = [{"class": "person", "instances": 12, "ap50": 0.5, "ap": float("nan")},
-            {"class": "a" * 200, "instances": 3, "ap50": 0.123456, "ap": 0.1}]
+    rows = [
+        {"class": "person", "instances": 12, "ap50": 0.5, "ap": float("nan")},
+        {"class": "a" * 200, "instances": 3, "ap50": 0.123456, "ap": 0.1},
+    ]
     text = format_table(rows)
     lines = text.splitlines()
     assert len(lines) == 4 and max(map(len, lines)) <= 120
@@ -150,10 +194,20 @@ def split():
 def _predictions():
     """Cats: both found exactly. Dogs: image 1's found; image 2's called a bird. Image 2's bird: missed.
     Also a spurious dog (score 0.6) and a spurious cat under the confusion matrix's score (0.1)."""
-    return [{"image_id": 1, "boxes": torch.tensor([[10.0, 10, 30, 30], [50, 40, 80, 70], [0, 60, 15, 75], [85, 0, 99, 10]]),
-             "scores": torch.tensor([0.9, 0.8, 0.6, 0.1]), "labels": torch.tensor([0, 1, 1, 0])},
-            {"image_id": 2, "boxes": torch.tensor([[5.0, 5, 25, 35], [40, 10, 65, 35]]),
-             "scores": torch.tensor([0.95, 0.7]), "labels": torch.tensor([0, 2])}]
+    return [
+        {
+            "image_id": 1,
+            "boxes": torch.tensor([[10.0, 10, 30, 30], [50, 40, 80, 70], [0, 60, 15, 75], [85, 0, 99, 10]]),
+            "scores": torch.tensor([0.9, 0.8, 0.6, 0.1]),
+            "labels": torch.tensor([0, 1, 1, 0]),
+        },
+        {
+            "image_id": 2,
+            "boxes": torch.tensor([[5.0, 5, 25, 35], [40, 10, 65, 35]]),
+            "scores": torch.tensor([0.95, 0.7]),
+            "labels": torch.tensor([0, 2]),
+        },
+    ]
 
 
 def test_evaluate_details(split):
@@ -231,10 +285,20 @@ def test_save_detections_on_scenes_and_photos(tmp_path, split):
     photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (480, 640, 3), np.uint8))
     scene = torch.rand(3, 96, 96)
     target = {"boxes": torch.tensor([[100.0, 100, 300, 400]]), "labels": torch.tensor([1])}
-    prediction = {"boxes": torch.tensor([[110.0, 90, 310, 380]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.8])}
+    prediction = {
+        "boxes": torch.tensor([[110.0, 90, 310, 380]]),
+        "labels": torch.tensor([1]),
+        "scores": torch.tensor([0.8]),
+    }
     small = {"boxes": torch.tensor([[10.0, 10, 50, 60]]), "labels": torch.tensor([0])}
-    picture = save_detections([photo, scene], [target, small], [prediction, {**prediction, "scores": torch.tensor([0.2])}],
-                              CLASSES, tmp_path / "mixed.png", score_threshold=0.3)
+    picture = save_detections(
+        [photo, scene],
+        [target, small],
+        [prediction, {**prediction, "scores": torch.tensor([0.2])}],
+        CLASSES,
+        tmp_path / "mixed.png",
+        score_threshold=0.3,
+    )
     check_png(tmp_path / "mixed.png", picture, (1000, 1200), (450, 700))
     assert font(16).getbbox("Ag")[3] >= 14  # a scalable font, not PIL's 7-px bitmap
 
@@ -244,13 +308,18 @@ def test_save_evaluation_figures(tmp_path, split):
     pictures = save_evaluation_figures(details, tmp_path, split, plot_images=2)
     assert set(pictures) == {"pr_curves", "confusion_matrix", "detections"}
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "confusion_matrix.png", "detections.png", "per_class_ap.csv", "pr_curves.png"]
+        "confusion_matrix.png",
+        "detections.png",
+        "per_class_ap.csv",
+        "pr_curves.png",
+    ]
     rows = (tmp_path / "per_class_ap.csv").read_text().splitlines()
     assert rows[0].split(",") == ["class", "instances", "ap50", "ap"] and len(rows) == 1 + len(CLASSES)
 
 
 def test_save_evaluation_figures_sends_box_overlays_to_wandb(tmp_path, split):
     """With a W&B run, the drawn evaluation images also go to W&B with their boxes (interactive overlays)."""
+
     class Recording:
         def log(self, values, step):
             self.values, self.step = values, step
@@ -289,15 +358,17 @@ def test_neighbour_grid(tmp_path):
     picture = neighbour_grid(queries, bank, tmp_path / "nn.png", ["0", "1", "2"], names, torch.rand(3, 4))
     pixels = check_png(tmp_path / "nn.png", picture, (5 * 160, 1100), (3 * 160, 800))
     # captions in green (the query's class) and in red (not)
-    assert (np.abs(pixels.astype(int) - (0x1a, 0x96, 0x41)).sum(-1) < 60).any()
-    assert (np.abs(pixels.astype(int) - (0xd7, 0x19, 0x1c)).sum(-1) < 60).any()
+    assert (np.abs(pixels.astype(int) - (0x1A, 0x96, 0x41)).sum(-1) < 60).any()
+    assert (np.abs(pixels.astype(int) - (0xD7, 0x19, 0x1C)).sum(-1) < 60).any()
     plain = neighbour_grid(queries, bank, tmp_path / "plain.png")
     check_png(tmp_path / "plain.png", plain, (5 * 160, 1100), (3 * 160, 800))
 
 
 def test_figures_do_not_import_matplotlib_until_they_draw():
     """Recipes import these modules; matplotlib's import time is paid only by a run that plots."""
-    code = ("import sys\nimport common.figures, common.coco_eval, common.detection_figures, common.detection_outputs, "
-            "common.feature_figures\nassert 'matplotlib' not in sys.modules, 'imported'\n")
+    code = (
+        "import sys\nimport common.figures, common.coco_eval, common.detection_figures, common.detection_outputs, "
+        "common.feature_figures\nassert 'matplotlib' not in sys.modules, 'imported'\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]

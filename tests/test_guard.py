@@ -18,7 +18,9 @@ def test_first_bad_step_and_all_terms_are_reported():
     guard.check(SINGLE)  # all finite: nothing happens
     guard.observe(2, {"loss": torch.tensor(float("inf")), "box": torch.tensor(0.25)})
     guard.observe(3, {"loss": torch.tensor(float("nan")), "box": torch.tensor(float("nan"))})
-    with pytest.raises(NonFiniteLoss, match=r"^non-finite loss at step 2: loss=inf, box=0\.25; last good checkpoint: ckpt/step_1$"):
+    with pytest.raises(
+        NonFiniteLoss, match=r"^non-finite loss at step 2: loss=inf, box=0\.25; last good checkpoint: ckpt/step_1$"
+    ):
         guard.check(SINGLE, "ckpt/step_1")
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 
-MAX_LINES = 300
+MAX_LINES = 400  # as ruff format writes them (120 columns, one argument a line when a call overflows)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -66,7 +66,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str]:
         path.append(module)
         for target in sorted(edges.get(module, ())):
             if state.get(target) == "open":
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         path.pop()
@@ -84,7 +84,12 @@ def leaf_violations(root: Path) -> list[str]:
     wrong = []
     for f in sorted((root / "common" / "builtin").rglob("*.py")):
         for base, names in imports(f, root):
-            if base == "common" and names == ["UserError"] or base == "common.builtin" or base.startswith("common.builtin."):
+            if (
+                base == "common"
+                and names == ["UserError"]
+                or base == "common.builtin"
+                or base.startswith("common.builtin.")
+            ):
                 continue
             if base == "common" or base.startswith("common."):
                 wrong.append(f"{f.relative_to(root)}: from {base} import {', '.join(names) or '*'}")
@@ -93,8 +98,11 @@ def leaf_violations(root: Path) -> list[str]:
 
 def long_files(root: Path) -> dict[str, int]:
     """Files in common/ over MAX_LINES lines -> their line counts."""
-    return {str(f.relative_to(root)): n for f in sorted((root / "common").rglob("*.py"))
-            if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    return {
+        str(f.relative_to(root)): n
+        for f in sorted((root / "common").rglob("*.py"))
+        if (n := len(f.read_text().splitlines())) > MAX_LINES
+    }
 
 
 def test_common_has_no_import_cycle():
@@ -123,31 +131,55 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_a_function_level_cycle_through_a_package_is_found(tmp_path):
-    root = _tree(tmp_path, {
-        "common/__init__.py": "class UserError(Exception): ...\n",
-        "common/a.py": "def f():\n    from common.sub import c\n",
-        "common/sub/__init__.py": "",
-        "common/sub/c.py": "from . import d\n",
-        "common/sub/d.py": "from common import UserError, a\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "common/__init__.py": "class UserError(Exception): ...\n",
+            "common/a.py": "def f():\n    from common.sub import c\n",
+            "common/sub/__init__.py": "",
+            "common/sub/c.py": "from . import d\n",
+            "common/sub/d.py": "from common import UserError, a\n",
+        },
+    )
     assert find_cycle(graph(root)) == ["common.a", "common.sub.c", "common.sub.d", "common.a"]
     (root / "common/sub/d.py").write_text("from common import UserError\n")  # the cycle removed
     assert graph(root)["common.sub.d"] == {"common"} and find_cycle(graph(root)) == []
 
 
-@pytest.mark.parametrize("line", ["import common.data", "from common.data import x", "from common import data",
-                                  "from ..data import x", "from .. import data"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "import common.data",
+        "from common.data import x",
+        "from common import data",
+        "from ..data import x",
+        "from .. import data",
+    ],
+)
 def test_every_import_form_is_seen(tmp_path, line):
-    root = _tree(tmp_path, {"common/__init__.py": "", "common/data.py": "", "common/builtin/__init__.py": "",
-                            "common/builtin/x.py": f"def f():\n    {line}\n"})
+    root = _tree(
+        tmp_path,
+        {
+            "common/__init__.py": "",
+            "common/data.py": "",
+            "common/builtin/__init__.py": "",
+            "common/builtin/x.py": f"def f():\n    {line}\n",
+        },
+    )
     assert graph(root)["common.builtin.x"] == {"common.data"}
     assert len(leaf_violations(root)) == 1  # common.data is outside the leaf
 
 
 def test_a_leaf_import_and_a_long_file_are_found(tmp_path):
-    root = _tree(tmp_path, {"common/__init__.py": "", "common/builtin/__init__.py": "from common import UserError\n",
-                            "common/builtin/x.py": "from .y import z\nfrom common.builtin import w\n",
-                            "common/builtin/y.py": "\n" * MAX_LINES})
+    root = _tree(
+        tmp_path,
+        {
+            "common/__init__.py": "",
+            "common/builtin/__init__.py": "from common import UserError\n",
+            "common/builtin/x.py": "from .y import z\nfrom common.builtin import w\n",
+            "common/builtin/y.py": "\n" * MAX_LINES,
+        },
+    )
     assert leaf_violations(root) == [] and long_files(root) == {}
     (root / "common/builtin/y.py").write_text("from common import UserError, schedules\n" + "\n" * MAX_LINES)
     assert leaf_violations(root) == ["common/builtin/y.py: from common import UserError, schedules"]

@@ -63,7 +63,7 @@ def test_accumulated_batches_make_one_step_and_max_steps_ends_mid_epoch(tmp_path
     seen, loop = train(tmp_path / "run", epochs=3, grad_accum_steps=2, max_steps=5)
     assert loop.total_steps == 5 and loop.step == 5
     assert len(seen) == 5 * 2 * BATCH  # 5 steps of 2 batches: the first epoch and 4 batches of the second
-    assert sorted(seen[: ITEMS]) == list(range(ITEMS)) and seen[: ITEMS] != seen[ITEMS:2 * ITEMS]
+    assert sorted(seen[:ITEMS]) == list(range(ITEMS)) and seen[:ITEMS] != seen[ITEMS : 2 * ITEMS]
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000005" / "train_state.json").read_text())
     assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (5, 1, 4)
 
@@ -82,7 +82,7 @@ def test_steps_total_sums_epochs_of_changing_length_and_caps_at_max_steps():
     assert steps_total(3, 10, max_steps=25) == 25 and steps_total(3, 10, max_steps=0) == 30
 
 
-SEEDS = textwrap.dedent('''
+SEEDS = textwrap.dedent("""
     import json, sys, torch
     sys.path[:0] = [sys.argv[1], sys.argv[3]]
     from common.config import RunConfig
@@ -99,14 +99,23 @@ SEEDS = textwrap.dedent('''
     with open(f"{sys.argv[2]}/draws_{run.accelerator.process_index}.json", "w") as f:
         json.dump({"init": init, "step": step}, f)
     run.finish()
-''')
+""")
 
 
 def test_processes_share_the_initialisation_seed_then_draw_their_own(tmp_path):
     script = tmp_path / "seeds.py"
     script.write_text(SEEDS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(script), str(ROOT / "tests"), str(tmp_path / "run"), str(ROOT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(script),
+        str(ROOT / "tests"),
+        str(tmp_path / "run"),
+        str(ROOT),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=recipe_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     draws = [json.loads((tmp_path / "run" / f"draws_{rank}.json").read_text()) for rank in (0, 1)]

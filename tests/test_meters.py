@@ -35,8 +35,14 @@ def test_update_keeps_sums_on_device_without_reading_them():
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        ACCELERATE_USE_CPU="1",
+    )
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=True)

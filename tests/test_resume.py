@@ -1,12 +1,12 @@
 """Exact resume in every recipe, through the entry point, from a checkpoint in a later epoch.
 
 Each case runs a recipe's ``main`` (in-process: a subprocess would add seconds of imports per run;
-``cli_main`` and a real kill are tested in test_classifier.py) uninterrupted with evaluations after every epoch and a checkpoint in the
-middle of epoch 1 (after epoch 0's evaluation). A second folder is then made to look exactly like a
-run killed right after that checkpoint (the checkpoint and the metrics written so far; what a
-``kill -9`` leaves), and ``--resume auto`` continues it. Final weights must be identical and every
-learned quantity logged after the checkpoint equal. The classifier's test file kills a real process.
-"""
+``cli_main`` and a real kill are tested in test_classifier.py) uninterrupted with evaluations after
+every epoch and a checkpoint in the middle of epoch 1 (after epoch 0's evaluation). A second folder
+is then made to look exactly like a run killed right after that checkpoint (the checkpoint and the
+metrics written so far; what a ``kill -9`` leaves), and ``--resume auto`` continues it. Final
+weights must be identical and every learned quantity logged after the checkpoint equal. The
+classifier's test file kills a real process."""
 
 from __future__ import annotations
 
@@ -43,14 +43,23 @@ def coco_folder(tmp_path_factory) -> Path:
                 x, y = int(rng.integers(0, 64 - w)), int(rng.integers(0, 48 - h))
                 category = int(rng.choice(list(colours)))
                 draw.rectangle((x, y, x + w - 1, y + h - 1), fill=colours[category])
-                annotations.append({"id": len(annotations) + 1, "image_id": i, "category_id": category,
-                                    "bbox": [x, y, w, h], "area": w * h, "iscrowd": 0})
+                annotations.append(
+                    {
+                        "id": len(annotations) + 1,
+                        "image_id": i,
+                        "category_id": category,
+                        "bbox": [x, y, w, h],
+                        "area": w * h,
+                        "iscrowd": 0,
+                    }
+                )
             image.save(root / split / f"{i:04d}.png")
             images.append({"id": i, "file_name": f"{i:04d}.png", "width": 64, "height": 48})
         (root / "annotations").mkdir(exist_ok=True)
         categories = [{"id": c, "name": f"box{c}"} for c in colours]
         (root / "annotations" / f"instances_{split}.json").write_text(
-            json.dumps({"images": images, "annotations": annotations, "categories": categories}))
+            json.dumps({"images": images, "annotations": annotations, "categories": categories})
+        )
     return root
 
 
@@ -66,7 +75,7 @@ def image_folder(tmp_path_factory) -> Path:
             for i in range(count):
                 pixels = rng.integers(0, 80, (16, 16, 3), dtype=np.uint8)
                 x, y = rng.integers(0, 8, 2)
-                pixels[y:y + 8, x:x + (8 if name == "square" else 3)] = 230
+                pixels[y : y + 8, x : x + (8 if name == "square" else 3)] = 230
                 Image.fromarray(pixels).save(root / split / name / f"{i:03d}.png")
     return root
 
@@ -78,21 +87,114 @@ def image_folder(tmp_path_factory) -> Path:
 COMMON = ["--report_to", "none", "--eval_every", "1", "--keep_checkpoints", "5", "--log_every", "1"]
 CASES = {
     # the image folder: 80 images, 5 batches of 16 per epoch; the checkpoint at step 7 is batch 2 of epoch 1
-    "dino": (7, ["--batch_size", "16", "--local_crops", "2", "--num_workers", "1",
-                  "--global_size", "16", "--local_size", "8",
-                  "--plot_images", "0", "--model", "vit_tiny_patch16_224",
-                  "--model_kwargs", "{patch_size: 4, embed_dim: 48, depth: 2, num_heads: 3}", "--head_use_bn", "false",
-                  "--out_dim", "256", "--max_steps", "12", "--checkpoint_every", "7"]),
+    "dino": (
+        7,
+        [
+            "--batch_size",
+            "16",
+            "--local_crops",
+            "2",
+            "--num_workers",
+            "1",
+            "--global_size",
+            "16",
+            "--local_size",
+            "8",
+            "--plot_images",
+            "0",
+            "--model",
+            "vit_tiny_patch16_224",
+            "--model_kwargs",
+            "{patch_size: 4, embed_dim: 48, depth: 2, num_heads: 3}",
+            "--head_use_bn",
+            "false",
+            "--out_dim",
+            "256",
+            "--max_steps",
+            "12",
+            "--checkpoint_every",
+            "7",
+        ],
+    ),
     # the COCO folder: 40 images, 5 batches of 8 per epoch; the checkpoint at step 7 is batch 2 of epoch 1
     # (yolo: 3 epochs, so that its schedule and mosaic/mixup switch-off are those of a 3-epoch run)
-    "yolo": (7, ["--batch_size", "8", "--img_size", "64", "--multiscale", "[32, 64]", "--multiscale_every", "2",
-                 "--mosaic", "0.5", "--mixup", "0.5", "--no_aug_epochs", "0", "--epochs", "3", "--export", "false",
-                 "--plot_images", "1", "--num_workers", "1", "--max_steps", "12", "--checkpoint_every", "7"]),
-    "detr": (7, ["--batch_size", "8", "--scales", "[48, 64]", "--max_size", "96", "--crop", "0.5",
-                 "--crop_resize", "[40, 48]", "--crop_size", "[32, 48]", "--pretrain_crops_epochs", "0",
-                 "--plot_images", "1", "--num_workers", "1", "--max_steps", "12", "--checkpoint_every", "7"]),
-    "faster_rcnn": (7, ["--batch_size", "8", "--min_size", "[40, 48]", "--max_size", "96", "--plot_images", "1",
-                        "--num_workers", "1", "--max_steps", "12", "--checkpoint_every", "7"]),
+    "yolo": (
+        7,
+        [
+            "--batch_size",
+            "8",
+            "--img_size",
+            "64",
+            "--multiscale",
+            "[32, 64]",
+            "--multiscale_every",
+            "2",
+            "--mosaic",
+            "0.5",
+            "--mixup",
+            "0.5",
+            "--no_aug_epochs",
+            "0",
+            "--epochs",
+            "3",
+            "--export",
+            "false",
+            "--plot_images",
+            "1",
+            "--num_workers",
+            "1",
+            "--max_steps",
+            "12",
+            "--checkpoint_every",
+            "7",
+        ],
+    ),
+    "detr": (
+        7,
+        [
+            "--batch_size",
+            "8",
+            "--scales",
+            "[48, 64]",
+            "--max_size",
+            "96",
+            "--crop",
+            "0.5",
+            "--crop_resize",
+            "[40, 48]",
+            "--crop_size",
+            "[32, 48]",
+            "--pretrain_crops_epochs",
+            "0",
+            "--plot_images",
+            "1",
+            "--num_workers",
+            "1",
+            "--max_steps",
+            "12",
+            "--checkpoint_every",
+            "7",
+        ],
+    ),
+    "faster_rcnn": (
+        7,
+        [
+            "--batch_size",
+            "8",
+            "--min_size",
+            "[40, 48]",
+            "--max_size",
+            "96",
+            "--plot_images",
+            "1",
+            "--num_workers",
+            "1",
+            "--max_steps",
+            "12",
+            "--checkpoint_every",
+            "7",
+        ],
+    ),
 }
 
 
@@ -103,8 +205,9 @@ def _learned(run: Path, after: int) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(CASES))
-def test_resume_in_a_later_epoch_ends_with_the_uninterrupted_weights(recipe, coco_folder, image_folder, tmp_path,
-                                                                    capsys):
+def test_resume_in_a_later_epoch_ends_with_the_uninterrupted_weights(
+    recipe, coco_folder, image_folder, tmp_path, capsys
+):
     cut, args = CASES[recipe]
     args = COMMON + args + ["--data", str(image_folder if recipe == "dino" else coco_folder)]
     full, part = tmp_path / "full", tmp_path / "part"

@@ -21,12 +21,15 @@ def test_warmup_is_linear_and_ends_at_peak():
     assert v[WARMUP] == pytest.approx(1.0)  # first step after warmup is the peak
 
 
-@pytest.mark.parametrize("kind, mid, end", [
-    ("cosine", 0.5 * (1.0 + 0.1), 0.1),         # (1 + cos(pi/2))/2 = 0.5 between 1.0 and 0.1
-    ("linear", 1.0 + (0.1 - 1.0) * 0.5, 0.1),
-    ("poly", 0.1 + 0.9 * 0.5 ** 2, 0.1),        # power 2
-    ("constant", 1.0, 1.0),
-])
+@pytest.mark.parametrize(
+    "kind, mid, end",
+    [
+        ("cosine", 0.5 * (1.0 + 0.1), 0.1),  # (1 + cos(pi/2))/2 = 0.5 between 1.0 and 0.1
+        ("linear", 1.0 + (0.1 - 1.0) * 0.5, 0.1),
+        ("poly", 0.1 + 0.9 * 0.5**2, 0.1),  # power 2
+        ("constant", 1.0, 1.0),
+    ],
+)
 def test_midpoint_and_end(kind, mid, end):
     v = schedule(kind, 1.0, 0.1, TOTAL, WARMUP, power=2.0)
     assert len(v) == TOTAL
@@ -57,8 +60,9 @@ def test_unknown_kind():
 
 def test_group_scaling_and_no_decay_group():
     w, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.AdamW([{"params": [w], "weight_decay": 0.05},
-                             {"params": [b], "weight_decay": 0.0, "lr_scale": 0.1}], lr=1.0)
+    opt = torch.optim.AdamW(
+        [{"params": [w], "weight_decay": 0.05}, {"params": [b], "weight_decay": 0.0, "lr_scale": 0.1}], lr=1.0
+    )
     set_group_values(opt, "lr", 0.5)
     set_group_values(opt, "weight_decay", 0.4)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.5, 0.05])

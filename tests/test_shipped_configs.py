@@ -29,10 +29,20 @@ pytestmark = pytest.mark.configs
 
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*/*.yaml") if p.parent.name != "accelerate")
 MODES = {  # beyond fp32 in one process, per recipe: the config run under bf16 autocast, the one with 2 processes
-    "bf16": {"classifier": "cifar10_resnet50", "dino": "digits_ssl", "yolo": "digits_det", "detr": "digits_det",
-             "faster_rcnn": "digits_det"},
-    "2proc": {"classifier": "cifar10_resnet50", "dino": "digits_ssl", "yolo": "digits_det", "detr": "digits_det",
-              "faster_rcnn": "digits_det"},
+    "bf16": {
+        "classifier": "cifar10_resnet50",
+        "dino": "digits_ssl",
+        "yolo": "digits_det",
+        "detr": "digits_det",
+        "faster_rcnn": "digits_det",
+    },
+    "2proc": {
+        "classifier": "cifar10_resnet50",
+        "dino": "digits_ssl",
+        "yolo": "digits_det",
+        "detr": "digits_det",
+        "faster_rcnn": "digits_det",
+    },
 }
 DETECTORS = ("yolo", "detr", "faster_rcnn")  # one image per process and step: 800-1333 px on a CPU
 COCO_CATEGORIES = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]  # COCO's 80 ids
@@ -58,16 +68,28 @@ def _boxes(rng: np.random.Generator, width: int, height: int) -> list[list[float
     return out
 
 
-def _classification(folder: Path, image_column: str, classes: int, splits: dict[str, int], size: tuple[int, int]) -> str:
+def _classification(
+    folder: Path, image_column: str, classes: int, splits: dict[str, int], size: tuple[int, int]
+) -> str:
     """A save_to_disk DatasetDict: ``image_column`` (Image) and ``label`` (ClassLabel of ``classes``)."""
     import datasets
 
     rng = np.random.default_rng(0)
-    features = datasets.Features({image_column: datasets.Image(),
-                                  "label": datasets.ClassLabel(names=[f"class_{i}" for i in range(classes)])})
-    dd = datasets.DatasetDict({split: datasets.Dataset.from_dict(
-        {image_column: [_picture(rng, *size) for _ in range(n)], "label": [i % min(classes, 4) for i in range(n)]},
-        features=features) for split, n in splits.items()})
+    features = datasets.Features(
+        {image_column: datasets.Image(), "label": datasets.ClassLabel(names=[f"class_{i}" for i in range(classes)])}
+    )
+    dd = datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_dict(
+                {
+                    image_column: [_picture(rng, *size) for _ in range(n)],
+                    "label": [i % min(classes, 4) for i in range(n)],
+                },
+                features=features,
+            )
+            for split, n in splits.items()
+        }
+    )
     dd.save_to_disk(str(folder))
     return str(folder)
 
@@ -86,12 +108,21 @@ def _coco_folder(folder: Path, splits: dict[str, int], size: tuple[int, int], ca
             _picture(rng, *size, boxes).save(folder / split / f"{image_id:012d}.jpg")
             images.append({"id": image_id, "file_name": f"{image_id:012d}.jpg", "width": size[0], "height": size[1]})
             for box in boxes:
-                annotations.append({"id": next_id, "image_id": image_id, "bbox": box, "area": box[2] * box[3],
-                                    "iscrowd": 0, "category_id": int(rng.choice(category_ids[:5]))})
+                annotations.append(
+                    {
+                        "id": next_id,
+                        "image_id": image_id,
+                        "bbox": box,
+                        "area": box[2] * box[3],
+                        "iscrowd": 0,
+                        "category_id": int(rng.choice(category_ids[:5])),
+                    }
+                )
                 next_id += 1
         categories = [{"id": c, "name": f"thing_{c}"} for c in category_ids]
         (folder / "annotations" / f"instances_{split}.json").write_text(
-            json.dumps({"images": images, "annotations": annotations, "categories": categories}))
+            json.dumps({"images": images, "annotations": annotations, "categories": categories})
+        )
     return str(folder)
 
 
@@ -101,12 +132,20 @@ def _cppe5(folder: Path, size: tuple[int, int]) -> str:
 
     rng = np.random.default_rng(0)
     names = ["Coverall", "Face_Shield", "Gloves", "Goggles", "Mask"]
-    features = datasets.Features({
-        "image_id": datasets.Value("int64"), "image": datasets.Image(), "width": datasets.Value("int32"),
-        "height": datasets.Value("int32"),
-        "objects": {"id": datasets.Sequence(datasets.Value("int64")), "area": datasets.Sequence(datasets.Value("int64")),
-                    "bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float32"), length=4)),
-                    "category": datasets.Sequence(datasets.ClassLabel(names=names))}})
+    features = datasets.Features(
+        {
+            "image_id": datasets.Value("int64"),
+            "image": datasets.Image(),
+            "width": datasets.Value("int32"),
+            "height": datasets.Value("int32"),
+            "objects": {
+                "id": datasets.Sequence(datasets.Value("int64")),
+                "area": datasets.Sequence(datasets.Value("int64")),
+                "bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float32"), length=4)),
+                "category": datasets.Sequence(datasets.ClassLabel(names=names)),
+            },
+        }
+    )
     out = {}
     for split, n in (("train", 4), ("test", 2)):
         rows = {"image_id": [], "image": [], "width": [], "height": [], "objects": []}
@@ -116,8 +155,14 @@ def _cppe5(folder: Path, size: tuple[int, int]) -> str:
             rows["image"].append(_picture(rng, *size, boxes))
             rows["width"].append(size[0])
             rows["height"].append(size[1])
-            rows["objects"].append({"id": list(range(len(boxes))), "area": [int(b[2] * b[3]) for b in boxes],
-                                    "bbox": boxes, "category": [int(c) for c in rng.integers(0, 5, len(boxes))]})
+            rows["objects"].append(
+                {
+                    "id": list(range(len(boxes))),
+                    "area": [int(b[2] * b[3]) for b in boxes],
+                    "bbox": boxes,
+                    "category": [int(c) for c in rng.integers(0, 5, len(boxes))],
+                }
+            )
         out[split] = datasets.Dataset.from_dict(rows, features=features)
     datasets.DatasetDict(out).save_to_disk(str(folder))
     return str(folder)
@@ -160,8 +205,14 @@ def detr_stand_in(config: dict, path: Path) -> str:
     COCO head) with the config's transformer sizes, its values strided views of small storages (a few MB)."""
     from test_detr_reference import write_reference_checkpoint
 
-    return write_reference_checkpoint(path, d=config["d_model"], ff=config["dim_feedforward"], enc=config["enc_layers"],
-                                      dec=config["dec_layers"], queries=config["num_queries"])
+    return write_reference_checkpoint(
+        path,
+        d=config["d_model"],
+        ff=config["dim_feedforward"],
+        enc=config["enc_layers"],
+        dec=config["dec_layers"],
+        queries=config["num_queries"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,8 +222,21 @@ def _overrides(recipe: str, config: dict, tmp_path: Path) -> list[str]:
     fields = load_recipe(recipe).Config.__dataclass_fields__
     data, split_flags = stand_in(config.get("data", fields["data"].default), tmp_path)
     batch = "1" if recipe in DETECTORS else "2"  # 2 for Mixup/CutMix pairs and DINO's BatchNorm1d head
-    args = ["--data", data, *split_flags, "--max_steps", "2", "--batch_size", batch, "--num_workers", "0",
-            "--report_to", "none", "--output_dir", str(tmp_path / "run")]
+    args = [
+        "--data",
+        data,
+        *split_flags,
+        "--max_steps",
+        "2",
+        "--batch_size",
+        batch,
+        "--num_workers",
+        "0",
+        "--report_to",
+        "none",
+        "--output_dir",
+        str(tmp_path / "run"),
+    ]
     for flag in ("pretrained", "pretrained_backbone"):  # hub weights need the network
         if flag in fields and config.get(flag):
             args += [f"--{flag}", "false"]
@@ -200,16 +264,22 @@ def _run(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, float]:
     return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024
 
 
-CASES = [(p, "fp32") for p in CONFIGS] + [(p, mode) for mode, chosen in MODES.items() for p in CONFIGS
-                                          if chosen.get(p.parent.name) == p.stem]
+CASES = [(p, "fp32") for p in CONFIGS] + [
+    (p, mode) for mode, chosen in MODES.items() for p in CONFIGS if chosen.get(p.parent.name) == p.stem
+]
 
 
 @pytest.mark.parametrize("path,mode", CASES, ids=[f"{p.parent.name}/{p.stem}-{m}" for p, m in CASES])
 def test_config_trains_two_steps(path: Path, mode: str, tmp_path: Path):
     recipe, nproc = path.parent.name, 2 if mode == "2proc" else 1
     config = yaml.safe_load(path.read_text()) or {}
-    args = ["--config", str(path), *_overrides(recipe, config, tmp_path),
-            "--mixed_precision", "bf16" if mode == "bf16" else "no"]
+    args = [
+        "--config",
+        str(path),
+        *_overrides(recipe, config, tmp_path),
+        "--mixed_precision",
+        "bf16" if mode == "bf16" else "no",
+    ]
     status, peak_mib = _run(recipe_cmd(recipe, args, nproc), recipe_env(nproc), tmp_path / "log.txt")
     log = (tmp_path / "log.txt").read_text()
     assert status == 0, f"{path.name} exit {status}:\n{log[-5000:]}"

@@ -22,8 +22,9 @@ def test_wandb_run_id_is_kept_across_resume(wandb_run, capsys):
     shutil.copytree(folder, copy)
     run_id = (copy / "wandb_run_id.txt").read_text().strip()
     assert len(run_id) >= 8
-    load_recipe("classifier").main(TINY[:-2] + ["--max_steps", "6", "--report_to", "wandb", "--output_dir", str(copy),
-                                                "--resume", "auto"])
+    load_recipe("classifier").main(
+        TINY[:-2] + ["--max_steps", "6", "--report_to", "wandb", "--output_dir", str(copy), "--resume", "auto"]
+    )
     out = capsys.readouterr().out
     assert "resume with changed max_steps 4 -> 6" in out and "resumed from" in out
     assert (copy / "wandb_run_id.txt").read_text().strip() == run_id
@@ -55,12 +56,15 @@ def test_tracker_project_and_run_name_defaults(monkeypatch, tmp_path):
     assert (project_name(cfg, "my_recipe"), run_name(cfg, tmp_path / "exp-2")) == ("p", "n")
 
 
-@pytest.mark.parametrize("netrc_host, base_url, expected", [
-    ("api.wandb.ai", "", True),
-    ("wandb.example.com", "https://wandb.example.com", True),  # a self-hosted server
-    ("wandb.example.com", "", False),  # credentials for another host than the one wandb would use
-    ("", "", False),
-])
+@pytest.mark.parametrize(
+    "netrc_host, base_url, expected",
+    [
+        ("api.wandb.ai", "", True),
+        ("wandb.example.com", "https://wandb.example.com", True),  # a self-hosted server
+        ("wandb.example.com", "", False),  # credentials for another host than the one wandb would use
+        ("", "", False),
+    ],
+)
 def test_wandb_credentials_are_found_for_any_host(netrc_host, base_url, expected, tmp_path):
     """Through wandb's own login lookup, without a prompt or a network call (a fresh process: wandb
     keeps its login in process-wide state)."""

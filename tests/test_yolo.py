@@ -17,8 +17,8 @@ import torch
 from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
 from common.config import parse_config
+from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
 from common.weights import read_metadata
 from conftest import assert_pictures, bright_rectangle, check, detection_table, error_line, load_recipe, run_recipe
 from yolo_model import Exported, YOLOv3, assign_targets, postprocess, yolo_loss  # the model beside the recipe
@@ -27,8 +27,9 @@ yolo = load_recipe("yolo")
 
 # Anchors 4..64 px; neighbours differ by >= 1.2x in side, so a box that matches one anchor exactly
 # overlaps every other anchor shape with IoU < 0.7 (the ignore threshold).
-ANCHORS = torch.tensor([[4, 4], [8, 8], [12, 12], [16, 16], [20, 20], [24, 24], [32, 32], [48, 48], [64, 64]],
-                       dtype=torch.float32)
+ANCHORS = torch.tensor(
+    [[4, 4], [8, 8], [12, 12], [16, 16], [20, 20], [24, 24], [32, 32], [48, 48], [64, 64]], dtype=torch.float32
+)
 
 
 def _model(num_classes: int = 10) -> YOLOv3:
@@ -51,8 +52,12 @@ def test_levels_and_output_layout():
 
 def test_target_assignment_by_hand():
     model = _model()
-    boxes = torch.tensor([[[10.0, 20.0, 26.0, 36.0], [0, 0, 0, 0]],  # 16x16 box; the second row is padding
-                          [[40.0, 40.0, 88.0, 88.0], [50.0, 10.0, 54.0, 14.0]]])  # 48x48 and 4x4
+    boxes = torch.tensor(
+        [
+            [[10.0, 20.0, 26.0, 36.0], [0, 0, 0, 0]],  # 16x16 box; the second row is padding
+            [[40.0, 40.0, 88.0, 88.0], [50.0, 10.0, 54.0, 14.0]],
+        ]
+    )  # 48x48 and 4x4
     labels = torch.tensor([[3, 0], [7, 1]])
     weights = torch.tensor([[1.0, 0.0], [1.0, 0.5]])  # 0.5: a box from a mixed-up image
     t = assign_targets(model, boxes, labels, weights, 96, 96)
@@ -60,9 +65,11 @@ def test_target_assignment_by_hand():
     # 16x16 -> anchor [16, 16] = stride-16 level, k 0; centre (18, 28) / 16 -> cell (1, 1), offset (.125, .75)
     # 48x48 -> anchor [48, 48] = stride-32 level, k 1; centre (64, 64) / 32 -> cell (2, 2), offset (0, 0)
     # 4x4   -> anchor [4, 4]   = stride-8 level, k 0;  centre (52, 12) / 8  -> cell (6, 1), offset (.5, .5)
-    expected = {(0, 27 + (1 * 6 + 1) * 3 + 0): (1.0, [0.125, 0.75], 2 - 256 / 9216, 3),
-                (1, 0 + (2 * 3 + 2) * 3 + 1): (1.0, [0.0, 0.0], 2 - 2304 / 9216, 7),
-                (1, 135 + (1 * 12 + 6) * 3 + 0): (0.5, [0.5, 0.5], 2 - 16 / 9216, 1)}
+    expected = {
+        (0, 27 + (1 * 6 + 1) * 3 + 0): (1.0, [0.125, 0.75], 2 - 256 / 9216, 3),
+        (1, 0 + (2 * 3 + 2) * 3 + 1): (1.0, [0.0, 0.0], 2 - 2304 / 9216, 7),
+        (1, 135 + (1 * 12 + 6) * 3 + 0): (0.5, [0.5, 0.5], 2 - 16 / 9216, 1),
+    }
     positives = {tuple(i) for i in (t["obj"] > 0).nonzero().tolist()}
     assert positives == set(expected)
     for (b, n), (obj, centre, box_weight, cls) in expected.items():
@@ -72,8 +79,9 @@ def test_target_assignment_by_hand():
         assert float(t["box_weight"][b, n]) == pytest.approx(box_weight)
         assert int(t["cls"][b, n]) == cls
     # A 64x32 box: best shape IoU with [48, 48] (1536 / 2816 = 0.55, [32, 32] gives 0.5); log-size targets.
-    t = assign_targets(model, torch.tensor([[[0.0, 0.0, 64.0, 32.0]]]), torch.tensor([[0]]),
-                       torch.tensor([[1.0]]), 96, 96)
+    t = assign_targets(
+        model, torch.tensor([[[0.0, 0.0, 64.0, 32.0]]]), torch.tensor([[0]]), torch.tensor([[1.0]]), 96, 96
+    )
     n = int((t["obj"][0] > 0).nonzero())
     assert t["scale"][0, n].tolist() == pytest.approx([math.log(64 / 48), math.log(32 / 48)], abs=1e-6)
 
@@ -122,13 +130,15 @@ def test_each_loss_term_by_hand():
     wide = {**targets, "boxes": torch.tensor([[[8.0, 16.0, 40.0, 32.0]]])}
     expected_scale = (abs(math.log(32 / 24)) + abs(math.log(16 / 24))) * (2 - 512 / 9216)
     assert float(yolo_loss(model, torch.zeros(1, n, 8), wide, 96, 96, 0.7, False)["loss_scale"]) == pytest.approx(
-        expected_scale, rel=1e-5)
+        expected_scale, rel=1e-5
+    )
 
     # Ignore: a negative whose decoded box overlaps the ground truth above ignore_iou gets no
     # objectness loss. Raw 0 at the same cell's anchor [20, 20] decodes to a 20x20 box at the same
     # centre: IoU 256/400 = 0.64 with the 16x16 box, ignored at a threshold of 0.6, not at 0.7.
     assert float(yolo_loss(model, raw, targets, 96, 96, 0.6, False)["loss_obj"]) == pytest.approx(
-        (n - 1) * math.log(2), rel=1e-5)
+        (n - 1) * math.log(2), rel=1e-5
+    )
 
 
 def test_mixup_weights_scale_the_box_losses():
@@ -136,14 +146,18 @@ def test_mixup_weights_scale_the_box_losses():
     n = sum(h * w * 3 for h, w in model.level_shapes(96, 96))
     raw = torch.zeros(1, n, 8)
     box = torch.tensor([[[16.0, 16.0, 32.0, 32.0]]])
-    full = yolo_loss(model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[1.0]])},
-                     96, 96, 0.7, False)
-    half = yolo_loss(model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[0.5]])},
-                     96, 96, 0.7, False)
+    full = yolo_loss(
+        model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[1.0]])}, 96, 96, 0.7, False
+    )
+    half = yolo_loss(
+        model, raw, {"boxes": box, "labels": torch.tensor([[0]]), "weights": torch.tensor([[0.5]])}, 96, 96, 0.7, False
+    )
     assert float(half["loss_center"]) == pytest.approx(0.5 * float(full["loss_center"]))
     assert float(half["loss_cls"]) == pytest.approx(0.5 * float(full["loss_cls"]))
     # objectness: the positive's term is weighted by its ratio, the negatives are unchanged
-    assert float(full["loss_obj"]) - float(half["loss_obj"]) == pytest.approx(0.5 * math.log(2), abs=1e-4)  # float32 sums of ~400
+    assert float(full["loss_obj"]) - float(half["loss_obj"]) == pytest.approx(
+        0.5 * math.log(2), abs=1e-4
+    )  # float32 sums of ~400
 
 
 def test_decode_inverts_the_targets():
@@ -176,8 +190,11 @@ def _unnormalise(image: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("train", [True, False])
 def test_boxes_follow_the_pixels(train):
-    ds = DetectionDataset(detection_table([bright_rectangle()], [[[20.0, 10.0, 25.0, 20.0]]]),
-                          yolo.detection_transforms(train, 64, color_jitter=False), seed=0)
+    ds = DetectionDataset(
+        detection_table([bright_rectangle()], [[[20.0, 10.0, 25.0, 20.0]]]),
+        yolo.detection_transforms(train, 64, color_jitter=False),
+        seed=0,
+    )
     kept = 0
     for epoch in range(40 if train else 1):
         image, target = ds[(epoch, 0)]
@@ -193,7 +210,7 @@ def test_boxes_follow_the_pixels(train):
         ys, xs = torch.nonzero(bright, as_tuple=True)
         # bright pixels lie inside the box (1 px of resampling blur), and fill it
         assert xs.min() >= x0 - 1 and xs.max() <= x1 and ys.min() >= y0 - 1 and ys.max() <= y1
-        inner = bright[int(y0) + 1:int(y1) - 1, int(x0) + 1:int(x1) - 1]
+        inner = bright[int(y0) + 1 : int(y1) - 1, int(x0) + 1 : int(x1) - 1]
         assert inner.float().mean() > 0.9
         h, w = target["size"]
         assert (image[:, h:] == 0).all() and (image[:, :, w:] == 0).all()  # padding: right and bottom only
@@ -208,8 +225,9 @@ def test_an_image_without_objects_passes_every_transform():
 
 
 def test_rescale_boxes_undoes_the_eval_transform():
-    ds = DetectionDataset(detection_table([bright_rectangle(80, 60)], [[[20.0, 10.0, 25.0, 20.0]]]),
-                          yolo.detection_transforms(False, 64))
+    ds = DetectionDataset(
+        detection_table([bright_rectangle(80, 60)], [[[20.0, 10.0, 25.0, 20.0]]]), yolo.detection_transforms(False, 64)
+    )
     _, target = ds[0]
     assert target["size"] == (48, 64)  # longest side 64, aspect kept; then padded to 64 x 64
     original = rescale_boxes(target["boxes"], target["size"], target["orig_size"])
@@ -267,8 +285,9 @@ def test_each_evaluation_scores_its_own_model():
 
     split = load_detection("digits_det").eval.select(range(8))
     assert set(vars(CocoEvaluator(split))) == {"gt", "image_ids"}  # nothing about predictions
-    loader = torch.utils.data.DataLoader(DetectionDataset(split, yolo.detection_transforms(False, 96)), batch_size=4,
-                                         collate_fn=collate)
+    loader = torch.utils.data.DataLoader(
+        DetectionDataset(split, yolo.detection_transforms(False, 96)), batch_size=4, collate_fn=collate
+    )
     accelerator, cfg = Accelerator(cpu=True), yolo.Config(conf_threshold=0.0)
     first, second = _model(), _model()
     torch.nn.init.normal_(second.outputs[0][-1].weight)  # another model: other boxes and scores
@@ -286,16 +305,21 @@ def short_run(tmp_path_factory):
     """The default config through the real entry point, shortened to 2 epochs (the schedule with it),
     ending with evaluation on the held-out scenes and export."""
     run = tmp_path_factory.mktemp("yolo") / "run"
-    check(run_recipe("yolo", ["--output_dir", str(run), "--report_to", "none", "--epochs", "2", "--log_every", "25"],
-                     timeout=600))
+    check(
+        run_recipe(
+            "yolo", ["--output_dir", str(run), "--report_to", "none", "--epochs", "2", "--log_every", "25"], timeout=600
+        )
+    )
     return run
 
 
 def test_short_run_learns_logs_losses_evaluates_and_exports(short_run):
     records = [json.loads(line) for line in (short_run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/loss" in r]
-    assert train and all(k in train[-1] for k in ("train/loss_obj", "train/loss_center", "train/loss_scale",
-                                                  "train/loss_cls", "train/boxes_per_image"))
+    assert train and all(
+        k in train[-1]
+        for k in ("train/loss_obj", "train/loss_center", "train/loss_scale", "train/loss_cls", "train/boxes_per_image")
+    )
     assert train[-1]["train/loss"] < 0.5 * train[0]["train/loss"]
     evals = [r for r in records if "eval/map_50" in r]
     # Held-out mAP@0.5 after 2 epochs. A detector that finds digits but cannot tell them apart scores
@@ -325,8 +349,17 @@ def test_export_round_trip(short_run):
 
     meta = read_metadata(short_run / "final.safetensors")
     config = meta["config"]  # the resolved config rebuilds the model
-    cfg = parse_config(yolo.Config, ["--model", config["model"], "--neck_channels", str(config["neck_channels"]),
-                                          "--model_kwargs", json.dumps(config["model_kwargs"])])
+    cfg = parse_config(
+        yolo.Config,
+        [
+            "--model",
+            config["model"],
+            "--neck_channels",
+            str(config["neck_channels"]),
+            "--model_kwargs",
+            json.dumps(config["model_kwargs"]),
+        ],
+    )
     weights = safetensors.torch.load_file(str(short_run / "final.safetensors"))
     model = yolo.create_model(cfg, len(meta["classes"]), weights["anchors"].flip(0).reshape(-1, 2))
     model.load_state_dict(weights)
@@ -341,12 +374,15 @@ def test_export_round_trip(short_run):
         assert np.allclose(g, e.numpy(), atol=1e-3)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--img_size", "100"], "img_size and every multiscale size must be multiples of 32"),
-    (["--anchors", "[[1, 2]]"], "anchors must be 3 x A [w, h] pairs"),
-    (["--anchors_per_level", "0"], "anchors_per_level must be at least 1"),
-    (["--model", "no_such_net", "--data", "digits_det"], "unknown timm model 'no_such_net'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--img_size", "100"], "img_size and every multiscale size must be multiples of 32"),
+        (["--anchors", "[[1, 2]]"], "anchors must be 3 x A [w, h] pairs"),
+        (["--anchors_per_level", "0"], "anchors_per_level must be at least 1"),
+        (["--model", "no_such_net", "--data", "digits_det"], "unknown timm model 'no_such_net'"),
+    ],
+)
 def test_bad_config_raises_a_clear_error(tmp_path, args, message):
     with pytest.raises(UserError, match=re.escape(message)):
         yolo.main(["--output_dir", str(tmp_path / "run"), "--report_to", "none", *args])
@@ -400,8 +436,9 @@ def test_multiscale_sizes_depend_on_seed_epoch_and_batch_only():
     one.set_epoch(1)
     assert _sizes(one) != drawn
     # the order is common/loaders.py's, the size only added
-    assert [[key[:2] for key in keys] for keys in MultiScaleBatchSampler(96, 4, sizes, 2, seed=0)] == \
-        list(EpochBatchSampler(96, 4, seed=0))
+    assert [[key[:2] for key in keys] for keys in MultiScaleBatchSampler(96, 4, sizes, 2, seed=0)] == list(
+        EpochBatchSampler(96, 4, seed=0)
+    )
 
 
 @pytest.mark.parametrize("augment", ["letterbox", "gluoncv"])
@@ -415,15 +452,23 @@ def test_every_image_of_a_batch_is_transformed_at_the_batch_size(augment):
 
     data = load_detection("digits_det")
     transform_at = functools.partial(yolo.detection_transforms, True, hflip=0.0, preset=augment)
-    train_set = yolo.YoloTrainSet(DetectionDataset(data.train.select(range(32)), transform_at(96), seed=0), 96,
-                                  mosaic=0.5, mixup=0.0, aug_epochs=1, seed=0, transform_at=transform_at)
+    train_set = yolo.YoloTrainSet(
+        DetectionDataset(data.train.select(range(32)), transform_at(96), seed=0),
+        96,
+        mosaic=0.5,
+        mixup=0.0,
+        aug_epochs=1,
+        seed=0,
+        transform_at=transform_at,
+    )
     sampler = MultiScaleBatchSampler(len(train_set), 4, [64, 96, 128], every=1, seed=0)
     expected = _sizes(sampler)
     assert len(set(expected)) > 1
     runs = []
     for workers in (0, 2):
-        loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=yolo.train_collate,
-                                             num_workers=workers)
+        loader = torch.utils.data.DataLoader(
+            train_set, batch_sampler=sampler, collate_fn=yolo.train_collate, num_workers=workers
+        )
         runs.append(list(loader))
     for (images, targets), size in zip(runs[0], expected):
         assert images.shape == (4, 3, size, size)
@@ -441,8 +486,9 @@ def test_gluoncv_preset_boxes_follow_the_pixels():
     table = detection_table([bright_rectangle(80, 60, (20, 10, 30, 30))], [[[20.0, 10.0, 30.0, 30.0]]])
     seen = set()
     for size in (64, 96):
-        ds = DetectionDataset(table, yolo.detection_transforms(True, size, color_jitter=False, hflip=0.5,
-                                                               preset="gluoncv"), seed=0)
+        ds = DetectionDataset(
+            table, yolo.detection_transforms(True, size, color_jitter=False, hflip=0.5, preset="gluoncv"), seed=0
+        )
         for epoch in range(30):
             image, target = ds[(epoch, 0)]
             assert image.shape == (3, size, size) and target["size"] == (size, size)
@@ -452,7 +498,7 @@ def test_gluoncv_preset_boxes_follow_the_pixels():
             ys, xs = torch.nonzero(bright, as_tuple=True)
             assert xs.min() >= x0 - 1 and xs.max() <= x1 and ys.min() >= y0 - 1 and ys.max() <= y1
             if min(x1 - x0, y1 - y0) >= 4:
-                assert bright[math.ceil(y0) + 1:int(y1) - 1, math.ceil(x0) + 1:int(x1) - 1].float().mean() > 0.9
+                assert bright[math.ceil(y0) + 1 : int(y1) - 1, math.ceil(x0) + 1 : int(x1) - 1].float().mean() > 0.9
             seen.add(round(x1 - x0))
         again = ds[(3, 0)]
         assert torch.equal(again[0], ds[(3, 0)][0]) and torch.equal(again[1]["boxes"], ds[(3, 0)][1]["boxes"])
@@ -483,7 +529,10 @@ def test_mosaic_decodes_each_piece_once_and_counts_each_dropped_box_once(monkeyp
     rows = load_detection("digits_det").train.select(range(64))
     boxes_in_row = [sum(not crowd for crowd in o["iscrowd"]) for o in rows["objects"]]
     # zoomed in 1.5-2.5x: the crop loses boxes in most pieces
-    transform_at = lambda size: yolo.detection_transforms(True, size, scale_range=(1.5, 2.5), hflip=0.0)
+
+    def transform_at(size: int):
+        return yolo.detection_transforms(True, size, scale_range=(1.5, 2.5), hflip=0.0)
+
     base = DetectionDataset(rows, transform_at(96), seed=0)
     train_set = yolo.YoloTrainSet(base, 96, mosaic=1.0, mixup=mixup, aug_epochs=1, seed=0, transform_at=transform_at)
     first_piece_dropped = 0

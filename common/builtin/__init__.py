@@ -15,8 +15,9 @@ data layers above it (``common.data``, ``common.detection``) can name it without
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from common.builtin.digits import digits_dataset
 from common.builtin.digits_det import digits_det_crops_dataset, digits_det_folder

@@ -43,8 +43,9 @@ def digits_dataset() -> datasets.DatasetDict:
     return datasets.DatasetDict({"train": split(train_idx), "test": split(test_idx)})
 
 
-def coverage(glyph: np.ndarray, cx: float, cy: float, height: float, aspect: float, angle: float,
-             size: int) -> np.ndarray:
+def coverage(
+    glyph: np.ndarray, cx: float, cy: float, height: float, aspect: float, angle: float, size: int
+) -> np.ndarray:
     """Coverage (size, size) in [0, 1] of a (10, 10) uint8 zero-padded 8x8 glyph drawn ``height`` px
     tall and ``height * aspect`` px wide, centred at (cx, cy) px and tilted by ``angle`` radians on a
     square canvas (or patch) of side ``size`` px.
@@ -54,8 +55,7 @@ def coverage(glyph: np.ndarray, cx: float, cy: float, height: float, aspect: flo
     ku, kv = 8.0 / (height * aspect), 8.0 / height  # glyph px per canvas px
     cos, sin = np.cos(angle), np.sin(angle)
     # Canvas (x, y) px -> glyph (u, v) px; 5 = the glyph centre 4 + 1 of padding.
-    affine = (cos * ku, sin * ku, 5 - ku * (cos * cx + sin * cy),
-              -sin * kv, cos * kv, 5 + kv * (sin * cx - cos * cy))
+    affine = (cos * ku, sin * ku, 5 - ku * (cos * cx + sin * cy), -sin * kv, cos * kv, 5 + kv * (sin * cx - cos * cy))
     upscaled = Image.fromarray(glyph).transform((size, size), Image.AFFINE, affine, Image.BILINEAR)
     return _SHARPEN[np.asarray(upscaled)]
 

@@ -57,8 +57,9 @@ def _overlaps(box: tuple[int, int, int, int], boxes: list[tuple[int, int, int, i
     return False
 
 
-def _scene(rng: np.random.Generator, glyphs: np.ndarray, labels: np.ndarray
-           ) -> tuple[np.ndarray, list[tuple[int, int, int, int]], list[int], np.ndarray]:
+def _scene(
+    rng: np.random.Generator, glyphs: np.ndarray, labels: np.ndarray
+) -> tuple[np.ndarray, list[tuple[int, int, int, int]], list[int], np.ndarray]:
     """One scene: image (S, S, 3) uint8, digit boxes (XYXY, integer pixel edges), their classes, and
     the background before the digits and the sensor noise ((S, S, 3) float32, for tests).
 
@@ -143,8 +144,9 @@ def _scene(rng: np.random.Generator, glyphs: np.ndarray, labels: np.ndarray
     return np.rint(image.clip(0, 255)).astype(np.uint8), boxes, classes, background
 
 
-def render_scenes(glyphs: np.ndarray, labels: np.ndarray, count: int, seed: int, split: str
-                  ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+def render_scenes(
+    glyphs: np.ndarray, labels: np.ndarray, count: int, seed: int, split: str
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
     """``count`` scenes drawn from ``glyphs`` ((N, 8, 8) uint8, 0..255) with classes ``labels`` (N,):
     images (count, S, S, 3) uint8, and per image its boxes (n, 4) int64 as COCO ``[x, y, w, h]`` in
     pixels (tight around the glyph pixels with coverage >= INK) and classes (n,) int64, 1 <= n <= 6.
@@ -163,8 +165,9 @@ def render_scenes(glyphs: np.ndarray, labels: np.ndarray, count: int, seed: int,
     return images, boxes, classes
 
 
-def _write_coco_split(root: Path, split: str, images: np.ndarray, boxes: list[np.ndarray],
-                      classes: list[np.ndarray]) -> None:
+def _write_coco_split(
+    root: Path, split: str, images: np.ndarray, boxes: list[np.ndarray], classes: list[np.ndarray]
+) -> None:
     """``root/<split>/<id>.png`` and ``root/annotations/instances_<split>.json`` (image ids from 1)."""
     (root / split).mkdir(parents=True)
     (root / "annotations").mkdir(exist_ok=True)
@@ -176,8 +179,16 @@ def _write_coco_split(root: Path, split: str, images: np.ndarray, boxes: list[np
         Image.fromarray(image).save(root / split / name, format="PNG", compress_level=0)
         entries.append({"id": i, "file_name": name, "width": DET_SIZE, "height": DET_SIZE})
         for box, c in zip(xywh.tolist(), cls.tolist()):
-            annotations.append({"id": len(annotations) + 1, "image_id": i, "category_id": c, "bbox": box,
-                                "area": box[2] * box[3], "iscrowd": 0})
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": i,
+                    "category_id": c,
+                    "bbox": box,
+                    "area": box[2] * box[3],
+                    "iscrowd": 0,
+                }
+            )
     categories = [{"id": d, "name": str(d), "supercategory": "digit"} for d in range(10)]
     with open(root / "annotations" / f"instances_{split}.json", "w") as f:
         json.dump({"images": entries, "annotations": annotations, "categories": categories}, f)
@@ -218,8 +229,9 @@ def digits_det_crops_dataset(seed: int = 0, size: int = 32, margin: float = 0.15
     import datasets
 
     folder = digits_det_folder(seed)
-    features = datasets.Features({"image": datasets.Image(),
-                                  "label": datasets.ClassLabel(names=[str(d) for d in range(10)])})
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(d) for d in range(10)])}
+    )
     splits = {}
     for name, split in (("train", "train"), ("test", "val")):
         coco = json.loads((folder / "annotations" / f"instances_{split}.json").read_text())

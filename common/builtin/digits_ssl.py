@@ -82,8 +82,9 @@ def _render(d: _Draws, noise: np.ndarray, glyph: np.ndarray) -> np.ndarray:
     return np.rint(image.clip(0, 255)).astype(np.uint8)
 
 
-def render_split(glyphs: np.ndarray, labels: np.ndarray, variants: int, seed: int,
-                 split: str) -> tuple[np.ndarray, np.ndarray]:
+def render_split(
+    glyphs: np.ndarray, labels: np.ndarray, variants: int, seed: int, split: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Images (N * variants, SIZE, SIZE, 3) uint8 and labels (N * variants,) from ``glyphs``
     ((N, 8, 8) uint8, 0..255, at least two classes) with ``labels`` (N,): image ``i`` shows glyph
     ``i // variants``. Only ``glyphs`` are drawn: pass one split's digits, and nothing of another
@@ -130,6 +131,7 @@ def digits_ssl_dataset(seed: int = 0) -> datasets.DatasetDict:
     """
     import datasets
 
-    folder = cached_folder(f"digits_ssl-{VERSION}-seed{seed}", "dataset_dict.json",
-                           lambda tmp: _generate(seed).save_to_disk(str(tmp)))
+    folder = cached_folder(
+        f"digits_ssl-{VERSION}-seed{seed}", "dataset_dict.json", lambda tmp: _generate(seed).save_to_disk(str(tmp))
+    )
     return datasets.load_from_disk(str(folder))
