@@ -33,7 +33,7 @@ class Cfg:
     # data
     data: str = "digits"  # dataset name
     lr: float = 1e-3  # peak learning rate;
-    # a continuation line
+    #   a continuation line
     epochs: int = 10  # training epochs
     # the comment lines right above a field without a trailing comment
     # describe it
@@ -41,7 +41,9 @@ class Cfg:
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # crop area
     milestones: list[int] = field(default_factory=list)  # epochs
     note: str | None = None  # a note
-    model_kwargs: dict = field(default_factory=lambda: {"depth": 4, "embed_dim": 96})  # a field over two lines
+    model_kwargs: dict = field(
+        default_factory=lambda: {"depth": 4, "embed_dim": 96},
+    )  # a field over three lines
     # optimization: a heading with a colon
     sched: Literal["cosine", "linear", "step", "poly", "constant"] = "cosine"  # the schedule
     precision: Literal["", "no", "bf16"] = ""  # empty: as launched
@@ -189,7 +191,7 @@ def test_field_docs_read_the_comments():
         "the comment lines right above a field without a trailing comment describe it"
     )
     assert docs["compile"].heading == "" and docs["scale"].heading == ""
-    assert docs["model_kwargs"].description == "a field over two lines"
+    assert docs["model_kwargs"].description == "a field over three lines"
     assert docs["sched"].heading == "optimization: a heading with a colon"
     assert docs["undocumented"].description == ""
 
