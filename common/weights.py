@@ -14,13 +14,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from common import UserError
-from common.config import parse_config, to_dict
+from common.config import RunConfig, parse_config, to_dict
+
+C = TypeVar("C", bound=RunConfig)
 
 
 def save_weights(
@@ -85,17 +87,18 @@ def load_weights(
     return state, meta
 
 
-def config_with_weights(cls: type, argv: Sequence[str] | None, fields: Sequence[str]) -> Any:
+def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequence[str]) -> C:
     """Parse ``cls`` from ``argv`` (:func:`common.config.parse_config`); when it names ``--weights``, the
     ``fields`` that define the model (name, size, classes...) default to the values saved in that file's
     metadata, so ``--eval_only --weights W`` rebuilds the trained model without repeating its flags.
     A config file and flags still override them. ``eval_only`` or ``predict`` without ``weights`` is
     one :class:`UserError`."""
     cfg = parse_config(cls, argv)
-    if (getattr(cfg, "eval_only", False) or getattr(cfg, "predict", "")) and not getattr(cfg, "weights", ""):
-        mode = "eval_only" if getattr(cfg, "eval_only", False) else "predict"
+    predict = getattr(cfg, "predict", "")  # the detectors' and the classifier's field, not DINO's
+    if (cfg.eval_only or predict) and not cfg.weights:
+        mode = "eval_only" if cfg.eval_only else "predict"
         raise UserError(f"{mode} needs --weights (a weights file this recipe saved)")
-    if not getattr(cfg, "weights", ""):
+    if not cfg.weights:
         return cfg
     if not Path(cfg.weights).is_file():
         raise UserError(f"weights '{cfg.weights}' does not exist")
