@@ -536,10 +536,11 @@ def test_evaluator_treats_crowd_and_area_as_coco_does(tmp_path):
 
 
 def _voc07_devkit(ds, predictions: list[dict], num_classes: int) -> float:
-    """Pascal VOC 2007's AP@0.5 written as its devkit computes it, independently of COCOeval: per class,
-    detections by descending score, each matched to the box it overlaps most (IoU >= 0.5: a hit if that
-    box is not yet taken and not difficult, ignored if difficult, else a false positive), then the mean
-    over recall 0, 0.1, ..., 1 of the best precision at that recall or above. Difficult = crowd here."""
+    """Pascal VOC 2007's AP@0.5 written as its devkit's voc_eval.py (use_07_metric=True) computes it: per
+    class, every detection by descending score, each matched to the box it overlaps most (IoU > 0.5,
+    strictly: a hit if that box is not yet taken and not difficult, ignored if difficult, else a false
+    positive), then the mean over t in np.arange(0, 1.1, 0.1) of the best precision at recall >= t.
+    Difficult = crowd here."""
     aps = []
     for c in range(num_classes):
         gt = {
@@ -575,7 +576,7 @@ def _voc07_devkit(ds, predictions: list[dict], num_classes: int) -> float:
                     - inter
                 )
                 j = int(iou.argmax())
-                if iou[j] >= 0.5:
+                if iou[j] > 0.5:
                     if hard[j]:
                         continue
                     tp.append(not taken[image_id][j]), fp.append(bool(taken[image_id][j]))
@@ -585,7 +586,7 @@ def _voc07_devkit(ds, predictions: list[dict], num_classes: int) -> float:
         tp, fp = np.cumsum(tp), np.cumsum(fp)
         recall, precision = tp / positives, tp / np.maximum(tp + fp, 1e-12)
         aps.append(
-            np.mean([precision[recall >= t].max() if (recall >= t).any() else 0.0 for t in np.linspace(0, 1, 11)])
+            np.mean([precision[recall >= t].max() if (recall >= t).any() else 0.0 for t in np.arange(0.0, 1.1, 0.1)])
         )
     return float(np.mean(aps))
 
@@ -613,11 +614,75 @@ def test_evaluator_gives_voc07s_11_point_ap50_with_difficult_boxes_ignored(val_s
     assert _voc07_devkit(ds, [prediction], 1) == pytest.approx(expected, abs=1e-12)
     assert metrics["map_50"] != pytest.approx(expected, abs=1e-3)  # COCO's 101 points give another number
     real = _evaluate(val_subset.ds, [val_subset.predictions])["map_50_11pt"]
-    # COCOeval matches a detection to the best box not yet taken, the devkit to the best box: rare cases differ
-    assert real == pytest.approx(_voc07_devkit(val_subset.ds, val_subset.predictions, 10), abs=2e-3)
+    assert real == pytest.approx(_voc07_devkit(val_subset.ds, val_subset.predictions, 10), abs=1e-6)
     assert real != pytest.approx(_evaluate(val_subset.ds, [val_subset.predictions])["map_50"], abs=1e-3)
     assert _evaluate(ds, [])["map_50_11pt"] == 0.0
     assert _evaluate(detection_table([Image.new("RGB", (100, 100))], [[]]), [])["map_50_11pt"] == -1.0
+
+
+def test_voc07_metric_is_the_devkits_at_exact_recalls_and_beside_difficult_boxes():
+    """Where COCOeval's matching and thresholds read high: a recall of exactly 0.3 or 0.6 does not reach
+    the devkit's thresholds (np.arange gives 0.30000000000000004 and 0.6000000000000001); a detection
+    inside a large difficult box but at IoU <= 0.5 with it is a false positive for the devkit (COCOeval
+    ignores it, measuring a crowd region's overlap by the detection's own area); IoU exactly 0.5 is a miss."""
+    image = [Image.new("RGB", (400, 100))]
+    ten = [[40 * i, 0, 30, 30] for i in range(10)]
+    hits = [[x, y, x + w, y + h] for x, y, w, h in ten]
+
+    def voc07(boxes, crowd, found) -> tuple[float, float]:
+        ds = detection_table(image, [boxes], crowd=[crowd])
+        prediction = {
+            "image_id": 1,
+            "boxes": torch.tensor(found, dtype=torch.float32).reshape(-1, 4),
+            "scores": torch.linspace(0.9, 0.1, len(found)),
+            "labels": torch.zeros(len(found), dtype=torch.int64),
+        }
+        return _evaluate(ds, [[prediction]])["map_50_11pt"], _voc07_devkit(ds, [prediction], 1)
+
+    # 3 of 10 found, nothing else: precision 1 up to recall 0.3 exactly, which misses the 4th point
+    assert voc07(ten, [0] * 10, hits[:3]) == pytest.approx((3 / 11, 3 / 11), abs=1e-12)
+    # 6 of 10: the 7th point (0.6000000000000001) is missed too
+    assert voc07(ten, [0] * 10, hits[:6]) == pytest.approx((6 / 11, 6 / 11), abs=1e-12)
+    # one plain box, one large difficult box; a small detection inside the difficult one first (IoU 0.04: a
+    # false positive), then the plain box found: precision 1/2 at every recall
+    boxes, crowd = [[0, 0, 30, 30], [100, 0, 100, 100]], [0, 1]
+    assert voc07(boxes, crowd, [[110, 10, 130, 30], [0, 0, 30, 30]]) == pytest.approx((0.5, 0.5), abs=1e-12)
+    # a detection at IoU exactly 0.5 (half the box's width, inside it) is not a hit
+    assert voc07([[0, 0, 40, 40]], [0], [[0, 0, 20, 40]]) == pytest.approx((0.0, 0.0), abs=1e-12)
+
+
+def test_voc07_metric_equals_the_devkit_on_random_cases_with_difficult_boxes():
+    """Random images, boxes (a third difficult), classes and detections near the boxes: the evaluator's
+    map_50_11pt equals the devkit-style computation to 1e-6."""
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        images, boxes, crowd, labels, predictions = [], [], [], [], []
+        for image_id in range(1, 9):
+            n = int(rng.integers(0, 6))
+            xy = rng.uniform(0, 150, (n, 2))
+            wh = rng.uniform(10, 60, (n, 2))
+            images.append(Image.new("RGB", (220, 220)))
+            boxes.append(np.concatenate([xy, wh], 1).round(1).tolist())
+            crowd.append((rng.random(n) < 0.3).astype(int).tolist())
+            labels.append(rng.integers(0, 3, n).tolist())
+            jitter = rng.normal(0, 6, (n, 4))
+            found = np.concatenate([xy, xy + wh], 1) + jitter
+            extra = rng.uniform(0, 180, (int(rng.integers(0, 4)), 2))
+            found = np.concatenate([found, np.concatenate([extra, extra + 30], 1)])
+            found_labels = np.concatenate([np.asarray(labels[-1], np.int64), rng.integers(0, 3, len(extra))])
+            flip = rng.random(len(found_labels)) < 0.15  # some detections name the wrong class
+            found_labels[flip] = rng.integers(0, 3, int(flip.sum()))
+            predictions.append(
+                {
+                    "image_id": image_id,
+                    "boxes": torch.tensor(found, dtype=torch.float32).reshape(-1, 4),
+                    "scores": torch.tensor(rng.uniform(0.05, 1, len(found)), dtype=torch.float32),
+                    "labels": torch.as_tensor(found_labels, dtype=torch.int64),
+                }
+            )
+        ds = detection_table(images, boxes, categories=labels, crowd=crowd)
+        got = CocoEvaluator(ds, ["a", "b", "c"]).evaluate(iter([predictions]))["map_50_11pt"]
+        assert got == pytest.approx(_voc07_devkit(ds, predictions, 3), abs=1e-6)
 
 
 _TWO_PROCESS_SCRIPT = """
