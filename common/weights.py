@@ -5,8 +5,9 @@ Every weights file a recipe writes has the same metadata schema (all values stri
 safetensors requires): ``recipe`` (the script's name), ``config`` (the resolved config as JSON:
 enough to rebuild the model with the recipe's own ``create_model``), ``classes`` (JSON list of
 class names, index = the model's class index) and, from the detectors, ``category_ids`` (JSON list:
-the dataset's own id of each class, as its COCO json numbers them). :func:`read_metadata` returns
-them decoded.
+the dataset's own id of each class, as its COCO json numbers them), and ``mean`` / ``std`` (JSON lists:
+the per-channel normalisation of the inputs the weights were trained on). :func:`read_metadata`
+returns them decoded.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ def save_weights(
     classes: Sequence[str] = (),
     recipe: str = "",
     category_ids: Sequence[int] | None = None,
+    normalization: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> None:
     """Write ``state_dict`` as safetensors with the metadata schema of the module docstring; written
-    to a temporary file and renamed, so a kill never leaves half a file. Call on the main process."""
+    to a temporary file and renamed, so a kill never leaves half a file. Call on the main process.
+    ``normalization``: the per-channel (mean, std) the model's inputs were normalised with (0..1 pixel
+    scale), so that whoever starts from these weights feeds them what they were trained on."""
     import safetensors.torch
 
     path = Path(path)
@@ -45,13 +49,16 @@ def save_weights(
     meta = {"recipe": recipe, "config": json.dumps(to_dict(cfg)), "classes": json.dumps(list(classes))}
     if category_ids is not None:
         meta["category_ids"] = json.dumps([int(i) for i in category_ids])
+    if normalization is not None:
+        meta["mean"], meta["std"] = (json.dumps([float(v) for v in values]) for values in normalization)
     safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The metadata of a weights file written by :func:`save_weights`: ``recipe`` (str), ``config``
-    (dict), ``classes`` (list) and ``category_ids`` (list; the class indices where the file has none);
+    (dict), ``classes`` (list), ``category_ids`` (list; the class indices where the file has none) and
+    ``mean``, ``std`` (the input normalisation, lists of 3 floats; None where the file does not say);
     an unreadable file is one :class:`UserError`."""
     import safetensors
 
@@ -66,6 +73,8 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         "config": json.loads(meta.get("config", "{}")),
         "classes": classes,
         "category_ids": json.loads(meta.get("category_ids", "null")) or list(range(len(classes))),
+        "mean": json.loads(meta["mean"]) if "mean" in meta else None,
+        "std": json.loads(meta["std"]) if "std" in meta else None,
     }
 
 

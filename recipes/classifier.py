@@ -37,7 +37,7 @@ except ModuleNotFoundError:
 import safetensors.torch
 import torch
 import torch.nn.functional as F
-from timm.data import Mixup, create_transform, resolve_data_config
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, create_transform, resolve_data_config
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 
@@ -53,7 +53,7 @@ from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values
-from common.weights import config_with_weights, load_state, load_weights, save_weights
+from common.weights import config_with_weights, load_state, load_weights, read_metadata, save_weights
 
 
 # ============================================================================================
@@ -79,6 +79,9 @@ class Config(RunConfig):
     recount: int = 1  # random erasing boxes per image
     interpolation: Literal["bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"] = "bicubic"  # resampling
     #   filter of the training crop and the evaluation resize
+    mean: list[float] = field(default_factory=list)  # input normalisation per RGB channel (0..1 pixels), with std;
+    #   empty: what --init_weights was trained with (DINO's backbones: ImageNet's), else the timm model's default
+    std: list[float] = field(default_factory=list)  # input normalisation standard deviation per RGB channel; see mean
     aug_repeats: int = (
         1  # repeated augmentation (DeiT: 3): each image this many times per epoch, differently augmented,
     )
@@ -120,7 +123,10 @@ class Config(RunConfig):
     opt: str = field(default="adamw", metadata={"choices": timm_optimizers})  # any timm optimizer name:
     #   sgd, adamw, lamb, lars, ... (biases and norms get no weight decay)
     lr: float = 8e-3  # peak learning rate per 256 images: the run peaks at lr x global batch / 256 (global batch =
-    #   batch_size x processes x grad_accum_steps), so it follows the number of GPUs
+    #   batch_size x processes x grad_accum_steps), so it follows the number of GPUs; see lr_base_scale
+    lr_base_scale: Literal["linear", "sqrt"] = "linear"  # how the peak follows the global batch: linear (Goyal et
+    #   al., DeiT, DINO) or sqrt, lr x sqrt(global batch / 256), which timm's train.py uses for adam*/lamb: port a
+    #   timm --lr-base for those optimizers with sqrt
     min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules (not scaled)
     warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to the peak over warmup_epochs (not scaled)
     warmup_epochs: float = 2.0  # linear warmup length in epochs (fractions allowed)
@@ -201,13 +207,52 @@ def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
     return model
 
 
+def input_normalization(cfg: Config) -> tuple[Config, str]:
+    """``cfg`` with ``mean`` / ``std`` set to the normalisation ``init_weights`` was trained with (its
+    metadata) where the config leaves them empty, and a line for the console: the normalisation taken
+    from the file, or a warning that an explicit one differs from it ('' when there is nothing to say).
+    A backbone fed inputs normalised for another model sees them scaled and shifted: a DINO ViT trained
+    on ImageNet's statistics, probed with timm's ViT default (0.5, 0.5), gets about half its input range."""
+    if len(cfg.mean) != len(cfg.std) or len(cfg.mean) not in (0, 3) or any(v <= 0 for v in cfg.std):
+        raise UserError(
+            f"mean and std are 3 values each (R, G, B; std > 0), or both empty: got mean {cfg.mean}, std {cfg.std}"
+        )
+    if not cfg.init_weights or not Path(cfg.init_weights).is_file():
+        return cfg, ""
+    meta = read_metadata(cfg.init_weights)
+    mean, std = meta["mean"], meta["std"]
+    if mean is None and meta["recipe"] == "dino":  # a file saved before files recorded it: dino.py uses ImageNet's
+        mean, std = list(IMAGENET_DEFAULT_MEAN), list(IMAGENET_DEFAULT_STD)
+    if mean is None or std is None:
+        return cfg, ""
+    text = f"mean {_rounded(mean)}, std {_rounded(std)}"
+    if not cfg.mean:
+        return dataclasses.replace(cfg, mean=mean, std=std), f"inputs normalised as init_weights was trained: {text}"
+    if _rounded(cfg.mean) != _rounded(mean) or _rounded(cfg.std) != _rounded(std):
+        return cfg, (
+            f"warning: init_weights '{cfg.init_weights}' was trained on inputs normalised with {text}; "
+            f"this run uses mean {_rounded(cfg.mean)}, std {_rounded(cfg.std)} as --mean/--std say"
+        )
+    return cfg, ""
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(float(v), 4) for v in values]
+
+
+def data_config(cfg: Config, model: torch.nn.Module) -> dict:
+    """timm's data config of ``model`` at the run's resolution, crop and interpolation, with the run's
+    ``mean`` / ``std`` where set (else the model's defaults)."""
+    args = {"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct, "interpolation": cfg.interpolation}
+    if cfg.mean:
+        args.update(mean=tuple(cfg.mean), std=tuple(cfg.std))
+    return resolve_data_config(args, model=model)
+
+
 def create_transforms(cfg: Config, model: torch.nn.Module) -> tuple[Callable, Callable]:
     """timm's training transform (random resized crop, flip, jitter / AutoAugment, random erasing) and
-    evaluation transform (resize to img_size / crop_pct, centre crop), normalised as the model expects."""
-    data_cfg = resolve_data_config(
-        {"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct, "interpolation": cfg.interpolation},
-        model=model,
-    )
+    evaluation transform (resize to img_size / crop_pct, centre crop), normalised as :func:`data_config` says."""
+    data_cfg = data_config(cfg, model)
     train_tf = create_transform(
         **data_cfg,
         is_training=True,
@@ -310,6 +355,8 @@ MODEL_FIELDS = (
     "img_size",
     "crop_pct",
     "interpolation",
+    "mean",
+    "std",
     "linear_probe",
     "probe_blocks",
     "probe_avgpool",
@@ -357,6 +404,7 @@ def predict(cfg: Config, run: Run) -> dict[str, float]:
 # ============================================================================================
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = config_with_weights(Config, argv, MODEL_FIELDS)
+    cfg, normalization_note = input_normalization(cfg)  # before the run folder exists: a bad value writes nothing
     if cfg.bn_momentum_end > 0 and (cfg.bn_momentum <= 0 or cfg.compile):
         raise UserError(
             "bn_momentum_end needs bn_momentum > 0, and cannot be combined with compile "
@@ -393,6 +441,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     train_tf, eval_tf = create_transforms(cfg, model)
+    data_cfg = data_config(cfg, model)  # the weights files record the normalisation, for whoever starts from them
+    saved_as = {"classes": data.classes, "recipe": run.recipe, "normalization": (data_cfg["mean"], data_cfg["std"])}
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed)
     eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed)
     train_loader = train_loader_for(
@@ -480,7 +530,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     total_steps = steps_total(cfg.epochs, steps_in_epoch, cfg.max_steps)
     milestones = [sum(steps_in_epoch(e) for e in range(m)) for m in cfg.decay_milestones]
-    peak_lr = cfg.lr * cfg.batch_size * accelerator.num_processes * cfg.grad_accum_steps / 256  # lr is per 256 images
+    global_batch = cfg.batch_size * accelerator.num_processes * cfg.grad_accum_steps
+    peak_lr = cfg.lr * (global_batch / 256 if cfg.lr_base_scale == "linear" else math.sqrt(global_batch / 256))
     lr_values = schedule(
         cfg.sched,
         peak_lr,
@@ -494,6 +545,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
+    if normalization_note:
+        run.print(normalization_note)
     meters, results = loop.meters, {}
     for epoch in loop.epochs():
         accelerator.gradient_accumulation_steps = accum_steps(epoch)
@@ -570,7 +623,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if improved:
                 weights = accelerator.get_state_dict(model) if which == "raw" else ema.module.state_dict()
                 if accelerator.is_main_process:
-                    save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe)
+                    save_weights(weights, run.dir / "best.safetensors", cfg, **saved_as)
     if loop.stopped:
         return results
 
@@ -578,10 +631,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     final = accelerator.get_state_dict(model)
     weights = [run.dir / "best.safetensors", run.dir / "final.safetensors"]
     if accelerator.is_main_process:
-        save_weights(final, weights[1], cfg, data.classes, run.recipe)
+        save_weights(final, weights[1], cfg, **saved_as)
         if ema is not None:
             weights.append(run.dir / "final_ema.safetensors")
-            save_weights(ema.module.state_dict(), weights[2], cfg, data.classes, run.recipe)
+            save_weights(ema.module.state_dict(), weights[2], cfg, **saved_as)
     loop.finish(results, weights)  # the summary; the weights as W&B artifacts with --log_weights
     return results
 

@@ -705,7 +705,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- saving: the teacher backbone, for recipes/classifier.py --init_weights ----------------
     path = run.dir / "teacher_backbone.safetensors"
     if accelerator.is_main_process:
-        save_weights(teacher.backbone.state_dict(), path, cfg, recipe=run.recipe)
+        save_weights(
+            teacher.backbone.state_dict(), path, cfg, recipe=run.recipe, normalization=(IMAGENET_MEAN, IMAGENET_STD)
+        )
     loop.finish(results, [path])  # the summary; the weights as a W&B artifact with --log_weights
     return results
 

@@ -414,6 +414,71 @@ def test_starts_from_a_backbone_weights_file(tmp_path, capsys):
     assert "does not fit model" in error_line(capsys, main, bad)
 
 
+def _normalize(transform) -> tuple[list[float], list[float]]:
+    """The mean and std of the Normalize step of a timm transform."""
+    (step,) = [t for t in transform.transforms if type(t).__name__ == "Normalize"]
+    return [round(float(v), 4) for v in step.mean], [round(float(v), 4) for v in step.std]
+
+
+def test_a_backbone_files_normalisation_reaches_the_probe_and_fine_tuning(tmp_path, capsys):
+    """A DINO backbone was trained on ImageNet-normalised inputs; test_vit's timm default is 0.5 / 0.5. The
+    probe's and the fine-tuning's transforms use the file's normalisation, the run records it (config.yaml,
+    the weights' metadata) so --eval_only uses it too; an explicit --mean/--std that differs is warned about;
+    a DINO file saved before files recorded it is taken as ImageNet's."""
+    import timm
+
+    from common.weights import config_with_weights, read_metadata, save_weights
+
+    imagenet = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    main = classifier.main
+    donor = timm.create_model("test_vit", img_size=32, num_classes=0)
+    backbone, old = tmp_path / "teacher_backbone.safetensors", tmp_path / "old_teacher_backbone.safetensors"
+    cfg = parse_config(classifier.Config, TINY)
+    save_weights(donor.state_dict(), backbone, cfg, recipe="dino", normalization=imagenet)
+    save_weights(donor.state_dict(), old, cfg, recipe="dino")
+    assert read_metadata(old)["mean"] is None
+    for path in (backbone, old):
+        for mode in (["--linear_probe"], []):
+            cfg, note = classifier.input_normalization(
+                parse_config(classifier.Config, TINY + mode + ["--init_weights", str(path)])
+            )
+            assert (cfg.mean, cfg.std) == imagenet and note.startswith("inputs normalised as init_weights")
+            for transform in classifier.create_transforms(cfg, classifier.create_model(cfg, 10)):
+                assert _normalize(transform) == imagenet
+    plain = parse_config(classifier.Config, TINY)
+    assert _normalize(classifier.create_transforms(plain, classifier.create_model(plain, 10))[1]) == (
+        [0.5] * 3,
+        [0.5] * 3,
+    )
+
+    run = tmp_path / "probe"
+    probe = ["--batch_size", "16", "--max_steps", "1", "--linear_probe", "--init_weights", str(backbone)]
+    main(TINY + probe + ["--output_dir", str(run)])
+    assert "inputs normalised as init_weights was trained: mean [0.485, 0.456, 0.406]" in capsys.readouterr().out
+    assert [read_metadata(run / "final.safetensors")[k] for k in ("mean", "std")] == list(imagenet)
+    restored = config_with_weights(
+        classifier.Config, ["--eval_only", "--weights", str(run / "final.safetensors")], classifier.MODEL_FIELDS
+    )
+    assert _normalize(classifier.create_transforms(restored, classifier.create_model(restored, 10))[1]) == imagenet
+
+    explicit = TINY + ["--init_weights", str(backbone), "--mean", "[0.5, 0.5, 0.5]", "--std", "[0.5, 0.5, 0.5]"]
+    cfg, note = classifier.input_normalization(parse_config(classifier.Config, explicit))
+    assert cfg.mean == [0.5] * 3 and note.startswith("warning: init_weights") and "[0.485, 0.456, 0.406]" in note
+    bad = TINY + ["--mean", "[0.5, 0.5]", "--std", "[0.5, 0.5]", "--output_dir", str(tmp_path / "bad")]
+    assert "mean and std are 3 values each" in error_line(capsys, main, bad)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_dino_linear_config_uses_plain_momentum_sgd():
+    """DINO's eval_linear.py trains the probe with torch.optim.SGD(momentum=0.9), not Nesterov's (timm's `sgd`)."""
+    from timm.optim import create_optimizer_v2
+
+    cfg = parse_config(classifier.Config, ["--config", str(ROOT / "configs/classifier/imagenet_dino_linear.yaml")])
+    optimizer = create_optimizer_v2(torch.nn.Linear(4, 2), opt=cfg.opt, lr=cfg.lr, momentum=cfg.momentum)
+    assert type(optimizer) is torch.optim.SGD
+    assert optimizer.param_groups[0]["momentum"] == 0.9 and optimizer.param_groups[0]["nesterov"] is False
+
+
 def test_weights_of_a_compiled_model_are_saved_with_plain_keys(tmp_path):
     """--compile wraps the model (keys `_orig_mod.*`); the saved weights must still load into the plain
     model, through timm and --init_weights alike."""
@@ -465,6 +530,16 @@ def test_lr_is_per_256_images(trained):
     """The peak learning rate is lr x global batch / 256 (no warmup: the first step's rate is the peak)."""
     first = next(m for m in metrics(trained) if "train/lr" in m)
     assert first["train/lr"] == pytest.approx(0.4 * 16 / 256)
+
+
+def test_lr_base_scale_sqrt_follows_the_square_root_of_the_batch(tmp_path):
+    """lr_base_scale sqrt (timm's rule for adam*/lamb): the peak is lr x sqrt(global batch / 256)."""
+    run = tmp_path / "sqrt"
+    classifier.main(
+        TINY + ["--batch_size", "16", "--max_steps", "1", "--lr_base_scale", "sqrt", "--output_dir", str(run)]
+    )
+    first = next(m for m in metrics(run) if "train/lr" in m)
+    assert first["train/lr"] == pytest.approx(0.4 * (16 / 256) ** 0.5)
 
 
 def test_eval_only_reproduces_the_trained_score(trained, tmp_path):
