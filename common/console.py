@@ -88,11 +88,11 @@ def _value(v: Any) -> str:
 
 
 def summary(
-    folder: str, seconds: float, final: Mapping[str, Any], best: Mapping[str, tuple[float, int]], weights: Sequence[str]
+    seconds: float, final: Mapping[str, Any], best: Mapping[str, tuple[float, int]], weights: Sequence[str]
 ) -> str:
     """The end of a run: its final evaluation as a table, the best value of each tracked metric and
     the step it came from, the weights written, and the wall time of this session."""
-    lines = [f"done in {format_seconds(seconds)}: {folder}"]
+    lines = [f"done in {format_seconds(seconds)}"]  # the run folder is the command's last line (Run.finish)
     shown = {k: v for k, v in final.items() if not k.startswith("best/") and isinstance(v, (int, float))}
     if shown:
         width = max(len(k) for k in [*shown, "final metrics"])

@@ -25,6 +25,7 @@ batches, augmentations and random numbers the uninterrupted run would have used.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -140,9 +141,9 @@ class Loop:
             if self.stopped:
                 return
             if self._epoch_done and (self.step % self.cfg.checkpoint_every == 0 or self.last_epoch):
-                self.run.save_checkpoint(TrainState(self.step, epoch + 1, 0, dict(self.extra)))
+                self.run.save_checkpoint(TrainState(self.step, epoch + 1, 0, dict(self.extra), self.last_epoch))
             elif self.last_epoch:
-                self.run.save_checkpoint(self.state())
+                self.run.save_checkpoint(dataclasses.replace(self.state(), finished=True))
         self.progress.close()
 
     @property
@@ -151,8 +152,13 @@ class Loop:
 
     def eval_due(self) -> bool:
         """Whether the epoch just trained is evaluated: every ``eval_every`` epochs and after the last
-        (never after a stop request: the run ends at once)."""
-        return not self.stopped and ((self.epoch + 1) % self.cfg.eval_every == 0 or self.last_epoch)
+        (never after a stop request: the run ends at once). Before an evaluation, a loss that went
+        non-finite since the last check stops the run (one host sync): diverged weights are never
+        evaluated, nor saved as the best or the final ones."""
+        due = not self.stopped and ((self.epoch + 1) % self.cfg.eval_every == 0 or self.last_epoch)
+        if due:
+            self.run.guard.check(self.accelerator, self.run.last_checkpoint)
+        return due
 
     # -- batches ---------------------------------------------------------------------------------
     def batches(self) -> Iterator[Any]:
@@ -238,7 +244,5 @@ class Loop:
         weights = [Path(w) for w in weights if Path(w).is_file()]  # best.safetensors: only once one improved
         bests = {k.removeprefix("best/"): v for k, v in self.extra.items() if k.startswith("best/")}
         best = {m: (v, self.extra.get(f"best_step/{m}", self.step)) for m, v in bests.items()}
-        self.run.print(
-            summary(str(self.run.dir), time.perf_counter() - self.run.started, results, best, [w.name for w in weights])
-        )
+        self.run.print(summary(time.perf_counter() - self.run.started, results, best, [w.name for w in weights]))
         self.run.finish(weights)

@@ -53,12 +53,13 @@ class TrainState:
     ``train_state.json`` (:meth:`Run.save_checkpoint`) and read back by :meth:`Run.resume`. ``step``
     counts optimizer steps; ``batches_in_epoch`` the (micro-)batches of ``epoch`` already consumed,
     which a resumed run skips; ``extra`` JSON values that must survive a restart (``best/<metric>``,
-    recipe values such as DINO's step-0 baselines)."""
+    recipe values such as DINO's step-0 baselines); ``finished`` marks the checkpoint at the end of training."""
 
     step: int = 0
     epoch: int = 0
     batches_in_epoch: int = 0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    finished: bool = False  # the end of training: ``--resume auto`` alone looks for runs without it
 
 
 class Run:
@@ -77,11 +78,11 @@ class Run:
         # then all take the main process's choice. PartialState sets up the process group; the
         # Accelerator made below shares it.
         procs = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as the Accelerator would
-        choice = [str(choose_output_dir(cfg, recipe))]
+        choice = [*map(str, choose_output_dir(cfg, recipe))]  # the folder, and how --resume auto chose it
         if procs.num_processes > 1:
             procs.wait_for_everyone()
             broadcast_object_list(choice)
-        self.dir = Path(choice[0])
+        self.dir, self.folder_note = Path(choice[0]), choice[1]
         self.checkpoint_dir = self.dir / "checkpoints"
         self.plots_dir = self.dir / "plots"
         cfg.output_dir = str(self.dir)
@@ -135,6 +136,8 @@ class Run:
         acc.wait_for_everyone()
         if cfg.report_to != "none":
             init_trackers(acc, cfg, self.recipe, self.dir, to_dict(cfg), self.print)
+        if self.folder_note:
+            self.print(self.folder_note)
         if self.resume_changes:
             self.print(
                 "resume with changed " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.resume_changes.items())
@@ -292,10 +295,17 @@ class Run:
     def stopped(self, step: int) -> None:
         """End a run stopped by a signal at ``step``: say how to continue, then :meth:`finish`."""
         reason = signal.Signals(self._stop_signal).name if self._stop_signal is not None else "a stop request"
-        self.print(
-            f"stopped by {reason} at step {step}; checkpoint {self.last_checkpoint}; continue with --resume auto"
-        )
+        self.print(f"stopped by {reason} at step {step}; checkpoint {self.last_checkpoint}")
+        self.print(f"continue with: {self.continue_command()}")
         self.finish()
+
+    def continue_command(self) -> str:
+        """The command that continues this run where its newest checkpoint left off: its own saved config
+        (every flag it was started with) and ``--resume auto``."""
+        script = Path(sys.argv[0]) if sys.argv[0].endswith(".py") else Path(f"recipes/{self.recipe}.py")
+        if script.is_absolute() and script.is_relative_to(Path.cwd()):
+            script = script.relative_to(Path.cwd())
+        return f"accelerate launch {script} --config {self.dir / 'config.yaml'} --resume auto"
 
     def finish(self, weights: Sequence[Path] = ()) -> None:
         """End the run: with ``cfg.log_weights``, ``weights`` (files in the run folder) become W&B
@@ -309,5 +319,7 @@ class Run:
             self._pending = None
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
+        if self._stop_signal is None:  # a stopped run's last line is the command that continues it
+            self.print(f"output: {self.dir}")
         for sig, handler in self._handlers.items():  # a run inside a longer program hands the signals back
             signal.signal(sig, handler)

@@ -4,9 +4,13 @@ one, its complete checkpoints, and the logged metrics a resumed run takes back.
 The folder and the resume check are decided before anything is written, so a refusal leaves every
 existing folder as it was.
 
-- The default folder is ``runs/<recipe>/<config name>`` (``default`` without ``--config``); when it
-  holds a run, a fresh run moves on to ``-2``, ``-3``, ...
-- An explicit ``output_dir`` that holds a run is refused unless resuming.
+- The default folder is ``runs/<recipe>/<config name>`` (``default`` without ``--config``); for
+  ``--eval_only`` and ``--predict`` it is ``eval-<name>`` and ``predict-<name>``, named after the run
+  folder of the weights. When it holds output (a ``config.yaml``, ``metrics.jsonl`` or
+  ``checkpoints/``: every command writes its config first), a fresh run moves on to ``-2``, ``-3``, ...
+- ``--resume auto`` without a folder continues the newest interrupted run of that name (a complete
+  checkpoint that is not the end of training); when there is none it starts a new run, and says so.
+- An explicit ``output_dir`` that holds output is refused unless resuming.
 - A run's own ``config.yaml`` given back with ``--config`` (and no other ``--output_dir``) starts a new
   run in the next free sibling of the folder the file is in; with ``--resume`` it continues that run.
 - ``--resume`` with a config whose model, data or training fields differ from the saved
@@ -55,12 +59,14 @@ MAY_CHANGE_ON_RESUME = frozenset(
 
 
 def has_run(folder: Path) -> bool:
-    return (folder / "metrics.jsonl").exists() or (folder / "checkpoints").is_dir()
+    """Whether ``folder`` holds a command's output: every command writes its ``config.yaml`` first."""
+    return any((folder / name).exists() for name in ("config.yaml", "metrics.jsonl", "checkpoints"))
 
 
-def _next_free(base: Path) -> Path:
-    """``base`` itself when it holds no run, else the first free ``<name>-2``, ``<name>-3``, ..."""
-    name = re.sub(r"-\d+$", "", base.name) if has_run(base) else base.name
+def _next_free(base: Path, numbered: bool = False) -> Path:
+    """``base`` itself when it holds no run, else the first free ``<name>-2``, ``<name>-3``, ...; with
+    ``numbered``, ``base`` is itself one of such a series (``default-2``), whose name is ``default``."""
+    name = re.sub(r"-\d+$", "", base.name) if numbered and has_run(base) else base.name
     out, k = base, 1
     while has_run(out):
         k += 1
@@ -78,11 +84,22 @@ def saved_run_folder(cfg: RunConfig) -> Path | None:
     return config.parent if saved == cfg.output_dir else None
 
 
-def choose_output_dir(cfg: RunConfig, recipe: str) -> Path:
-    """The run folder for ``cfg`` (see the module docstring); reads, never writes."""
+def default_name(cfg: RunConfig) -> str:
+    """The folder name of a run given no ``output_dir``: the config file's name (``default`` without one);
+    for ``--eval_only`` / ``--predict``, ``eval-`` / ``predict-`` and the run folder of the weights."""
+    if cfg.eval_only or getattr(cfg, "predict", ""):  # DINO has no predict
+        weights = Path(cfg.weights)
+        source = weights.parent.name if weights.suffix else weights.name  # a file in a run folder, or a folder
+        return ("eval-" if cfg.eval_only else "predict-") + (source or "weights")
+    return Path(cfg.config or "default").stem
+
+
+def choose_output_dir(cfg: RunConfig, recipe: str) -> tuple[Path, str]:
+    """The run folder for ``cfg`` (see the module docstring) and a line saying how ``--resume auto``
+    chose it ('' otherwise); reads, never writes."""
     saved = saved_run_folder(cfg)
     if saved is not None:
-        return saved if cfg.resume else _next_free(saved)
+        return (saved if cfg.resume else _next_free(saved, numbered=True)), ""
     if cfg.output_dir:
         out = Path(cfg.output_dir)
         if has_run(out) and not cfg.resume:
@@ -90,9 +107,27 @@ def choose_output_dir(cfg: RunConfig, recipe: str) -> Path:
                 f"run folder '{out}' already holds a run; pass --resume auto to continue it "
                 "or choose another --output_dir"
             )
-        return out
-    base = Path("runs") / recipe / Path(cfg.config or "default").stem
-    return base if cfg.resume == "auto" else _next_free(base)
+        return out, ""
+    base = Path("runs") / recipe / default_name(cfg)
+    if cfg.resume != "auto":
+        return _next_free(base), ""
+    folders = [base] + sorted(base.parent.glob(f"{base.name}-*"), key=lambda p: p.name)
+    folders = [p for p in folders if re.fullmatch(re.escape(base.name) + r"(-\d+)?", p.name)]
+    interrupted = [p for p in folders if _interrupted(p)]
+    if not interrupted:
+        out = _next_free(base)
+        return out, f"resume auto: no interrupted run named {base.name} in {base.parent}; a new run in {out}"
+    newest = max(interrupted, key=lambda p: complete_checkpoints(p / "checkpoints")[-1].stat().st_mtime)
+    others = [p.name for p in interrupted if p != newest]
+    also = f" (also interrupted: {', '.join(others)}; name one with --config <folder>/config.yaml)" if others else ""
+    return newest, f"resume auto: continuing {newest}, the newest interrupted run named {base.name}{also}"
+
+
+def _interrupted(folder: Path) -> bool:
+    """Whether ``folder`` holds a run stopped before the end of its training: a complete checkpoint,
+    the newest of which is not marked ``finished``."""
+    found = complete_checkpoints(folder / "checkpoints")
+    return bool(found) and not json.loads((found[-1] / "train_state.json").read_text()).get("finished", False)
 
 
 def changed_on_resume(cfg: RunConfig, folder: Path) -> dict[str, tuple[Any, Any]]:

@@ -22,6 +22,7 @@ from torch import nn
 
 from common import UserError
 from common.config import RunConfig, parse_config, to_dict
+from common.guard import NonFiniteLoss
 
 C = TypeVar("C", bound=RunConfig)
 
@@ -46,6 +47,9 @@ def save_weights(
     # torch.compile's wrapper prefixes every key with `_orig_mod.`: saved without it, the weights load
     # into the plain model (timm, --init_weights) whether or not the run compiled
     tensors = {k.replace("_orig_mod.", ""): v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    diverged = next((k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if diverged is not None:  # a diverged model is never anybody's best or final weights
+        raise NonFiniteLoss(f"{path.name} not written: its tensor '{diverged}' holds NaN or infinite values")
     meta = {"recipe": recipe, "config": json.dumps(to_dict(cfg)), "classes": json.dumps(list(classes))}
     if category_ids is not None:
         meta["category_ids"] = json.dumps([int(i) for i in category_ids])

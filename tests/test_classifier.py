@@ -252,7 +252,8 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
-    assert "SIGTERM received" in out and "continue with --resume auto" in out
+    assert "SIGTERM received" in out
+    assert f"continue with: accelerate launch recipes/classifier.py --config {run / 'config.yaml'} --resume auto" in out
     (ckpt,) = sorted((run / "checkpoints").glob("step_*"))
     state = json.loads((ckpt / "train_state.json").read_text())
     assert state["step"] >= 3 and state["batches_in_epoch"] > 0
@@ -331,6 +332,37 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys, monkeyp
     assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_00000005"]
     good = weights(run / "checkpoints" / "step_00000005" / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in good.values())
+    # the evaluation at step 20 never ran on the diverged weights: no best.safetensors, no final
+    assert not list(run.glob("*.safetensors"))
+
+
+def test_a_loss_gone_nan_before_any_checkpoint_leaves_no_weights(tmp_path, capsys, monkeypatch):
+    """NaN at step 3, no checkpoint yet, no log interval before the evaluation at step 20: the evaluation
+    is where it is found, so no NaN best.safetensors is written beside 'no checkpoint was saved'."""
+    from common.console import cli_main
+
+    run = tmp_path / "nan"
+    monkeypatch.setenv("CV_RECIPES_FAULT_NAN_AT_STEP", "3")
+    args = TINY + ["--batch_size", "16", "--max_steps", "20", "--checkpoint_every", "100", "--log_every", "100"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(lambda: load_recipe("classifier").main(args + ["--output_dir", str(run)]))
+    errors = [ln for ln in capsys.readouterr().err.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
+    assert exit_info.value.code == 1 and errors == [
+        "error: non-finite loss at step 3: loss=nan; no checkpoint was saved"
+    ]
+    assert not list(run.glob("*.safetensors")) and not (run / "checkpoints").exists()
+
+
+def test_non_finite_weights_are_never_written(tmp_path):
+    """save_weights refuses a state dict holding NaN or inf (one NonFiniteLoss line), and writes nothing."""
+    from common.guard import NonFiniteLoss
+    from common.weights import save_weights
+
+    cfg = parse_config(classifier.Config, TINY)
+    state = {"a.weight": torch.ones(2, 2), "a.bias": torch.tensor([0.0, float("inf")]), "n": torch.tensor(3)}
+    with pytest.raises(NonFiniteLoss, match="best.safetensors not written: its tensor 'a.bias' holds NaN"):
+        save_weights(state, tmp_path / "best.safetensors", cfg, ["x"], "classifier")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

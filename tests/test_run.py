@@ -1,9 +1,12 @@
 """The run around any recipe (common/run.py, run_folder.py, console.py): the start banner and end
 summary within 120 columns, mistakes refused before anything is written, a changed resume refused, a
-saved config run again in a new folder, Ctrl-C acknowledged once, and the CUDA speed flags."""
+saved config run again in a new folder, evaluation and prediction folders named for what they hold and
+never written over, --resume auto alone taking the newest interrupted run, Ctrl-C acknowledged once
+with the command that continues, and the CUDA speed flags."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -33,7 +36,7 @@ def test_banner_summary_and_every_line_within_120_columns(wandb_run):
     )
     assert any(ln.startswith("epoch 0 step 2/4  loss ") and " img/s  eta " in ln for ln in lines)
     end = lines.index(next(ln for ln in lines if ln.startswith("done in ")))
-    assert lines[end].endswith(f": {folder}")
+    assert lines[-1] == f"output: {folder}"
     assert any(ln.split()[:1] == ["eval/top1"] for ln in lines[end:])
     assert any(ln.startswith("  best top1 ") and ln.endswith(" at step 4") for ln in lines[end:])
     assert "  weights   best.safetensors, final.safetensors" in lines[end:]
@@ -83,6 +86,73 @@ def test_a_saved_config_runs_again_in_a_new_folder(wandb_run, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[0] == f"classifier: {parent / 'exp-2'}"
     assert (parent / "exp-2" / "final.safetensors").is_file()
     assert files(parent / "exp") == before
+
+
+def test_eval_and_predict_folders_are_named_and_nothing_is_written_over(wandb_run, tmp_path, monkeypatch, capsys):
+    """Two --predict runs, an --eval_only and a training run aimed at the same place: each gets its own
+    folder, named for what it holds (predict-<weights run>, eval-<weights run>), and every earlier file
+    stays byte for byte; an explicit --output_dir holding only --predict output is refused."""
+    folder, _ = wandb_run
+    monkeypatch.chdir(tmp_path)
+    weights = tmp_path / "runs" / "classifier" / "exp" / "best.safetensors"
+    weights.parent.mkdir(parents=True)
+    shutil.copy(folder / "best.safetensors", weights)
+    images = tmp_path / "images"
+    images.mkdir()
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), "white").save(images / "a.png")
+    main = load_recipe("classifier").main
+    runs = tmp_path / "runs" / "classifier"
+    common = ["--weights", str(weights), "--report_to", "none", "--num_workers", "0"]
+    snapshots = {}
+    for args, expected in [
+        (["--predict", str(images)], "predict-exp"),
+        (["--predict", str(images)], "predict-exp-2"),
+        (["--eval_only"], "eval-exp"),
+    ]:
+        main(common + args)
+        assert (runs / expected / "config.yaml").is_file(), sorted(p.name for p in runs.iterdir())
+        for name, snapshot in snapshots.items():
+            assert files(runs / name) == snapshot, name
+        snapshots[expected] = files(runs / expected)
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].endswith(str(Path("runs/classifier/eval-exp")))
+    # a training run given the predict folder's config (and so its folder) goes to a new sibling
+    main(["--config", str(runs / "predict-exp" / "config.yaml"), "--predict", "", "--weights", ""] + TINY[-4:])
+    assert (runs / "predict-exp-3" / "final.safetensors").is_file()
+    err = error_line(capsys, main, common + ["--predict", str(images), "--output_dir", str(runs / "predict-exp")])
+    assert "already holds a run" in err
+    for name, snapshot in snapshots.items():
+        assert files(runs / name) == snapshot, name
+
+
+def test_resume_auto_alone_takes_the_newest_interrupted_run(tmp_path, monkeypatch, capsys):
+    """default finished, default-2 stopped mid-way, default-3 finished: --resume auto without a folder
+    continues default-2; with no interrupted run left it starts a new run and says so."""
+    monkeypatch.chdir(tmp_path)
+    main = load_recipe("classifier").main
+    args = TINY + ["--batch_size", "16", "--checkpoint_every", "2", "--report_to", "none"]
+    runs = tmp_path / "runs" / "classifier"
+    main(args + ["--max_steps", "2"])  # default: finished
+    main(args + ["--max_steps", "4"])  # default-2: finished, then its end marker removed below
+    main(args + ["--max_steps", "2"])  # default-3: finished
+    state = runs / "default-2" / "checkpoints" / "step_00000004" / "train_state.json"
+    assert json.loads(state.read_text())["finished"] is True
+    shutil.rmtree(state.parent)  # as if stopped after step 2: its newest checkpoint is mid-run
+    assert not json.loads((runs / "default-2" / "checkpoints" / "step_00000002" / "train_state.json").read_text())[
+        "finished"
+    ]
+    capsys.readouterr()
+    main(args + ["--max_steps", "4", "--resume", "auto"])
+    out = capsys.readouterr().out
+    assert f"resume auto: continuing {Path('runs/classifier/default-2')}" in out
+    assert "resumed from" in out and "at step 2" in out
+    assert json.loads(state.read_text())["finished"] is True and not (runs / "default-4").exists()
+    main(args + ["--max_steps", "2", "--resume", "auto"])
+    out = capsys.readouterr().out
+    assert (
+        "resume auto: no interrupted run named default" in out and (runs / "default-4" / "final.safetensors").is_file()
+    )
 
 
 @pytest.mark.parametrize(
@@ -140,7 +210,8 @@ def test_ctrl_c_with_dataloader_workers_is_acknowledged_once(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert out.count("SIGINT received") == 1, out[-3000:]
-    assert "continue with --resume auto" in out and list((folder / "checkpoints").glob("step_*"))
+    assert f"--config {folder / 'config.yaml'} --resume auto" in out.splitlines()[-1]
+    assert list((folder / "checkpoints").glob("step_*"))
 
 
 def test_tf32_and_cudnn_benchmark_follow_the_field(tmp_path):
