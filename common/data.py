@@ -13,7 +13,8 @@ batches, crops and flips the uninterrupted run would have seen.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,20 @@ from common.images import decode_image
 from common.loaders import sample_seed, seeded
 
 EVAL_SPLITS = ("validation", "val", "valid", "test")
+
+
+def same_split(name: str, splits: Iterable[str]) -> str:
+    """``name``, or the one split of ``splits`` that names the same split with or without a year, so a
+    config written for COCO's ``train2017`` / ``val2017`` reads a folder of ``train`` / ``val`` and the
+    other way round (``val`` also matches ``validation`` / ``valid``); ``name`` itself when none or
+    several do (the caller's error then lists the splits)."""
+    splits = list(splits)
+    if name in splits:
+        return name
+    base = re.sub(r"\d{4}$", "", name)
+    family = set(EVAL_SPLITS[:3]) if base in EVAL_SPLITS[:3] else {base}  # validation, val, valid
+    found = [s for s in splits if re.sub(r"\d{4}$", "", s) in family]
+    return found[0] if len(found) == 1 else name
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,9 +159,11 @@ def load_classification(
     source = _load_source(data)
     if isinstance(source, datasets.Dataset):
         source = datasets.DatasetDict({train_split: source})
+    train_split = same_split(train_split, source)
     if train_split not in source:
         raise UserError(f"dataset '{data}' has no split '{train_split}'; it has {list(source)}")
     train = source[train_split]
+    eval_split = same_split(eval_split, source) if eval_split else ""
     eval_split = eval_split or next((s for s in EVAL_SPLITS if s in source and s != train_split), "")
     if eval_split and eval_split not in source:
         raise UserError(f"dataset '{data}' has no split '{eval_split}'; it has {list(source)}")

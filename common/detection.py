@@ -29,7 +29,7 @@ from torchvision.transforms.v2 import functional as F
 
 from common import UserError
 from common.builtin import DETECTION
-from common.data import EVAL_SPLITS, load_saved_or_hub
+from common.data import EVAL_SPLITS, load_saved_or_hub, same_split
 from common.detection_sources import coco_splits, image_table, load_coco_split, normalise
 from common.images import decode_image, image_files
 from common.loaders import eval_loader_for, sample_seed, seeded
@@ -94,8 +94,10 @@ def load_detection(
     never makes them training targets. Images without objects stay: they are negatives.
     """
     sources, where = _sources(data)
+    train_split = same_split(train_split, sources)
     if train_split not in sources:
         raise UserError(f"{where} has no split '{train_split}'; it has {sorted(sources) or 'none'}")
+    eval_split = same_split(eval_split, sources) if eval_split else ""
     eval_split = eval_split or next((s for s in EVAL_SPLITS if s in sources and s != train_split), "")
     if eval_split and eval_split not in sources:
         raise UserError(f"{where} has no split '{eval_split}'; it has {sorted(sources)}")

@@ -24,7 +24,7 @@ from common.detection import DetectionDataset, collate, load_detection
 from common.detection_figures import class_colour, draw_detections, save_detections, wandb_boxes
 from common.detection_sources import features
 from common.images import decode_image
-from conftest import ROOT, bright_rectangle, detection_table, free_port, recipe_env
+from conftest import ROOT, bright_rectangle, detection_table, free_port, load_recipe, recipe_env
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +205,26 @@ def test_coco_folders_and_hub_dataset_load_to_the_same_rows(tmp_path):
         assert _rows(data.train) == expected, name  # eval split found: validation, val or valid
         assert _rows(data.eval) == _rows(loaded["coco"].eval), name
     assert list(loaded["coco"].eval["image_id"]) == [10, 11]
+
+
+def test_shipped_coco_configs_read_a_folder_of_train_and_val(tmp_path):
+    """The README's example: a COCO config names COCO's train2017 / val2017, the user's folder (or a
+    Roboflow export) has train / val (valid): the same splits are read, with or without the year."""
+    from common.config import parse_config
+    from common.data import same_split
+
+    splits = _scenes()
+    for layout in ("coco", "roboflow"):
+        folder = _write_coco(tmp_path / layout, layout, splits)
+        for recipe, config in (("faster_rcnn", "coco_r50_fpn_26ep"), ("detr", "coco_r50")):
+            cfg = parse_config(
+                load_recipe(recipe).Config, ["--config", str(ROOT / "configs" / recipe / f"{config}.yaml")]
+            )
+            assert (cfg.train_split, cfg.eval_split) == ("train2017", "val2017")
+            data = load_detection(str(folder), cfg.train_split, cfg.eval_split)
+            assert list(data.train["image_id"]) == [4, 5, 6] and list(data.eval["image_id"]) == [10, 11], layout
+    assert same_split("val", ["train2017", "val2017"]) == "val2017"  # and the other way round
+    assert same_split("val2017", ["train", "val", "valid"]) == "val2017"  # two candidates: the error lists them
 
 
 def test_every_source_keeps_the_datasets_category_ids(tmp_path):
