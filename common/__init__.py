@@ -21,3 +21,8 @@ map is ``docs/layout.md``.
 
 class UserError(Exception):
     """Bad input from the user: printed as one ``error: ...`` line, exit status 2, no traceback."""
+
+
+class RunStopped(Exception):
+    """A stop signal after the training loop (during the last saves or the export): the run ends at
+    once, everything already written stays, and the message says how to finish it (exit status 0)."""

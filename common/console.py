@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from common import UserError
+from common import RunStopped, UserError
 from common.guard import NonFiniteLoss
 from common.meters import format_seconds
 
@@ -105,17 +105,23 @@ def summary(
     return "\n".join(_fit(line) for line in lines)
 
 
-def _fail(message: str, code: int) -> None:
+def _close_bars() -> None:
     from tqdm.auto import tqdm
 
     for bar in list(getattr(tqdm, "_instances", [])):
-        bar.close()  # end the progress bar's line so the error stands on a line of its own
+        bar.close()  # end the progress bar's line so the message stands on a line of its own
+
+
+def _fail(message: str, code: int) -> None:
+    _close_bars()
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 
 def cli_main(main: Callable[[], Any]) -> None:
-    """Run a recipe's ``main``; bad input and a diverged loss become one ``error:`` line and exit 2 / 1."""
+    """Run a recipe's ``main``; bad input and a diverged loss become one ``error:`` line and exit 2 / 1; a
+    stop signal after the training loop its two lines (what stopped, how to finish) and exit 0; a second
+    Ctrl-C one line and exit 130."""
     try:
         main()
     except UserError as e:
@@ -125,3 +131,9 @@ def cli_main(main: Callable[[], Any]) -> None:
         _fail(message, 2)
     except NonFiniteLoss as e:
         _fail(str(e), 1)
+    except RunStopped as e:  # a stop signal after the training loop: what is written stays
+        _close_bars()
+        print(e, flush=True)
+        raise SystemExit(0) from None
+    except KeyboardInterrupt:  # a second Ctrl-C: out at once, without a traceback
+        _fail("interrupted by a second Ctrl-C; the run's checkpoints are kept (--resume auto continues)", 130)

@@ -145,6 +145,7 @@ class Loop:
             elif self.last_epoch:
                 self.run.save_checkpoint(dataclasses.replace(self.state(), finished=True))
         self.progress.close()
+        self.run.loop_done()
 
     @property
     def last_epoch(self) -> bool:

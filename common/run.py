@@ -40,7 +40,7 @@ from accelerate.utils import (
 )
 from PIL import Image
 
-from common import UserError
+from common import RunStopped, UserError
 from common.config import RunConfig, save_config, to_dict
 from common.guard import NonFiniteGuard
 from common.run_folder import check_resume, choose_output_dir, complete_checkpoints, drop_metrics_after, is_checkpoint
@@ -111,6 +111,7 @@ class Run:
         self.guard = NonFiniteGuard(self.accelerator.device)
         self.last_checkpoint = ""
         self._stop_signal: int | None = None
+        self._loop_done = False  # after the training loop a stop signal ends the run at once (RunStopped)
         self._stop_group = None
         self._pending: tuple[Any, torch.Tensor] | None = None
         if self.accelerator.num_processes > 1 and dist.is_initialized():
@@ -271,7 +272,27 @@ class Run:
         if self._stop_signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
         self._stop_signal = signum
+        if self._loop_done:
+            self._raise_stopped()
         self.print(f"{signal.Signals(signum).name} received: finishing the step, saving a checkpoint, then exiting")
+
+    def loop_done(self) -> None:
+        """The training loop ended and its last checkpoint is written: from here on (the recipe's final
+        weights, the export) a stop signal ends the run at once with :class:`RunStopped`, as does one
+        that arrived during the last epoch's evaluation."""
+        self._loop_done = True
+        if self._stop_signal is not None:
+            self._raise_stopped()
+
+    def _raise_stopped(self) -> None:
+        for sig, handler in self._handlers.items():  # the run ends here: the signals go back
+            signal.signal(sig, handler)
+        name = signal.Signals(self._stop_signal).name
+        checkpoint = self.checkpoints()[-1] if self.checkpoints() else "none"
+        raise RunStopped(
+            f"stopped by {name} after the training loop, before the run's last files were written; everything "
+            f"written so far is kept (last checkpoint: {checkpoint})\nfinish it with: {self.continue_command()}"
+        )
 
     def should_stop(self) -> bool:
         """True on every process once any process got SIGTERM/SIGINT; call once per step.
@@ -302,7 +323,7 @@ class Run:
     def continue_command(self) -> str:
         """The command that continues this run where its newest checkpoint left off: its own saved config
         (every flag it was started with) and ``--resume auto``."""
-        script = Path(sys.argv[0]) if sys.argv[0].endswith(".py") else Path(f"recipes/{self.recipe}.py")
+        script = Path(sys.argv[0]) if Path(sys.argv[0]).stem == self.recipe else Path(f"recipes/{self.recipe}.py")
         if script.is_absolute() and script.is_relative_to(Path.cwd()):
             script = script.relative_to(Path.cwd())
         return f"accelerate launch {script} --config {self.dir / 'config.yaml'} --resume auto"

@@ -1,4 +1,5 @@
-"""Exact resume in every recipe, through the entry point, from a checkpoint in a later epoch.
+"""Exact resume in every recipe, through the entry point, from a checkpoint in a later epoch; and a stop
+signal after the training steps, which keeps what is written and says how to finish.
 
 Each case runs a recipe's ``main`` (in-process: a subprocess would add seconds of imports per run;
 ``cli_main`` and a real kill are tested in test_classifier.py) uninterrupted with evaluations after
@@ -236,3 +237,65 @@ def test_resume_in_a_later_epoch_ends_with_the_uninterrupted_weights(
     assert not differ, f"{len(differ)} of {len(a)} tensors differ after resume, e.g. {differ[:3]}"
     after_full, after_part = _learned(full, cut), _learned(part, cut)
     assert after_full == after_part and len(after_full) >= 2
+
+
+# Where a stop signal lands after the training steps: during the last evaluation (the run stops once
+# its last checkpoint is written), the final weights, or the export; each is a function of the recipe
+# that is wrapped to signal the process first.
+STOPS = [
+    ("classifier", "evaluate", "final.safetensors"),
+    ("dino", "save_weights", "teacher_backbone.safetensors"),
+    ("yolo", "export_and_check", "model.onnx"),
+    ("detr", "evaluate", "final.safetensors"),
+    ("faster_rcnn", "save_weights", "final.safetensors"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, phase, last", STOPS)
+def test_a_stop_after_the_training_steps_keeps_what_is_written_and_says_how_to_finish(
+    recipe, phase, last, coco_folder, image_folder, tmp_path, capsys, monkeypatch
+):
+    """SIGTERM during the last evaluation, the final save or the export: two lines (what stopped, the
+    command that finishes the run), exit status 0, no traceback, the checkpoints kept and no half
+    file; the printed command then writes the rest (the final weights; YOLO's export is not repeated)."""
+    import os
+    import signal
+    import sys
+
+    from common.console import cli_main
+    from conftest import TINY_CLASSIFIER
+
+    module = load_recipe(recipe)
+    if recipe == "classifier":
+        args = TINY_CLASSIFIER + ["--report_to", "none", "--batch_size", "16", "--data", str(image_folder)]
+    else:
+        args = COMMON + CASES[recipe][1] + ["--data", str(image_folder if recipe == "dino" else coco_folder)]
+    run = tmp_path / "run"
+    args = args + ["--max_steps", "3", "--output_dir", str(run)] + (["--export", "true"] if recipe == "yolo" else [])
+    original = getattr(module, phase)
+
+    def signalled(*a, **kw):
+        path = a[1] if phase == "save_weights" else ""
+        if phase != "save_weights" or Path(path).name == last:  # not best.safetensors during the steps
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*a, **kw)
+
+    monkeypatch.setattr(module, phase, signalled)
+    monkeypatch.setattr(sys, "argv", [f"recipes/{recipe}.py"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(lambda: module.main(args))
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 0 and "Traceback" not in out + err, err[-2000:]
+    lines = out.strip().splitlines()
+    assert lines[-2].startswith("stopped by SIGTERM after the training loop") and "step_00000003" in lines[-2]
+    finish = f"finish it with: accelerate launch recipes/{recipe}.py --config {run / 'config.yaml'} --resume auto"
+    assert lines[-1] == finish
+    assert (run / "checkpoints" / "step_00000003" / "train_state.json").is_file()
+    assert not (run / last).exists() and not list(run.glob("*.tmp*"))
+
+    if recipe == "yolo":  # finishing is the export itself, a minute of CPU; the others finish their runs
+        return
+    monkeypatch.setattr(module, phase, original)
+    module.main(finish.split(f"recipes/{recipe}.py ")[1].split())
+    assert (run / last).is_file() and capsys.readouterr().out.strip().splitlines()[-1] == f"output: {run}"

@@ -214,6 +214,21 @@ def test_ctrl_c_with_dataloader_workers_is_acknowledged_once(tmp_path):
     assert list((folder / "checkpoints").glob("step_*"))
 
 
+def test_a_second_ctrl_c_is_one_line_and_exit_130(capsys):
+    """The second Ctrl-C stops at once (KeyboardInterrupt from the signal handler): one line, no traceback."""
+    from common.console import cli_main
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(interrupted)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 130 and err.strip().splitlines() == [
+        "error: interrupted by a second Ctrl-C; the run's checkpoints are kept (--resume auto continues)"
+    ]
+
+
 def test_tf32_and_cudnn_benchmark_follow_the_field(tmp_path):
     """Run turns on TF32 matmuls/convolutions and cudnn.benchmark (CUDA's; no effect on a CPU); --tf32 false
     turns them off."""
