@@ -12,7 +12,8 @@ closest valid key, and a value of the wrong type is an error naming the field. B
 A field with a fixed set of values is annotated ``Literal["a", "b"]``; a set known only at run
 time (timm's optimizers) is ``field(metadata={"choices": fn})`` with ``fn()`` returning the names,
 called only when the field is given. Either way a value outside the set is a ConfigError naming
-the closest valid value, raised while parsing, before a recipe writes anything.
+the closest valid value, raised while parsing, before a recipe writes anything. So is a number outside
+its field's range: ``ranges`` on RunConfig and on each recipe's Config.
 
 ``--help`` (:mod:`common.config_help`) documents every field from the comments in the ``Config``
 source.
@@ -20,25 +21,40 @@ source.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import math
+import re
 import sys
 import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 
 from common import UserError
-from common.config_help import ordered_fields
+from common.config_help import field_ranges, ordered_fields
 from common.config_help import show as _show
 
 C = TypeVar("C")
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
+# the upper ends of the ranges below: beyond them a run would only allocate its way to a crash
+MAX_SIDE = 16384  # an image side, pixels
+MAX_COUNT = 2**20  # a batch, a width, a number of things made per image or per step
+MAX_EPOCHS = 100_000  # the schedules hold one value per optimizer step
+# names other tools give a field (timm's train.py, Hugging Face's Trainer): what "did you mean" proposes for them
+ALIASES = dict(
+    pair.split(":")
+    for pair in """learning_rate:lr wd:weight_decay bs:batch_size batch:batch_size workers:num_workers out:output_dir
+    output:output_dir num_epochs:epochs optimizer:opt scheduler:sched drop:drop_rate drop_path:drop_path_rate
+    model_ema_decay:ema_decay num_train_epochs:epochs per_device_train_batch_size:batch_size max_grad_norm:clip_grad
+    gradient_accumulation_steps:grad_accum_steps dataloader_num_workers:num_workers""".split()
+)
 
 
 class ConfigError(UserError):
@@ -86,10 +102,28 @@ class RunConfig:
     weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
     eval_only: bool = False  # evaluate --weights on the evaluation split, no training
 
+    # the legal values of the numeric fields, checked while parsing: an interval ("[" and "]" include the end,
+    # "(" and ")" do not; an optional note after ";") -> the fields it bounds, every item of a list field. A
+    # recipe's Config adds its own fields' the same way; a field named in a subclass takes the subclass's range
+    ranges: ClassVar[dict[str, str]] = {
+        "[0, 1024]": "num_workers",
+        f"[1, {MAX_EPOCHS}]; evaluating saved weights without training is --eval_only --weights W": "epochs",
+        "[0, inf)": "max_steps lr warmup_epochs weight_decay clip_grad",
+        f"[1, {MAX_COUNT}]": "batch_size grad_accum_steps",
+        f"[0, {2**31 - 1}]": "seed",
+        "[1, inf)": "log_every eval_every checkpoint_every keep_checkpoints",
+    }
 
-def _closest(key: str, valid: Sequence[str]) -> str:
+
+def _closest(key: str, valid: Sequence[str], aliases: dict[str, str] | None = None) -> str:
     lower = {v.lower(): v for v in valid}
-    match = [lower[key.lower()]] if key.lower() in lower else difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    alias = (aliases or {}).get(key.lower())
+    if alias in valid:
+        match = [alias]
+    elif key.lower() in lower:
+        match = [lower[key.lower()]]
+    else:
+        match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
@@ -135,8 +169,11 @@ def _coerce(name: str, value: Any, hint: Any, from_cli: bool) -> Any:
         return dict(value)
     if origin in (list, tuple):
         (item_hint, *_) = typing.get_args(hint) or (Any,)
-        if from_cli and isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+        if from_cli and isinstance(value, str):  # '[0.5, 1.0]' (YAML), '0.5,1.0', or '' for an empty list
+            try:
+                value = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",") if value else []
+            except yaml.YAMLError:
+                raise ConfigError(f"config field '{name}' expects a list like [0.5, 1.0], got {value!r}") from None
             value = [] if value is None else value
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config field '{name}' expects a list, got {value!r}")
@@ -186,15 +223,72 @@ def _check_choices(f: dataclasses.Field, value: Any) -> None:
             raise _choices_error(f.name, item, allowed, f"{getattr(choices, '__name__', 'its choices')}()")
 
 
+def _check_range(name: str, value: Any, spec: str) -> None:
+    """A number (or each number of a list) within ``spec``, e.g. ``"[1, inf)"`` or ``"(0, 1]; a note"``;
+    outside it is a ConfigError naming the field and the range in words."""
+    interval, _, note = spec.partition(";")
+    match = re.fullmatch(r"\s*([\[(])\s*(\S+?)\s*,\s*(\S+?)\s*([\])])\s*", interval)
+    if match is None:
+        raise TypeError(f"range {spec!r} of '{name}' is not an interval like [0, 1)")  # a recipe bug
+    low_end, low, high, high_end = match.groups()
+    low_v, high_v = float(low), float(high)
+    if all(
+        (low_v <= v if low_end == "[" else low_v < v) and (v <= high_v if high_end == "]" else v < high_v)
+        for v in _numbers(value)
+    ):
+        return
+    words = [f"at least {low}" if low_end == "[" else f"more than {low}"] if low_v > -math.inf else []
+    words += [f"at most {high}" if high_end == "]" else f"less than {high}"] if high_v < math.inf else []
+    every = "every value of " if isinstance(value, (list, tuple)) else ""
+    note = f"; {note.strip()}" if note.strip() else ""
+    raise ConfigError(f"{every}{name} must be {' and '.join(words)}, got {_show(value)}{note}")
+
+
+def _numbers(value: Any) -> list[float]:
+    """The numbers in a value, in nested lists too (booleans, strings and None are none)."""
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in _numbers(item)]
+    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
 def _apply(cfg: Any, values: dict[str, Any], hints: dict[str, Any], source: str, from_cli: bool) -> None:
     fields = {f.name: f for f in dataclasses.fields(cfg)}
+    ranges = field_ranges(type(cfg))
     for key, value in values.items():
         if key not in hints:
-            raise ConfigError(f"unknown config key '{key}' in {source}{_closest(key, list(fields))}")
+            raise ConfigError(f"unknown config key '{key}' in {source}{_closest(key, list(fields), ALIASES)}")
         value = _coerce(key, value, hints[key], from_cli)
         if key in fields:
             _check_choices(fields[key], value)
+        if key in ranges:
+            _check_range(key, value, ranges[key])
         setattr(cfg, key, value)
+
+
+def _recipe_of(keys: Sequence[str], cls: type) -> str:
+    """The one recipe beside ``cls``'s own script whose Config has every one of ``keys`` (a config file written
+    for it): its script name, else ''. Read from the scripts' source, not imported."""
+    here = Path(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
+    if not issubclass(cls, RunConfig) or not here.is_file():
+        return ""
+    shared = {f.name for f in dataclasses.fields(RunConfig)}
+    found = []
+    for path in sorted(here.parent.glob("*.py")):
+        text = path.read_text(errors="replace") if path != here else ""
+        try:
+            tree = ast.parse(text) if "class Config(RunConfig)" in text else ast.Module([], [])
+        except SyntaxError:
+            continue
+        for config in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config"):
+            own = {n.target.id for n in config.body if isinstance(n, ast.AnnAssign) and hasattr(n.target, "id")}
+            found += [path.stem] if set(keys) <= shared | own else []
+    return found[0] if len(found) == 1 else ""
+
+
+def _is_list(hint: Any) -> bool:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # Optional[list[...]]
+        return any(_is_list(a) for a in typing.get_args(hint))
+    return typing.get_origin(hint) in (list, tuple)
 
 
 def timm_optimizers() -> list[str]:
@@ -223,7 +317,8 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, base: dict[str
 
         print(usage(cls))
         raise SystemExit(0)
-    hints = typing.get_type_hints(cls)
+    every_hint = typing.get_type_hints(cls)
+    hints = {f.name: every_hint[f.name] for f in dataclasses.fields(cls)}  # the fields: not the ClassVar ranges
     cli: dict[str, Any] = {}
     config_file = None
     i = 0
@@ -241,6 +336,11 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, base: dict[str
                 raise ConfigError(f"flag '--{key}' needs a value")
             else:
                 value, i = nxt, i + 1
+        more = []  # a list field takes every value up to the next flag, as argparse's nargs="+": --scale 0.08 1.0
+        while _is_list(hints.get(key)) and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            more, i = [*more, argv[i + 1]], i + 1
+        if more:  # an unquoted YAML list arrives split by the shell: --scale [0.08, 1.0]
+            value = " ".join([value, *more]) if value.startswith("[") else [value, *more]
         if key == "config" and "config" not in hints:
             config_file = value
         else:
@@ -259,10 +359,24 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, base: dict[str
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{config_file}' is not valid YAML: {str(e).splitlines()[0]}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"config file '{config_file}'{where}: not valid YAML: {problem}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file '{config_file}' must hold a mapping of field: value")
-        _apply(cfg, loaded, hints, f"'{config_file}'", from_cli=False)
+        try:
+            _apply(cfg, loaded, hints, f"'{config_file}'", from_cli=False)
+        except ConfigError:  # another recipe's file (its runs/<recipe>/<name>/config.yaml, configs/<recipe>/)?
+            unknown = [k for k in loaded if k not in hints]
+            other = _recipe_of(list(loaded), cls) if unknown else ""
+            if not other:
+                raise
+            this = Path(sys.modules[cls.__module__].__file__).stem
+            keys = ", ".join(map(repr, unknown[:3])) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+            raise ConfigError(
+                f"config file '{config_file}' is for {other}.py, not {this}.py: {this}.py has no {keys}"
+            ) from None
         if "config" in hints:
             cfg.config = str(config_file)  # type: ignore[attr-defined]
     _apply(cfg, cli, hints, "the command line", from_cli=True)

@@ -131,6 +131,17 @@ def field_docs(cls: type) -> dict[str, FieldDoc]:
     return {f.name: docs.get(f.name, FieldDoc("", "")) for f in dataclasses.fields(cls)}
 
 
+@functools.cache
+def field_ranges(cls: type) -> dict[str, str]:
+    """Field name -> its legal range, e.g. ``"[1, inf)"`` (common.config.RunConfig.ranges), from the ``ranges``
+    of ``cls`` and of the classes it derives from, a subclass's winning."""
+    ranges: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        for interval, names in vars(klass).get("ranges", {}).items():
+            ranges.update(dict.fromkeys(names.split(), interval))
+    return ranges
+
+
 def _type_name(hint: Any) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Literal:
@@ -164,7 +175,7 @@ def usage(cls: type) -> str:
     script = Path(getattr(module, "__file__", None) or sys.argv[0]).name
     summary = (inspect.getdoc(module) or "").strip().split("\n")[0] if module is not None else ""
     hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
+    docs, ranges = field_docs(cls), field_ranges(cls)
     wrap = functools.partial(
         textwrap.fill,
         width=HELP_WIDTH,
@@ -177,8 +188,9 @@ def usage(cls: type) -> str:
     lines += [
         f"usage: {script} [--config FILE.yaml] [--FIELD VALUE ...]",
         "",
-        "Every field is a flag and a key of the YAML file; flags win over the file. Lists: --scale 0.5,1.0",
-        "or --scale '[0.5, 1.0]'; mappings: --model_kwargs '{depth: 4}'; a bool flag alone means true.",
+        "Every field is a flag and a key of the YAML file; flags win over the file. Lists: --scale 0.5 1.0,",
+        "--scale 0.5,1.0 or --scale '[0.5, 1.0]'; mappings: --model_kwargs '{depth: 4}'; a bool flag alone",
+        "means true. A number outside its field's range is refused.",
         "",
     ]
     own = set(inspect.get_annotations(cls))
@@ -198,4 +210,6 @@ def usage(cls: type) -> str:
         choices = field_choices(f, hints[f.name])
         if choices:
             lines.append(wrap(f"choices: {choices}"))
+        if f.name in ranges:
+            lines.append(wrap(f"range: {ranges[f.name]}"))
     return "\n".join(lines)

@@ -60,9 +60,9 @@ def banner(
 ) -> str:
     """The run at a glance, before its first step: where it writes, on what it runs, on what data, for
     how long, and where to watch it."""
-    data = f"{train_images:,} training images"
+    data = f"{train_images:,} training image{'s' * (train_images != 1)}"
     if eval_images is not None:
-        data += f", {eval_images:,} evaluation images"
+        data += f", {eval_images:,} evaluation image{'s' * (eval_images != 1)}"
     if classes:
         data += f", {len(classes)} classes: "
         data += _names(list(classes), WIDTH - 13 - len(data))

@@ -133,9 +133,12 @@ def per_class_text(details: Any) -> str:
     return "AP per class (last evaluation):\n" + format_table(details.table(), ["class", "instances", "ap50", "ap"])
 
 
-def _kept(prediction: dict[str, Any], score_threshold: float) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+def _kept(
+    prediction: dict[str, Any], score_threshold: float
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One image's detections scoring at least ``score_threshold``, most confident first, on the host:
-    (image_id, boxes [N, 4] float32 XYXY, scores [N] float32, labels [N] int64)."""
+    (image_id, boxes [N, 4] float32 XYXY, scores [N] float32, labels [N] int64, and the scores of the
+    detections below the threshold [M] float32)."""
     import torch
 
     scores = torch.as_tensor(prediction["scores"]).detach().float().cpu()
@@ -143,7 +146,8 @@ def _kept(prediction: dict[str, Any], score_threshold: float) -> tuple[int, np.n
     keep = keep[scores[keep].argsort(descending=True)]
     boxes = torch.as_tensor(prediction["boxes"]).as_subclass(torch.Tensor).detach().float().cpu()[keep]
     labels = torch.as_tensor(prediction["labels"]).detach().cpu()[keep]
-    return int(prediction["image_id"]), boxes.numpy(), scores[keep].numpy(), labels.numpy().astype(np.int64)
+    below = scores[scores < score_threshold].numpy()
+    return int(prediction["image_id"]), boxes.numpy(), scores[keep].numpy(), labels.numpy().astype(np.int64), below
 
 
 def save_predictions(
@@ -173,17 +177,18 @@ def save_predictions(
     rows = table.select_columns(["image", "image_id", "width", "height"])[:]
     files = {int(i): Path(v["path"]) for i, v in zip(rows["image_id"], rows["image"])}
     sizes = {int(i): (int(w), int(h)) for i, w, h in zip(rows["image_id"], rows["width"], rows["height"])}
-    entries, seen = [], set()
+    entries, seen, lower = [], set(), []
     for batch in batches:
         found = [_kept(p, score_threshold) for p in batch]
         if accelerator.num_processes > 1:
             found = gather_object(found)  # a collective: every process has as many batches (the padding)
         if not accelerator.is_main_process:
             continue
-        for image_id, boxes, scores, labels in found:
+        for image_id, boxes, scores, labels, below in found:
             if image_id in seen:
                 continue
             seen.add(image_id)
+            lower.append(below)
             (w, h), file = sizes[image_id], files[image_id]
             detections = [
                 {
@@ -219,6 +224,12 @@ def save_predictions(
             f"{len(entries)} images, {int(totals['detections'])} detections scoring \u2265 {score_threshold}: "
             f"{run.dir / PREDICTIONS}, pictures in {folder}"
         )
+        below = np.concatenate(lower) if lower else np.zeros(0)
+        if len(below):  # a young model's detections may all score below the threshold: say they exist
+            run.print(
+                f"{len(below)} more detections score below {score_threshold} (the best {below.max():.3g}); "
+                "--predict_score lower shows them"
+            )
     run.finish()
     return totals
 

@@ -208,6 +208,11 @@ class Loop:
         return True
 
     # -- logging and the best metric ---------------------------------------------------------------
+    def log_due(self) -> bool:
+        """Whether this optimizer step logs the training meters: every ``log_every`` steps, and the last
+        step, so a run shorter than ``log_every`` still has its training loss."""
+        return self.step % self.cfg.log_every == 0 or self.step == self.total_steps
+
     def log_train(self, **values: float) -> dict[str, float]:
         """The interval's meter means (one all-reduce, one host sync) and ``values`` (host floats such
         as the learning rate), under ``train/``, to metrics.jsonl and the trackers; raises if a loss

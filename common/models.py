@@ -4,6 +4,7 @@ norm statistics averaged across processes. Their weights files: :mod:`common.wei
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -29,7 +30,20 @@ def create_timm_model(name: str, optional: dict[str, Any] | None = None, also: s
     except RuntimeError as e:
         if "nknown model" in str(e) or "nvalid model" in str(e):
             raise UserError(f"unknown timm model '{name}'; see timm.list_models(){also}") from None
+        if "No pretrained weights exist" in str(e):
+            raise UserError(f"timm has no pretrained weights for '{name}': leave out --pretrained") from None
         raise
+    except OSError as e:  # the hub's download errors (offline mode, no network, no such file) are OSErrors
+        if not kwargs.get("pretrained"):
+            raise
+        cfg = timm.models.get_pretrained_cfg(name)
+        source = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or "the hub"
+        why = "HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") else type(e).__name__
+        raise UserError(
+            f"--pretrained: timm's weights for '{name}' ({source}) are not in the local cache and cannot be "
+            f"downloaded ({why}): cache them once with network (timm.create_model('{name}', pretrained=True)), "
+            "or start from a local weights file where the recipe takes one (--init_weights, --init_backbone)"
+        ) from None
 
 
 def sync_batchnorm(model: nn.Module, accelerator: Any) -> nn.Module:

@@ -12,7 +12,9 @@ returns them decoded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +24,7 @@ from torch import nn
 
 from common import UserError
 from common.config import RunConfig, parse_config, to_dict
+from common.config_help import show
 from common.guard import NonFiniteLoss
 
 C = TypeVar("C", bound=RunConfig)
@@ -104,8 +107,8 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
     """Parse ``cls`` from ``argv`` (:func:`common.config.parse_config`); when it names ``--weights``, the
     ``fields`` that define the model (name, size, classes...) default to the values saved in that file's
     metadata, so ``--eval_only --weights W`` rebuilds the trained model without repeating its flags.
-    A config file and flags still override them. ``eval_only`` or ``predict`` without ``weights`` is
-    one :class:`UserError`."""
+    A config file and flags still override them. ``eval_only`` or ``predict`` without ``weights``, and
+    weights another recipe saved (their config has fields ``cls`` lacks), are one :class:`UserError`."""
     cfg = parse_config(cls, argv)
     predict = getattr(cfg, "predict", "")  # the detectors' and the classifier's field, not DINO's
     if (cfg.eval_only or predict) and not cfg.weights:
@@ -115,18 +118,53 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
         return cfg
     if not Path(cfg.weights).is_file():
         raise UserError(f"weights '{cfg.weights}' does not exist")
-    saved = read_metadata(cfg.weights)["config"]
+    meta = read_metadata(cfg.weights)
+    this = Path(getattr(sys.modules.get(cls.__module__), "__file__", None) or "").stem
+    known = {f.name for f in dataclasses.fields(cls)}
+    if meta["recipe"] not in ("", this) and any(k not in known for k in meta["config"]):  # not a renamed copy's
+        raise UserError(
+            f"weights '{cfg.weights}' were saved by {meta['recipe']}.py and do not fit {this}.py, which needs its own"
+        )
+    saved = meta["config"]
     return parse_config(cls, argv, base={k: saved[k] for k in fields if k in saved})
+
+
+def saved_by(path: str | Path) -> str:
+    """Where a weights file comes from, for a message: `` (saved by dino.py for model resnet10t {channels:
+    [32, 64, 128, 256]})``, or '' where its metadata does not say."""
+    meta = read_metadata(path)
+    recipe, model, kwargs = meta["recipe"], meta["config"].get("model", ""), meta["config"].get("model_kwargs")
+    model += f" {show(kwargs)}" if model and kwargs else ""
+    said = (f" by {recipe}.py" if recipe else "") + (f" for model {model}" if model else "")
+    return f" (saved{said})" if said else ""
+
+
+def mismatch(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> str:
+    """Why the tensors ``state`` (a file's) do not load into the state dict ``own`` (a model's), in one phrase
+    naming the first difference: a tensor of another shape, else one the file lacks, else one the model lacks;
+    '' when they fit."""
+    wrong = [k for k in own if k in state and state[k].shape != own[k].shape]
+    lacking = [k for k in own if k not in state]
+    extra = [k for k in state if k not in own]
+    if wrong:
+        k = wrong[0]
+        first, count = f"'{k}' is {list(state[k].shape)} in the file, {list(own[k].shape)} in the model", len(wrong)
+    elif lacking:
+        first, count = f"the file lacks '{lacking[0]}'", len(lacking)
+    elif extra:
+        first, count = f"the model has no '{extra[0]}'", len(extra)
+    else:
+        return ""
+    return first + (f" (and {count - 1} more)" if count > 1 else "")
 
 
 def load_state(model: nn.Module, state: dict[str, torch.Tensor], path: str | Path, recipe: str = "") -> nn.Module:
     """``model`` with ``state`` loaded strictly (the tensors of the weights file ``path``, saved by
     ``recipe``); weights of another architecture or size are one :class:`UserError` naming the first
     difference."""
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])
-        by = f" (saved by {recipe})" if recipe else ""
-        raise UserError(f"weights '{path}'{by} do not fit this model: {detail[:300]}") from None
+    problem = mismatch(state, model.state_dict())
+    if problem:
+        by = f" (saved by {recipe}.py)" if recipe else ""
+        raise UserError(f"weights '{path}'{by} do not fit this model: {problem}")
+    model.load_state_dict(state)
     return model

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -42,7 +42,7 @@ from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTarget
 from timm.optim import create_optimizer_v2
 
 from common import UserError
-from common.config import RunConfig, timm_optimizers
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optimizers
 from common.console import cli_main
 from common.data import ClassificationDataset, load_classification
 from common.ema import ModelEma
@@ -53,7 +53,15 @@ from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values
-from common.weights import config_with_weights, load_state, load_weights, read_metadata, save_weights
+from common.weights import (
+    config_with_weights,
+    load_state,
+    load_weights,
+    mismatch,
+    read_metadata,
+    save_weights,
+    saved_by,
+)
 
 
 # ============================================================================================
@@ -146,6 +154,21 @@ class Config(RunConfig):
     eval_only: bool = False  # evaluate --weights on the evaluation split (top-1/top-5, per-class accuracy), no training
     predict: str = ""  # an image or a folder of images: with --weights, write predictions.csv (top-5 class names and
     #   probabilities per image); no dataset needed
+
+    # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones')
+    ranges: ClassVar[dict[str, str]] = {
+        f"[8, {MAX_SIDE}]": "img_size",
+        "(0, 1]": "crop_pct scale",
+        "(0, inf)": "ratio std",
+        "[0, 1]": "hflip reprob mixup_prob mixup_switch_prob bce_target_thresh bn_momentum bn_momentum_end "
+        "layer_decay decay_rate",
+        "[0, 1)": "smoothing drop_rate drop_path_rate momentum ema_decay",
+        "[0, inf)": "color_jitter mixup cutmix min_lr warmup_lr",
+        "[1, 256]": "recount aug_repeats",
+        "[0, 1024]": "probe_blocks",
+        f"[0, {MAX_COUNT}]": "eval_batch_size grad_accum_steps_after_switch",
+        f"[0, {MAX_EPOCHS}]": "grad_accum_switch_epoch decay_milestones",
+    }
 
 
 # ============================================================================================
@@ -272,8 +295,9 @@ def load_init_weights(model: torch.nn.Module, path: str) -> None:
     """Start from a safetensors file (e.g. a DINO teacher backbone); classifier head may differ.
 
     The model family's own checkpoint filter (timm's ``checkpoint_filter_fn``, which resizes ViT
-    position embeddings) runs first. Head tensors whose shape differs are dropped; any other
-    missing or unexpected key is an error naming it.
+    position embeddings) runs first. Head tensors are dropped where their shape differs or the file
+    has none; any other difference (a tensor of another shape: a backbone of another size) is one
+    error naming the first.
     """
     if not Path(path).is_file():
         raise UserError(f"init_weights '{path}' does not exist")
@@ -292,13 +316,11 @@ def load_init_weights(model: torch.nn.Module, path: str) -> None:
     for k in list(state):
         if k.startswith(heads) and (k not in own or own[k].shape != state[k].shape):
             del state[k]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith(heads)]
-    if missing or unexpected:
-        raise UserError(
-            f"init_weights '{path}' does not fit model '{type(model).__name__}': "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+    problem = mismatch(state, {k: v for k, v in own.items() if k in state or not k.startswith(heads)})
+    if problem:
+        name = model.pretrained_cfg.get("architecture") or type(model).__name__
+        raise UserError(f"init_weights '{path}'{saved_by(path)} does not fit model '{name}': {problem}")
+    model.load_state_dict(state, strict=False)
 
 
 def set_bn_momentum(model: torch.nn.Module, momentum: float) -> None:
@@ -314,7 +336,8 @@ def set_bn_momentum(model: torch.nn.Module, momentum: float) -> None:
 def evaluate(
     model: torch.nn.Module, eval_loader, accelerator, num_classes: int, channels_last: bool
 ) -> tuple[dict[str, float], torch.Tensor]:
-    """Top-1 / top-5 accuracy (%) and mean loss, and the confusion matrix [true, predicted] (counts, CPU)."""
+    """Top-1 / top-5 accuracy (%; top-5 with more than 5 classes) and mean loss, and the confusion matrix
+    [true, predicted] (counts, CPU)."""
     model.eval()
     k = min(5, num_classes)
     hits, losses = [], []
@@ -334,6 +357,8 @@ def evaluate(
         confusion += torch.bincount(targets * num_classes + topk[:, 0], minlength=num_classes * num_classes)
     acc1, acc5 = (torch.cat(hits).mean(dim=0) * 100).tolist()
     metrics = {"top1": acc1, "top5": acc5, "loss": torch.cat(losses).mean().item()}
+    if num_classes <= 5:  # every class is in the top 5: always 100 %, nothing to report
+        del metrics["top5"]
     return metrics, confusion.view(num_classes, num_classes).cpu()
 
 
@@ -587,7 +612,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 continue
             if ema is not None:
                 ema.update(unwrapped, loop.step)
-            if loop.step % cfg.log_every == 0:
+            if loop.log_due():
                 loop.log_train(lr=lr)
 
         # ---- evaluation and best weights (raw or EMA, by top-1) ----------------------------------

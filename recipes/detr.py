@@ -46,7 +46,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -67,7 +67,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from common import UserError
 from common.coco_eval import CocoEvaluator, EvalDetails
-from common.config import RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main
 from common.detection import (
     IMAGENET_MEAN,
@@ -84,7 +84,7 @@ from common.loop import Loop, steps_total
 from common.models import create_timm_model, freeze_stages, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values
-from common.weights import config_with_weights, load_state, load_weights, save_weights
+from common.weights import config_with_weights, load_state, load_weights, mismatch, save_weights, saved_by
 from detr_checkpoint import load_init_weights  # DETR's checkpoint reader, beside this file
 from detr_model import DETR, HungarianMatcher, SetCriterion, postprocess  # DETR's model and loss, beside this file
 from detr_pretrain import pretrain_backbone  # the backbone pre-training on box crops, beside this file
@@ -179,6 +179,25 @@ class Config(RunConfig):
     #   100 queries each answer, most with a low score)
     # run
     eval_every: int = 5  # evaluate every this many epochs; also at the end
+
+    # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones'; loss_weights
+    # and matcher_costs are checked with d_model's multiple in check_config)
+    ranges: ClassVar[dict[str, str]] = {
+        f"[1, {MAX_SIDE}]": "scales max_size crop_resize crop_size",
+        f"[8, {MAX_SIDE}]": "pretrain_crops_size",
+        "[0, 1]": "crop hflip pretrain_crops_shift eos_coef predict_score",
+        "[-8, 8]": "out_index",
+        "[0, 8]": "freeze_at",
+        f"[0, {MAX_EPOCHS}]": "pretrain_crops_epochs lr_drop_epochs",
+        "[0, 10]": "pretrain_crops_margin",
+        "[0, inf)": "pretrain_crops_lr lr_backbone",
+        f"[1, {MAX_COUNT}]": "pretrain_crops_batch_size dim_feedforward num_queries",
+        f"[4, {MAX_COUNT}]": "d_model",
+        "[1, 1024]": "nheads dec_layers",
+        "[0, 1024]": "enc_layers",
+        "[0, 1)": "dropout",
+        "[0, 64]": "plot_images",
+    }
 
 
 # ============================================================================================
@@ -300,13 +319,11 @@ def load_backbone(backbone: nn.Module, path: str) -> None:
     for prefix in ("backbone.", "model.", "module."):
         if not any(k in state for k in own):
             state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)} or state
-    missing = [k for k in own if k not in state]
-    wrong = [k for k in own if k in state and state[k].shape != own[k].shape]
-    if missing or wrong:
-        raise UserError(
-            f"init_backbone '{path}' does not fit the backbone: missing {missing[:5]}, shape differs {wrong[:5]}"
-        )
-    backbone.load_state_dict({k: state[k] for k in own})
+    state = {k: v for k, v in state.items() if k in own}
+    problem = mismatch(state, own)
+    if problem:
+        raise UserError(f"init_backbone '{path}'{saved_by(path)} does not fit the backbone: {problem}")
+    backbone.load_state_dict(state)
 
 
 # ============================================================================================
@@ -523,7 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             )
             if not loop.optimizer_stepped():
                 continue
-            if loop.step % cfg.log_every == 0:
+            if loop.log_due():
                 loop.log_train(lr=lr)
 
         # ---- evaluation and best weights ---------------------------------------------------------

@@ -27,7 +27,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -47,7 +47,7 @@ from torch import nn
 from torchvision import transforms as T
 
 from common import UserError
-from common.config import RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main
 from common.data import ClassificationData, ClassificationDataset, load_classification
 from common.ema import ema_update_
@@ -58,7 +58,7 @@ from common.loop import Loop, steps_total
 from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from common.weights import config_with_weights, load_weights, save_weights
+from common.weights import config_with_weights, load_weights, mismatch, save_weights, saved_by
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -133,6 +133,21 @@ class Config(RunConfig):
     #   kNN bank, and for ViTs the [CLS] attention over them (0: none)
     # run
     eval_every: int = 1  # evaluate every this many epochs; also at step 0 and at the end
+
+    # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones')
+    ranges: ClassVar[dict[str, str]] = {
+        f"[8, {MAX_SIDE}]": "global_size local_size",
+        f"[0, {MAX_SIDE}]": "knn_resize",
+        "[1, 512]": "knn_pixel_size",
+        "[0, 64]": "local_crops plot_images",
+        "(0, 1]": "global_scale local_scale",
+        "[0, inf)": "blur_radius min_lr weight_decay_end knn_train_limit knn_pixel_limit",
+        "[0, 1]": "hflip center_momentum momentum_teacher",
+        "[0, 1)": "drop_path_rate",
+        f"[1, {MAX_COUNT}]": "out_dim head_hidden_dim head_bottleneck_dim knn_k",
+        "(0, inf)": "warmup_teacher_temp teacher_temp student_temp knn_temperature",
+        f"[0, {MAX_EPOCHS}]": "warmup_teacher_temp_epochs freeze_last_layer",
+    }
 
 
 # ============================================================================================
@@ -334,11 +349,10 @@ def create_teacher(student: MultiCropWrapper) -> MultiCropWrapper:
 def load_backbone(backbone: nn.Module, path: str, model: str) -> None:
     """A backbone this recipe saved (teacher_backbone.safetensors) into ``backbone``, every key matching."""
     state, _ = load_weights(path)
-    missing, unexpected = backbone.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise UserError(
-            f"weights '{path}' do not fit model '{model}': missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+    problem = mismatch(state, backbone.state_dict())
+    if problem:
+        raise UserError(f"weights '{path}'{saved_by(path)} do not fit model '{model}': {problem}")
+    backbone.load_state_dict(state)
 
 
 # ============================================================================================
@@ -683,7 +697,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if not loop.optimizer_stepped():
                 continue
             ema_update_(teacher_params, student_params, float(momentum_values[it]))  # the teacher follows
-            if loop.step % cfg.log_every == 0:
+            if loop.log_due():
                 loop.log_train(
                     lr=lr_values[it],
                     weight_decay=wd_values[it],

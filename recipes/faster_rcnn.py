@@ -32,12 +32,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import os
 import sys
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -65,7 +66,7 @@ from torchvision.transforms import v2
 from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
-from common.config import RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
@@ -192,6 +193,23 @@ class Config(RunConfig):
     predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
     # run
     eval_every: int = 2  # evaluate every this many epochs; also at the end
+
+    # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones'; loss_weights
+    # is checked in check_config)
+    ranges: ClassVar[dict[str, str]] = {
+        "[0, 1]": "hflip box_score_thresh box_nms_thresh predict_score warmup_factor decay_rate",
+        "[-1, 16]": "aspect_ratio_group_factor",
+        "[0, 8]": "out_indices freeze_at",
+        f"[1, {MAX_COUNT}]": "fpn_channels box_head_dim box_detections_per_img rpn_pre_nms_top_n rpn_post_nms_top_n",
+        f"[0, {MAX_COUNT}]": "rpn_batch_size_per_image box_batch_size_per_image",
+        "(0, inf)": "anchor_sizes aspect_ratios",
+        f"[1, {MAX_SIDE}]": "min_size max_size",
+        "[1, 64]": "roi_size roi_sampling_ratio",
+        "[0, 1)": "momentum",
+        "[0, inf)": "poly_power",
+        f"[0, {MAX_EPOCHS}]": "decay_milestones",
+        "[0, 64]": "plot_images",
+    }
 
 
 # ============================================================================================
@@ -378,6 +396,16 @@ def preset_model(cfg: Config, num_classes: int) -> TwoStageDetector:
             f"model_kwargs {sorted(set(cfg.model_kwargs) - known)} do not fit {cfg.model}: the presets take "
             "torchvision's FasterRCNN arguments (--model_kwargs {} for none)"
         )
+    downloads = [torchvision.models.get_model_weights(builder).DEFAULT] if cfg.pretrained else []
+    downloads += [PRESETS[cfg.model]] if cfg.pretrained_backbone else []
+    cache = Path(torch.hub.get_dir()) / "checkpoints"
+    missing = [w.url for w in downloads if not (cache / Path(w.url).name).is_file()]
+    flag = "--pretrained" if cfg.pretrained else "--pretrained_backbone"
+    if missing and os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):  # offline: say so now, not after retries
+        raise UserError(
+            f"{flag}: torchvision's weights {', '.join(missing)} are not in {cache} and HF_HUB_OFFLINE is "
+            f"set: download them there once with network, or train without {flag}"
+        )
     try:
         m = builder(
             weights="DEFAULT" if cfg.pretrained else None,
@@ -396,6 +424,11 @@ def preset_model(cfg: Config, num_classes: int) -> TwoStageDetector:
         raise UserError(
             f"model_kwargs {cfg.model_kwargs} do not fit {cfg.model} ({e}); "
             "the presets take torchvision's FasterRCNN arguments (--model_kwargs {} for none)"
+        ) from None
+    except OSError as e:  # urllib's URLError: no network, or a proxy in the way
+        raise UserError(
+            f"{flag}: torchvision's weights {', '.join(missing)} could not be downloaded to {cache} "
+            f"({type(e).__name__}); download them there once with network, or train without {flag}"
         ) from None
     if cfg.anchor_sizes:  # the preset's anchors replaced; a new RPN head when the count per position changes
         m.rpn.anchor_generator = AnchorGenerator(
@@ -674,7 +707,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             )
             if not loop.optimizer_stepped():
                 continue
-            if loop.step % cfg.log_every == 0:
+            if loop.log_due():
                 loop.log_train(lr=lr)
 
         # ---- evaluation and best weights ---------------------------------------------------------

@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -56,7 +56,7 @@ from torchvision.ops import clip_boxes_to_image
 from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
-from common.config import RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main
 from common.detection import DetectionDataset, collate, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
@@ -144,6 +144,21 @@ class Config(RunConfig):
     predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
     # run
     eval_every: int = 2  # evaluate every this many epochs; also at the end
+
+    # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones')
+    ranges: ClassVar[dict[str, str]] = {
+        f"[32, {MAX_SIDE}]": "img_size multiscale",
+        "[1, inf)": "multiscale_every",
+        "(0, inf)": "scale_range anchors",
+        "[0, 1]": "hflip mosaic mixup ignore_iou conf_threshold nms_iou predict_score decay_rate",
+        f"[0, {MAX_EPOCHS}]": "no_aug_epochs decay_milestones",
+        f"[4, {MAX_COUNT}]": "neck_channels",
+        "[1, 64]": "anchors_per_level",
+        "[0, inf)": "min_lr warmup_lr",
+        "[0, 1)": "momentum ema_decay",
+        f"[1, {MAX_COUNT}]": "max_detections",
+        "[0, 64]": "plot_images",
+    }
 
 
 # ============================================================================================
@@ -361,7 +376,9 @@ def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[
     # specialise the batch dimension to 1 and refuse to keep it dynamic
     example = images[torch.arange(2) % len(images)]
     program = torch.export.export(wrapper, (example,), dynamic_shapes={"images": {0: batch}})
-    torch.export.save(program, str(folder / "model.pt2"))
+    # each file is written under a temporary name and renamed: a stop or a kill never leaves half of one
+    torch.export.save(program, str(folder / "model.tmp.pt2"))
+    (folder / "model.tmp.pt2").replace(folder / "model.pt2")
     reloaded = torch.export.load(str(folder / "model.pt2")).module()
     with torch.no_grad():
         got = reloaded(images)
@@ -374,12 +391,13 @@ def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[
     torch.onnx.export(
         program,
         (example,),
-        str(folder / "model.onnx"),
+        str(folder / "model.tmp.onnx"),
         input_names=["images"],
         output_names=["boxes", "scores"],
         dynamo=True,
         verbose=False,
     )
+    (folder / "model.tmp.onnx").replace(folder / "model.onnx")
     session = onnxruntime.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     got = session.run(None, {"images": images.numpy()})
     diffs["export/onnx_max_abs_diff"] = max(float(np.abs(g - e.numpy()).max()) for g, e in zip(got, expected))
@@ -512,7 +530,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 continue
             if ema is not None:
                 ema.update(unwrapped, loop.step)
-            if loop.step % cfg.log_every == 0:
+            if loop.log_due():
                 loop.log_train(lr=lr)
 
         # ---- evaluation and best weights (the EMA when there is one) -----------------------------

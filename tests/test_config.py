@@ -116,6 +116,90 @@ def test_yaml_type_errors(tmp_path):
         parse_config(Cfg, ["--config", str(tmp_path / "missing.yaml")])
 
 
+def test_lists_as_timm_and_argparse_users_type_them():
+    """Issue 28: `--scale 0.08 1.0` (argparse's nargs="+", timm's train.py) was refused."""
+    cfg = parse_config(Cfg, ["--scale", "0.08", "1.0", "--compile", "--milestones", "3", "6", "9", "--lr", "0.1"])
+    assert cfg.scale == [0.08, 1.0] and cfg.milestones == [3, 6, 9] and cfg.compile is True and cfg.lr == 0.1
+    assert parse_config(Cfg, ["--scale=0.2", "0.9"]).scale == [0.2, 0.9]
+    assert parse_config(Cfg, ["--scale", "-1", "2"]).scale == [-1.0, 2.0]  # a negative number is no flag
+    assert parse_config(Cfg, ["--scale", "[0.3,", "0.7]"]).scale == [0.3, 0.7]  # '[0.3, 0.7]' split by the shell
+    assert parse_config(Cfg, ["--milestones", ""]).milestones == []
+    with pytest.raises(ConfigError, match=r"'scale' expects a list like \[0.5, 1.0\], got '\[0.3, 0.7'"):
+        parse_config(Cfg, ["--scale", "[0.3, 0.7"])
+    with pytest.raises(ConfigError, match="unexpected argument 'x'"):  # a scalar field still takes one value
+        parse_config(Cfg, ["--lr", "0.1", "x"])
+    classifier = parse_config(
+        recipe("classifier").Config, ["--mean", "0.5", "0.5", "0.5", "--std", "0.2", "0.2", "0.2"]
+    )
+    assert (classifier.mean, classifier.std) == ([0.5] * 3, [0.2] * 3)
+    anchors = parse_config(recipe("faster_rcnn").Config, ["--anchor_sizes", "16,24", "32,48", "64,96"]).anchor_sizes
+    assert anchors == [[16.0, 24.0], [32.0, 48.0], [64.0, 96.0]]
+
+
+@pytest.mark.parametrize(
+    "flag, field",
+    [
+        ("learning_rate", "lr"),  # difflib alone proposed decay_rate
+        ("wd", "weight_decay"),
+        ("bs", "batch_size"),
+        ("batch", "batch_size"),
+        ("workers", "num_workers"),
+        ("out", "output_dir"),
+        ("num_epochs", "epochs"),
+        ("drop_path", "drop_path_rate"),
+        ("Learning_Rate", "lr"),
+    ],
+)
+def test_names_from_other_tools_suggest_the_field_they_mean(flag, field):
+    with pytest.raises(ConfigError) as e:
+        parse_config(recipe("classifier").Config, [f"--{flag}", "1"])
+    assert str(e.value) == f"unknown config key '{flag}' in the command line (did you mean '{field}'?)"
+
+
+def test_an_alias_suggests_only_a_field_the_config_has():
+    with pytest.raises(ConfigError) as e:
+        parse_config(recipe("yolo").Config, ["--drop_path", "0.1"])  # yolo.py has no drop_path_rate
+    assert "drop_path_rate" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("lr: 0.1\nscale: [0.5, 1.0\nepochs: 3\n", "line 3, column 7: not valid YAML: expected ',' or ']'"),
+        ("lr: 0.1\n  epochs: 3\n", "line 2, column 9: not valid YAML: mapping values are not allowed here"),
+        ("lr: 0.1\n\tepochs: 3\n", "line 2, column 1: not valid YAML: found character '\\t'"),
+    ],
+)
+def test_invalid_yaml_names_the_file_and_line(tmp_path, text, where):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        parse_config(Cfg, ["--config", str(path)])
+    assert str(e.value).startswith(f"config file '{path}', {where}") and "\n" not in str(e.value)
+
+
+def test_another_recipes_config_names_the_recipe_it_is_for(tmp_path):
+    """Issue 28: yolo.py's saved config.yaml given to classifier.py said "'color_jitter' expects a number"."""
+    saved = tmp_path / "runs" / "yolo" / "default" / "config.yaml"
+    saved.parent.mkdir(parents=True)
+    save_config(recipe("yolo").Config(), saved)
+    with pytest.raises(ConfigError) as e:
+        parse_config(recipe("classifier").Config, ["--config", str(saved)])
+    assert str(e.value) == (
+        f"config file '{saved}' is for yolo.py, not classifier.py: "
+        "classifier.py has no 'multiscale', 'multiscale_every', 'augment' and 15 more"
+    )
+    from conftest import ROOT
+
+    shipped = ROOT / "configs" / "detr" / "cppe5.yaml"
+    with pytest.raises(ConfigError, match=r"is for detr.py, not faster_rcnn.py: faster_rcnn.py has no 'scales'"):
+        parse_config(recipe("faster_rcnn").Config, ["--config", str(shipped)])
+    mine = tmp_path / "mine.yaml"  # a typo in a recipe's own file stays a typo
+    mine.write_text("img_size: 64\nhflipp: 0.5\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'hflipp' .*\(did you mean 'hflip'\?\)$"):
+        parse_config(recipe("classifier").Config, ["--config", str(mine)])
+
+
 def test_saved_config_round_trips(tmp_path):
     cfg = parse_config(Cfg, ["--lr", "0.25", "--scale", "0.3,0.7"])
     save_config(cfg, tmp_path / "config.yaml")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -169,7 +170,7 @@ def test_predict_writes_detections_in_original_pixels_and_the_users_ids(frcnn_ru
             images / "sub" / "big.png"
         )
     out = tmp_path / "predict"
-    check(
+    proc = check(
         run_recipe(
             "faster_rcnn",
             [
@@ -210,6 +211,14 @@ def test_predict_writes_detections_in_original_pixels_and_the_users_ids(frcnn_ru
     ]
     plain = entries["plain.png"]["detections"]
     assert plain and len(plain) == len(evaluated)
+    # the detections under the threshold are counted on the console, not silently dropped
+    low = [
+        r
+        for r in json.loads((run / "predictions.json").read_text())
+        if r["image_id"] == first["id"] and r["score"] < 0.3
+    ]
+    said = re.search(r"(\d+) more detections score below 0.3 \(the best (0\.\d+)\)", proc.stdout)
+    assert said and int(said[1]) >= len(low) and float(said[2]) < 0.3, proc.stdout[-2000:]
     for d, r in zip(plain, sorted(evaluated, key=lambda r: -r["score"])):
         x, y, w, h = r["bbox"]
         assert d["category_id"] == r["category_id"] and d["score"] == pytest.approx(r["score"], abs=1e-4)

@@ -214,6 +214,58 @@ def test_ctrl_c_with_dataloader_workers_is_acknowledged_once(tmp_path):
     assert list((folder / "checkpoints").glob("step_*"))
 
 
+@pytest.mark.parametrize(
+    "recipe, args, message",
+    [
+        ("classifier", ["--pretrained"], "--pretrained: timm's weights for 'resnet18' (timm/resnet18.a1_in1k) are not"),
+        ("yolo", ["--pretrained"], "timm has no pretrained weights for 'cs3darknet_s': leave out --pretrained"),
+        (
+            "faster_rcnn",
+            ["--config", str(ROOT / "configs/faster_rcnn/coco_r50_fpn_26ep.yaml"), "--data", "digits_det"]
+            + ["--mixed_precision", "no"],  # in-process: the Accelerator of earlier tests is fp32
+            "--pretrained_backbone: torchvision's weights https://download.pytorch.org/models/resnet50-0676ba61.pth",
+        ),
+    ],
+)
+def test_pretrained_weights_offline_are_one_line(recipe, args, message, tmp_path, monkeypatch, capsys):
+    """HF_HUB_OFFLINE (set for the tests) and weights not in the cache: one line naming the download and
+    what to do instead, no retries, no traceback, no run folder."""
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # an empty torch hub cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))  # and an empty hub cache
+    start = time.perf_counter()
+    err = error_line(capsys, load_recipe(recipe).main, args + ["--report_to", "none", "--num_workers", "0"])
+    assert message in err and "\n" not in err.strip(), err
+    assert time.perf_counter() - start < 60 and list(tmp_path.iterdir()) in ([], [tmp_path / "hf_cache"])
+
+
+def test_a_short_run_on_few_classes_logs_its_loss_and_no_trivial_top5(tmp_path):
+    """3 steps with log_every 20: the last step logs the training meters; 3 classes: no top-5 (always
+    100 %); one evaluation image is '1 evaluation image'."""
+    import json
+
+    from PIL import Image
+
+    from common.console import banner
+
+    for split, count in (("train", 8), ("validation", 2)):
+        for c, colour in enumerate(("red", "green", "blue")):
+            (tmp_path / "data" / split / f"c{c}").mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (16, 16), colour).save(tmp_path / "data" / split / f"c{c}" / f"{i}.png")
+    run = tmp_path / "run"
+    args = TINY[:-4] + ["--max_steps", "3", "--log_every", "20", "--batch_size", "4", "--report_to", "none"]
+    load_recipe("classifier").main(args + ["--data", str(tmp_path / "data"), "--output_dir", str(run)])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [3]
+    evaluations = [r for r in records if "eval/top1" in r]
+    assert evaluations and not any("eval/top5" in r for r in evaluations)
+    text = banner("x", "runs/x", "cpu", 1, "fp32", 1, 1, ["a"], 1, 1, 1, 1, "none")
+    assert "1 training image, 1 evaluation image, 1 class" in text, text
+
+
 def test_a_second_ctrl_c_is_one_line_and_exit_130(capsys):
     """The second Ctrl-C stops at once (KeyboardInterrupt from the signal handler): one line, no traceback."""
     from common.console import cli_main
