@@ -77,11 +77,6 @@ class EpochBatchSampler(torch.utils.data.Sampler):
         if repeats < 1:
             raise UserError(f"aug_repeats must be at least 1, got {repeats}")
         self.repeats = repeats
-        if drop_last and size < batch_size * num_processes:
-            raise UserError(
-                f"the training split has {size} images, fewer than one global batch "
-                f"({batch_size} x {num_processes} processes); lower --batch_size"
-            )
         self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
         self.drop_last, self.num_processes = drop_last, num_processes
         self.epoch = 0
@@ -89,12 +84,23 @@ class EpochBatchSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def _check(self) -> None:
+        """Checked when the loader is first measured (a recipe counts its steps before it writes anything),
+        not when it is made: ``--eval_only`` makes one and never trains."""
+        if self.drop_last and self.size < self.batch_size * self.num_processes:
+            raise UserError(
+                f"the training split has {self.size} images, fewer than one global batch "
+                f"({self.batch_size} x {self.num_processes} processes); lower --batch_size"
+            )
+
     def __len__(self) -> int:
+        self._check()
         if self.drop_last:
             return self.size // (self.batch_size * self.num_processes) * self.num_processes
         return -(-self.size // self.batch_size)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        self._check()
         if self.shuffle:
             order = torch.randperm(
                 self.size, generator=torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, -1))

@@ -103,10 +103,16 @@ def load_weights(
     return state, meta
 
 
+#: What ``--eval_only`` also takes from the weights' saved config: the data they were evaluated on and its
+#: batch size, so evaluating the trained model needs only ``--weights`` (flags still override them).
+EVALUATION_FIELDS = ("data", "train_split", "eval_split", "image_column", "label_column", "knn_data", "batch_size")
+
+
 def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequence[str]) -> C:
     """Parse ``cls`` from ``argv`` (:func:`common.config.parse_config`); when it names ``--weights``, the
     ``fields`` that define the model (name, size, classes...) default to the values saved in that file's
-    metadata, so ``--eval_only --weights W`` rebuilds the trained model without repeating its flags.
+    metadata, so ``--eval_only --weights W`` rebuilds the trained model without repeating its flags (and
+    with ``eval_only`` the :data:`EVALUATION_FIELDS` too).
     A config file and flags still override them. ``eval_only`` or ``predict`` without ``weights``, and
     weights another recipe saved (their config has fields ``cls`` lacks), are one :class:`UserError`."""
     cfg = parse_config(cls, argv)
@@ -126,7 +132,8 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
             f"weights '{cfg.weights}' were saved by {meta['recipe']}.py and do not fit {this}.py, which needs its own"
         )
     saved = meta["config"]
-    return parse_config(cls, argv, base={k: saved[k] for k in fields if k in saved})
+    restored = [*fields, *EVALUATION_FIELDS] if cfg.eval_only else list(fields)
+    return parse_config(cls, argv, base={k: saved[k] for k in restored if k in saved})
 
 
 def saved_by(path: str | Path) -> str:

@@ -601,6 +601,31 @@ def test_eval_only_reproduces_the_trained_score(trained, tmp_path):
     assert_pictures(tmp_path / "eval" / "plots", ["confusion_matrix"])
 
 
+def test_eval_only_needs_only_the_weights(tmp_path, capsys):
+    """--eval_only --weights W evaluates on the data W was trained on, at its batch size, without the
+    training's checks: a split smaller than one training batch is fine for evaluation."""
+
+    def folder(root: Path, train: int, validation: int) -> Path:
+        for split, count in (("train", train), ("validation", validation)):
+            for c, colour in enumerate(("red", "green", "blue")):
+                (root / split / f"c{c}").mkdir(parents=True)
+                for i in range(count):
+                    Image.new("RGB", (16, 16), colour).save(root / split / f"c{c}" / f"{i}.png")
+        return root
+
+    data, tiny = folder(tmp_path / "data", 8, 2), folder(tmp_path / "tiny", 1, 1)
+    run = tmp_path / "run"
+    classifier.main(TINY + ["--data", str(data), "--batch_size", "8", "--max_steps", "2", "--output_dir", str(run)])
+    trained_top1 = [m for m in metrics(run) if "eval/top1" in m][-1]["eval/top1"]
+    common = ["--eval_only", "--weights", str(run / "final.safetensors"), "--report_to", "none"]
+    out = classifier.main(common + ["--num_workers", "0", "--output_dir", str(tmp_path / "eval")])
+    assert out["eval/top1"] == pytest.approx(trained_top1)  # the 6 validation images of data, not digits
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == f"output: {tmp_path / 'eval'}"
+    # 3 training images, fewer than the batch of 8: evaluation does not care
+    out = classifier.main(common + ["--data", str(tiny), "--output_dir", str(tmp_path / "eval_tiny")])
+    assert 0 <= out["eval/top1"] <= 100
+
+
 def test_predict_writes_top5_per_image(trained, tmp_path, capsys):
     """--predict FOLDER --weights: one CSV row per image, top-5 class names (from the weights) and
     probabilities in descending order; no dataset is read."""
