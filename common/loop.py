@@ -114,6 +114,8 @@ class Loop:
                 tracker,
             )
         )
+        for note in run.notes:  # the recipe's own lines about this run's settings
+            run.print(note)
 
     def state(self) -> TrainState:
         return TrainState(self.step, self.epoch, self.batches_done, dict(self.extra))

@@ -83,6 +83,7 @@ class Run:
             procs.wait_for_everyone()
             broadcast_object_list(choice)
         self.dir, self.folder_note = Path(choice[0]), choice[1]
+        self.notes: list[str] = []  # lines a recipe adds for the start banner (common.loop.Loop prints them)
         self.checkpoint_dir = self.dir / "checkpoints"
         self.plots_dir = self.dir / "plots"
         cfg.output_dir = str(self.dir)

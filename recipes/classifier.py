@@ -435,11 +435,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "bn_momentum_end needs bn_momentum > 0, and cannot be combined with compile "
             "(each new momentum value would force torch.compile to recompile)"
         )
-    if cfg.epochs < 1 and not cfg.eval_only:
-        raise UserError(
-            f"epochs must be at least 1, got {cfg.epochs}; to evaluate saved weights: --eval_only --weights W"
-        )
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
+    run.notes += [normalization_note] if normalization_note else []
     accelerator = run.accelerator
     if cfg.predict:
         return predict(cfg, run)
@@ -570,8 +567,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
-    if normalization_note:
-        run.print(normalization_note)
     meters, results = loop.meters, {}
     for epoch in loop.epochs():
         accelerator.gradient_accumulation_steps = accum_steps(epoch)
