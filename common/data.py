@@ -75,11 +75,17 @@ def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
         except Exception as e:
             raise UserError(f"saved dataset '{data}' could not be read: {type(e).__name__}: {e}") from None
     name, _, subset = (data, "", "") if path.exists() else data.partition(":")  # "frgfm/imagenette:320px"
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    if path.exists():  # a local folder: its "Downloading data" and "Generating split" bars only copy files
+        datasets.utils.logging.disable_progress_bar()
     try:
         return datasets.load_dataset(name, subset or None)
     except Exception as e:  # hub errors come in many types; the first line says what happened
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{what} '{data}' could not be loaded ({first}); expected {expected}") from None
+    finally:
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
 
 
 def _detect_columns(ds, image_column: str, label_column: str, labels: bool = True) -> tuple[str, str]:

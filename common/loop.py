@@ -87,7 +87,7 @@ class Loop:
             initial=self.step,
             desc=run.recipe,
             dynamic_ncols=True,
-            disable=not self.accelerator.is_main_process,
+            disable=None if self.accelerator.is_main_process else True,  # None: no bar in a log file
         )
 
     def _banner(self, eval_images: int | None, classes: Sequence[str] | None) -> None:

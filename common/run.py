@@ -157,7 +157,13 @@ class Run:
         """``iterable`` with a transient progress bar on the main process (evaluation passes)."""
         from tqdm.auto import tqdm
 
-        return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True, disable=not self.accelerator.is_main_process)
+        return tqdm(
+            iterable,
+            desc=desc,
+            leave=False,
+            dynamic_ncols=True,
+            disable=None if self.accelerator.is_main_process else True,
+        )
 
     def log(self, values: dict[str, float], step: int, echo: bool = True) -> None:
         """Send host floats to the trackers and ``metrics.jsonl`` (main process), and print a line."""

@@ -75,6 +75,9 @@ def init_trackers(
     name = run_name(cfg, run_dir)
     if cfg.report_to == "wandb":
         kwargs["wandb"] = {"name": name, "dir": str(run_dir), "id": _wandb_id(run_dir, accelerator), "resume": "allow"}
+        # silent: no banner of its own, no run summary at the end, no per-evaluation warnings; the start
+        # banner names the tracker and where its files go, and every value is in metrics.jsonl
+        kwargs["wandb"]["settings"] = {"silent": True}
         if accelerator.is_main_process and not wandb_has_credentials():
             # explicit: the credentials lookup already made wandb's settings, which read WANDB_MODE once
             os.environ["WANDB_MODE"] = kwargs["wandb"]["mode"] = "offline"
@@ -85,6 +88,10 @@ def init_trackers(
     # Trackers such as tensorboard's hparams take only scalars: lists go as strings.
     flat = {k: (str(v) if isinstance(v, (list, dict)) else v) for k, v in config.items()}
     accelerator.init_trackers(project_name(cfg, recipe), config=flat, init_kwargs=kwargs)
+    if cfg.report_to == "wandb" and accelerator.is_main_process and os.environ.get("WANDB_MODE") != "offline":
+        url = getattr(accelerator.get_tracker("wandb", unwrap=True), "url", None)  # silent: wandb prints no link
+        if url:
+            say(f"wandb: {url}")
 
 
 def _wandb_id(run_dir: Path, accelerator: Any) -> str:

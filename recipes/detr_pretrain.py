@@ -123,7 +123,9 @@ def pretrain_backbone(cfg: Any, backbone: nn.Module, data: DetectionData, run: R
         total = min(total, cfg.max_steps)
     lr_values = schedule("cosine", cfg.pretrain_crops_lr, 0.0, total, min(len(train_loader), total))
     meters = Meters(accelerator.device)
-    progress = tqdm(total=total, disable=not accelerator.is_main_process, desc="pretrain backbone", dynamic_ncols=True)
+    progress = tqdm(
+        total=total, disable=None if accelerator.is_main_process else True, desc="pretrain backbone", dynamic_ncols=True
+    )
     step, values, stopped = 0, {}, False
     for epoch in range(cfg.pretrain_crops_epochs):
         if step >= total or stopped:

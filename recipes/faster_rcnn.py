@@ -396,7 +396,7 @@ def preset_model(cfg: Config, num_classes: int) -> TwoStageDetector:
             f"model_kwargs {sorted(set(cfg.model_kwargs) - known)} do not fit {cfg.model}: the presets take "
             "torchvision's FasterRCNN arguments (--model_kwargs {} for none)"
         )
-    downloads = [torchvision.models.get_model_weights(builder).DEFAULT] if cfg.pretrained else []
+    downloads = [torchvision.models.get_model_weights(cfg.model).DEFAULT] if cfg.pretrained else []
     downloads += [PRESETS[cfg.model]] if cfg.pretrained_backbone else []
     cache = Path(torch.hub.get_dir()) / "checkpoints"
     missing = [w.url for w in downloads if not (cache / Path(w.url).name).is_file()]
