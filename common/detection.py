@@ -31,7 +31,7 @@ from common import UserError
 from common.builtin import DETECTION
 from common.data import EVAL_SPLITS, load_saved_or_hub, same_split
 from common.detection_sources import coco_splits, image_table, load_coco_split, normalise
-from common.images import decode_image, image_files
+from common.images import decode_image, image_files, readable_images
 from common.loaders import eval_loader_for, sample_seed, seeded
 
 # Per-channel RGB mean and std (0..1) that ImageNet-pretrained backbones expect; the detection
@@ -207,6 +207,9 @@ def prediction_batches(
     ``transform`` and ``collate``, on the run's device (``run``: :class:`common.run.Run`), with a progress
     bar. Prepared by Accelerate: each process gets its share of the images (the last round padded with
     repeats), so every process must pass its batches to :func:`common.detection_outputs.save_predictions`."""
-    table = image_table(image_files(path))
+    files, skipped = readable_images(image_files(path))
+    if skipped:
+        run.print(skipped)
+    table = image_table(files)
     loader = eval_loader_for(DetectionDataset(table, transform), batch_size, num_workers, collate_fn=collate)
     return table, run.progress(run.accelerator.prepare(loader), "predict")

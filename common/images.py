@@ -1,8 +1,10 @@
-"""Image files: decoding a dataset's image values, and listing the images a ``--predict`` path names."""
+"""Image files: decoding a dataset's image values, listing the images a ``--predict`` path names, and
+telling the complete ones from the broken ones without decoding them."""
 
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +42,37 @@ def decode_image(value: dict[str, Any] | Image.Image, name: str) -> Image.Image:
         return image.convert("RGB")
     except Exception as e:
         raise UserError(f"cannot read image '{path}': {type(e).__name__}: {e}") from None
+
+
+def unreadable(path: str | Path) -> str:
+    """Why the image file ``path`` cannot be used ('' when it can), without decoding it: it must open,
+    its header must give a size, and its data must be complete (a JPEG ends with its end-of-image marker,
+    allowing a little padding or trailing metadata; other formats pass PIL's ``verify``, which checks a
+    PNG's chunk checksums)."""
+    try:
+        with Image.open(path) as image:
+            image.verify()
+            kind = image.format
+        if kind == "JPEG":
+            with open(path, "rb") as f:
+                f.seek(max(0, Path(path).stat().st_size - 1024))
+                tail = f.read()
+            if b"\xff\xd9" not in tail:
+                return "truncated JPEG: no end-of-image marker"
+        return ""
+    except Exception as e:  # PIL raises many kinds for a broken file; the name and message say which
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}"[:120]
+
+
+def readable_images(files: Sequence[Path], what: str = "images") -> tuple[list[Path], str]:
+    """The ``files`` that are complete images (:func:`unreadable`), and one line naming the others (''
+    when there are none); none readable is one :class:`UserError` naming them."""
+    bad = [(f, why) for f in files if (why := unreadable(f))]
+    good = [f for f in files if f not in {b for b, _ in bad}]
+    listed = ", ".join(f"{f.name} ({why})" for f, why in bad[:5]) + (
+        f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    )
+    if not good:
+        raise UserError(f"none of the {len(files)} {what} can be read: {listed}")
+    line = f"{len(bad)} of {len(files)} {what} cannot be read and are skipped: {listed}" if bad else ""
+    return good, line

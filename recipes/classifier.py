@@ -47,7 +47,7 @@ from common.console import cli_main
 from common.data import ClassificationDataset, load_classification
 from common.ema import ModelEma
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
-from common.images import decode_image, image_files
+from common.images import decode_image, image_files, readable_images
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
@@ -398,12 +398,14 @@ def trained_model(cfg: Config) -> tuple[torch.nn.Module, list[str]]:
 @torch.no_grad()
 def predict(cfg: Config, run: Run) -> dict[str, float]:
     """``predictions.csv`` in the run folder: per image its path and the top-5 class names and probabilities."""
-    files = image_files(cfg.predict)
+    files, skipped = readable_images(image_files(cfg.predict))
     model, classes = trained_model(cfg)
     _, eval_tf = create_transforms(cfg, model)
     accelerator = run.accelerator
     model = model.to(accelerator.device).eval()
     run.begin()
+    if skipped:
+        run.print(skipped)
     rows, k = [], min(5, len(classes))
     if accelerator.is_main_process:  # a handful of files: one process reads them all
         for start in run.progress(range(0, len(files), 64), "predict"):

@@ -626,6 +626,38 @@ def test_eval_only_needs_only_the_weights(tmp_path, capsys):
     assert 0 <= out["eval/top1"] <= 100
 
 
+def test_predict_skips_broken_images_with_one_line(trained, tmp_path, capsys):
+    """A folder with a good PNG and JPEG (the JPEG with trailing bytes after its end marker, as some cameras
+    write), a truncated JPEG, a truncated PNG, random bytes and an empty file: the good ones are predicted,
+    the broken ones named in one line; a folder of broken files only is one error line."""
+    import io as _io
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    Image.new("RGB", (40, 30), "red").save(folder / "good.png")
+    buffer = _io.BytesIO()
+    Image.new("RGB", (64, 48), "blue").save(buffer, format="JPEG")
+    jpeg = buffer.getvalue()
+    (folder / "good_trailing.jpg").write_bytes(jpeg + b"\x00" * 16 + b"vendor data")
+    (folder / "truncated.jpg").write_bytes(jpeg[: len(jpeg) * 2 // 3])
+    png = (folder / "good.png").read_bytes()
+    (folder / "truncated.png").write_bytes(png[: len(png) - 20])
+    (folder / "noise.jpg").write_bytes(np.random.default_rng(0).bytes(3000))
+    (folder / "empty.png").write_bytes(b"")
+    args = ["--weights", str(trained / "best.safetensors"), "--report_to", "none"]
+    classifier.main(["--predict", str(folder), *args, "--output_dir", str(tmp_path / "pred")])
+    out = capsys.readouterr().out
+    (line,) = [ln for ln in out.splitlines() if "cannot be read" in ln]
+    assert line.startswith("4 of 6 images cannot be read and are skipped: ")
+    assert all(name in line for name in ("empty.png", "noise.jpg", "truncated.jpg", "truncated.png")), line
+    rows = (tmp_path / "pred" / "predictions.csv").read_text().splitlines()[1:]
+    assert sorted(Path(r.split(",")[0]).name for r in rows) == ["good.png", "good_trailing.jpg"]
+    for name in ("good.png", "good_trailing.jpg"):
+        (folder / name).unlink()
+    err = error_line(capsys, classifier.main, ["--predict", str(folder), *args])
+    assert err.startswith("error: none of the 4 images can be read: "), err
+
+
 def test_predict_writes_top5_per_image(trained, tmp_path, capsys):
     """--predict FOLDER --weights: one CSV row per image, top-5 class names (from the weights) and
     probabilities in descending order; no dataset is read."""
