@@ -85,9 +85,16 @@ from common.models import create_timm_model, freeze_stages, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values
 from common.weights import config_with_weights, load_state, load_weights, mismatch, save_weights, saved_by
-from detr_checkpoint import load_init_weights  # DETR's checkpoint reader, beside this file
-from detr_model import DETR, HungarianMatcher, SetCriterion, postprocess  # DETR's model and loss, beside this file
-from detr_pretrain import pretrain_backbone  # the backbone pre-training on box crops, beside this file
+
+try:  # DETR's own files, beside this one: copy them with it (README, "Your own recipe")
+    from detr_checkpoint import load_init_weights  # DETR's checkpoint reader
+    from detr_model import DETR, HungarianMatcher, SetCriterion, postprocess  # DETR's model and loss
+    from detr_pretrain import pretrain_backbone  # the backbone pre-training on box crops
+except ModuleNotFoundError as e:
+    if not (e.name or "").startswith("detr_"):
+        raise
+    print(f"error: this recipe needs {e.name}.py beside it: copy recipes/detr_*.py with it", file=sys.stderr)
+    sys.exit(2)
 
 # The three weighted loss terms, in the order of loss_weights (and, for the costs, of matcher_costs).
 LOSS_TERMS = ("loss_ce", "loss_bbox", "loss_giou")

@@ -67,12 +67,15 @@ from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, load_state, load_weights, save_weights
-from yolo_data import (
-    MultiScaleBatchSampler,
-    detection_transforms,  # YOLO's own helpers, beside this file
-    kmeans_anchors,
-)
-from yolo_model import LOSS_TERMS, Exported, YOLOv3, postprocess, yolo_loss  # YOLO's model and loss, beside this file
+
+try:  # YOLO's own files, beside this one: copy them with it (README, "Your own recipe")
+    from yolo_data import MultiScaleBatchSampler, detection_transforms, kmeans_anchors  # its data helpers
+    from yolo_model import LOSS_TERMS, Exported, YOLOv3, postprocess, yolo_loss  # its model and loss
+except ModuleNotFoundError as e:
+    if not (e.name or "").startswith("yolo_"):
+        raise
+    print(f"error: this recipe needs {e.name}.py beside it: copy recipes/yolo_*.py with it", file=sys.stderr)
+    sys.exit(2)
 
 
 # ============================================================================================

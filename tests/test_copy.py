@@ -68,6 +68,20 @@ def test_without_common_a_copied_recipe_says_how_to_install_it(tmp_path):
     assert list(script.parent.iterdir()) == [script]
 
 
+@pytest.mark.parametrize("name", ["detr", "yolo"])
+def test_a_recipe_copied_without_its_own_files_says_which(name, tmp_path):
+    """Copied alone, without the files that carry its name: one line naming the first missing one, exit 2."""
+    (tmp_path / "work").mkdir()
+    script = tmp_path / "work" / f"my_{name}.py"
+    shutil.copy(ROOT / "recipes" / f"{name}.py", script)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=script.parent, env=installed_common(tmp_path), capture_output=True, text=True
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: this recipe needs {name}_") and f"copy recipes/{name}_*.py with it" in line
+
+
 def test_the_installed_package_is_common_alone():
     """``pip install -e .`` ships common/ and nothing else: a recipe's own files travel with the recipe."""
     import tomllib
