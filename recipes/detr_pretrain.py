@@ -156,7 +156,9 @@ def pretrain_backbone(cfg: Any, backbone: nn.Module, data: DetectionData, run: R
                 predicted, labels = accelerator.gather_for_metrics((predicted, labels))
                 meters.update(n=len(labels), top1=100 * (predicted == labels).float().mean())
         values = {k: v for k, v in meters.summary(accelerator).items() if k in ("loss", "top1")}
-        run.log({**prefixed(values, "pretrain"), "pretrain/epoch": epoch}, 0)
+        run.log({**prefixed(values, "pretrain"), "pretrain/epoch": epoch}, 0, echo=False)  # logged at step 0:
+        # DETR's steps have not started, so the console line says what it is instead of "step 0"
+        run.print(f"backbone pre-training epoch {epoch}: " + "  ".join(f"{k} {v:.4g}" for k, v in values.items()))
     progress.close()
     # the classifier, its optimizer and loaders leave Accelerate's lists (and the DDP wrapper its hooks
     # on the backbone): checkpoints hold DETR alone, and DETR's prepare starts afresh
