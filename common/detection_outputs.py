@@ -1,7 +1,7 @@
 """What the detection recipes write about their detections, the same for all three: the report of one
 evaluation (metrics; its pictures, drawn by :mod:`common.detection_figures`; the per-class AP table;
 ``predictions.json`` in the COCO results format) and, for ``--predict``, the detections on new images
-(``predictions.json`` and the images with their boxes).
+(``detections.json``, another format, and the images with their boxes).
 
 Both use the dataset's own category ids (:attr:`common.detection.DetectionData.category_ids`, kept in
 the weights' metadata), so the files can be scored or used with the user's own tools.
@@ -22,7 +22,8 @@ from common.detection_figures import draw_detections, plot_pr_curves, save_detec
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.images import decode_image
 
-PREDICTIONS = "predictions.json"  # in the run folder: evaluation (COCO results) and --predict (per image)
+PREDICTIONS = "predictions.json"  # in the run folder: an evaluation's detections, the COCO results format
+DETECTIONS = "detections.json"  # in the run folder: --predict's, per image file, corner boxes
 
 
 def write_json(value: Any, path: Path) -> None:
@@ -161,7 +162,7 @@ def save_predictions(
     """``--predict``: the detections of ``batches`` (the recipe's detection pass over ``table``,
     :func:`common.detection.prediction_batches`: per image ``image_id``, ``boxes`` XYXY in original pixels, ``scores``,
     ``labels`` as class indices of ``meta["classes"]``, the weights' metadata) scoring at least
-    ``score_threshold`` go to ``predictions.json`` (one entry per image: ``file``, ``width``, ``height``,
+    ``score_threshold`` go to ``detections.json`` (one entry per image: ``file``, ``width``, ``height``,
     ``detections``: ``class``, ``category_id``, ``score``, ``box`` [x0, y0, x1, y1] in the original
     image's pixels, most confident first) and are drawn on each image under ``predictions/``, at the
     image's path relative to ``root`` (the ``--predict`` folder) as PNG. Every process detects its share;
@@ -219,10 +220,10 @@ def save_predictions(
             totals["detections"] += len(detections)
     if accelerator.is_main_process:
         entries.sort(key=lambda e: e["file"])
-        write_json(entries, run.dir / PREDICTIONS)
+        write_json(entries, run.dir / DETECTIONS)
         run.print(
             f"{len(entries)} images, {int(totals['detections'])} detections scoring \u2265 {score_threshold}: "
-            f"{run.dir / PREDICTIONS}, pictures in {folder}"
+            f"{run.dir / DETECTIONS}, pictures in {folder}"
         )
         below = np.concatenate(lower) if lower else np.zeros(0)
         if len(below):  # a young model's detections may all score below the threshold: say they exist

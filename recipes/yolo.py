@@ -142,7 +142,7 @@ class Config(RunConfig):
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
     eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
     #   dataset's category ids), no training
-    predict: str = ""  # an image or a folder of images: with --weights, write predictions.json and the images with
+    predict: str = ""  # an image or a folder of images: with --weights, write detections.json and the images with
     #   their boxes drawn (predictions/) in the run folder; no dataset needed
     predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
     # run

@@ -189,7 +189,7 @@ def test_predict_writes_detections_in_original_pixels_and_the_users_ids(frcnn_ru
             timeout=300,
         )
     )
-    entries = {Path(e["file"]).name: e for e in json.loads((out / "predictions.json").read_text())}
+    entries = {Path(e["file"]).name: e for e in json.loads((out / "detections.json").read_text())}
     assert sorted(entries) == ["big.png", "plain.png"]
     assert (entries["big.png"]["width"], entries["big.png"]["height"]) == (
         second["width"] * 3 // 2,
@@ -256,7 +256,7 @@ def test_predict_with_two_processes_writes_what_one_does(frcnn_run, tmp_path):
                 timeout=300,
             )
         )
-        written[nproc] = json.loads((out / "predictions.json").read_text())
+        written[nproc] = json.loads((out / "detections.json").read_text())
         assert len(list((out / "predictions").glob("*.png"))) == 5
     assert [e["file"] for e in written[2]] == [e["file"] for e in written[1]] and len(written[1]) == 5
     assert sum(len(e["detections"]) for e in written[1]) > 0
@@ -335,7 +335,7 @@ def test_eval_only_and_predict_in_every_detector(recipe, args, tmp_path):
             ],
         )
     )
-    entries = json.loads((tmp_path / "predict" / "predictions.json").read_text())
+    entries = json.loads((tmp_path / "predict" / "detections.json").read_text())
     assert len(entries) == 16 and len(list((tmp_path / "predict" / "predictions").glob("*.png"))) == 16
     assert all(d["category_id"] in NAMES for e in entries for d in e["detections"])
 
