@@ -242,13 +242,21 @@ def test_resume_in_a_later_epoch_ends_with_the_uninterrupted_weights(
 # Where a stop signal lands after the training steps: during the last evaluation (the run stops once
 # its last checkpoint is written), the final weights, or the export; each is a function of the recipe
 # that is wrapped to signal the process first.
+# The first case of each recipe also runs the command that finishes it.
 STOPS = [
     ("classifier", "evaluate", "final.safetensors"),
+    ("classifier", "save_weights", "final.safetensors"),
     ("dino", "save_weights", "teacher_backbone.safetensors"),
+    ("dino", "evaluate", "teacher_backbone.safetensors"),
     ("yolo", "export_and_check", "model.onnx"),
+    ("yolo", "evaluate", "final.safetensors"),
+    ("yolo", "save_weights", "final.safetensors"),
     ("detr", "evaluate", "final.safetensors"),
+    ("detr", "save_weights", "final.safetensors"),
     ("faster_rcnn", "save_weights", "final.safetensors"),
+    ("faster_rcnn", "evaluate", "final.safetensors"),
 ]
+FINISHED = {recipe: phase for recipe, phase, _ in reversed(STOPS)}  # the first case of each recipe
 
 
 @pytest.mark.slow
@@ -275,9 +283,16 @@ def test_a_stop_after_the_training_steps_keeps_what_is_written_and_says_how_to_f
     args = args + ["--max_steps", "3", "--output_dir", str(run)] + (["--export", "true"] if recipe == "yolo" else [])
     original = getattr(module, phase)
 
+    calls = []
+    last_call = 2 if (recipe, phase) == ("dino", "evaluate") else 1  # DINO's first is the step-0 baseline
+
     def signalled(*a, **kw):
-        path = a[1] if phase == "save_weights" else ""
-        if phase != "save_weights" or Path(path).name == last:  # not best.safetensors during the steps
+        calls.append(phase)
+        if phase == "save_weights":
+            due = Path(a[1]).name == last  # not best.safetensors during the steps
+        else:
+            due = len(calls) == last_call
+        if due:
             os.kill(os.getpid(), signal.SIGTERM)
         return original(*a, **kw)
 
@@ -294,7 +309,7 @@ def test_a_stop_after_the_training_steps_keeps_what_is_written_and_says_how_to_f
     assert (run / "checkpoints" / "step_00000003" / "train_state.json").is_file()
     assert not (run / last).exists() and not list(run.glob("*.tmp*"))
 
-    if recipe == "yolo":  # finishing is the export itself, a minute of CPU; the others finish their runs
+    if FINISHED[recipe] != phase or recipe == "yolo":  # YOLO's finish is the export itself, a minute of CPU
         return
     monkeypatch.setattr(module, phase, original)
     module.main(finish.split(f"recipes/{recipe}.py ")[1].split())

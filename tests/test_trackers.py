@@ -14,6 +14,42 @@ from conftest import ROOT, load_recipe
 from conftest import TINY_CLASSIFIER as TINY
 
 
+def test_a_run_logging_to_wandb_prints_only_its_own_lines(tmp_path):
+    """W&B silent: no banner of its own, no run summary, no warnings; the local folder loads without
+    datasets' bars; no progress bar in a log (stderr is not a terminal): stderr stays empty and every
+    stdout line is the recipe's."""
+    from PIL import Image
+
+    for split in ("train", "validation"):
+        for c, colour in enumerate(("red", "blue")):
+            (tmp_path / "data" / split / f"c{c}").mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (16, 16), colour).save(tmp_path / "data" / split / f"c{c}" / f"{i}.png")
+    args = TINY[:-4] + [
+        "--max_steps",
+        "2",
+        "--batch_size",
+        "4",
+        "--report_to",
+        "wandb",
+        "--data",
+        str(tmp_path / "data"),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", WANDB_MODE="offline")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "classifier.py"), *args, "--output_dir", str(tmp_path / "run")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"classifier: {tmp_path / 'run'}" and lines[-1] == f"output: {tmp_path / 'run'}"
+    assert not any(word in done.stdout for word in ("Run summary", "Run history", "View run", "Syncing run"))
+
+
 def test_wandb_run_id_is_kept_across_resume(wandb_run, capsys):
     """--resume auto continues the same W&B run: the id in the run folder is reused, and the offline
     run directories of both sessions carry it."""
