@@ -122,6 +122,10 @@ def pretrain_backbone(cfg: Any, backbone: nn.Module, data: DetectionData, run: R
     if cfg.max_steps > 0:  # a short run (a smoke test, say) shortens the pre-training too
         total = min(total, cfg.max_steps)
     lr_values = schedule("cosine", cfg.pretrain_crops_lr, 0.0, total, min(len(train_loader), total))
+    run.print(
+        f"backbone pre-training on {len(train_set):,} box crops of {cfg.pretrain_crops_size} px for "
+        f"{cfg.pretrain_crops_epochs} epoch{'s' * (cfg.pretrain_crops_epochs != 1)}, before DETR's steps"
+    )
     meters = Meters(accelerator.device)
     progress = tqdm(
         total=total, disable=None if accelerator.is_main_process else True, desc="pretrain backbone", dynamic_ncols=True
