@@ -42,7 +42,7 @@ from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTarget
 from timm.optim import create_optimizer_v2
 
 from common import UserError
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optimizers
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optimizers, to_dict
 from common.console import cli_main
 from common.data import ClassificationDataset, load_classification
 from common.ema import ModelEma
@@ -50,6 +50,7 @@ from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.images import decode_image, image_files, readable_images
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
+from common.model_folder import model_card, write_timm_folder
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values
@@ -388,6 +389,11 @@ MODEL_FIELDS = (
 )  # what --weights restores from the file's saved config
 
 
+def results_card(loop: Loop) -> dict[str, float]:
+    """What the model card reports: the best top-1 (the weights of the model folder) and the step it came from."""
+    return {f"top-1 (%), the best evaluation (step {loop.extra.get('best_step/top1', loop.step)})": loop.best("top1")}
+
+
 def trained_model(cfg: Config) -> tuple[torch.nn.Module, list[str]]:
     """The model of ``cfg.weights`` and its class names (the file's metadata)."""
     state, meta = load_weights(cfg.weights, "classifier")
@@ -657,6 +663,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if ema is not None:
             weights.append(run.dir / "final_ema.safetensors")
             save_weights(ema.module.state_dict(), weights[2], cfg, **saved_as)
+        if not cfg.probe_blocks:  # the best weights as a timm folder (a probe on blocks is not a timm model)
+            best = safetensors.torch.load_file(str(weights[0])) if weights[0].is_file() else final
+            shared = create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), num_classes)
+            shared.load_state_dict(best)
+            sizes = (len(train_set), len(eval_set))
+            card = model_card(run.recipe, cfg.model, to_dict(cfg), data.classes, sizes, results_card(loop), data_cfg)
+            folder = write_timm_folder(shared, run.dir / "model", data.classes, data_cfg, card)
+            run.print(f"model folder: {folder}, for timm.create_model('local-dir:{folder}', pretrained=True)")
     loop.finish(results, weights)  # the summary; the weights as W&B artifacts with --log_weights
     return results
 

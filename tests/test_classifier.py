@@ -558,6 +558,32 @@ def trained(tmp_path_factory) -> Path:
     return run
 
 
+def test_the_model_folder_loads_in_timm_with_its_preprocessing(trained):
+    """<run>/model: timm.create_model("local-dir:...", pretrained=True) is the recipe's best model (the same
+    logits), with its class names and the preprocessing it was evaluated with; a model card beside it."""
+    import timm
+
+    folder = trained / "model"
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    cfg = parse_config(classifier.Config, TINY + ["--weights", str(trained / "best.safetensors")])
+    ours, classes = classifier.trained_model(cfg)
+    images = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model(images), ours.eval()(images))
+    assert model.pretrained_cfg["label_names"] == classes == [str(i) for i in range(10)]
+    data = timm.data.resolve_data_config(model=model)
+    expected = classifier.data_config(cfg, ours)
+    keys = ("input_size", "interpolation", "crop_pct", "mean", "std")
+    as_tuples = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in expected.items()}
+    assert {k: tuple(data[k]) if isinstance(data[k], list) else data[k] for k in keys} == {
+        k: as_tuples[k] for k in keys
+    }
+    card = (folder / "README.md").read_text()
+    best = [m for m in metrics(trained) if "best/top1" in m][-1]["best/top1"]
+    assert f"| {best:.2f} |" in card and 'timm.create_model("local-dir:' in card and "model: test_vit" in card
+
+
 def test_lr_is_per_256_images(trained):
     """The peak learning rate is lr x global batch / 256 (no warmup: the first step's rate is the peak)."""
     first = next(m for m in metrics(trained) if "train/lr" in m)
