@@ -669,8 +669,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             shared.load_state_dict(best)
             sizes = (len(train_set), len(eval_set))
             card = model_card(run.recipe, cfg.model, to_dict(cfg), data.classes, sizes, results_card(loop), data_cfg)
-            folder = write_timm_folder(shared, run.dir / "model", data.classes, data_cfg, card)
-            run.print(f"model folder: {folder}, for timm.create_model('local-dir:{folder}', pretrained=True)")
+            write_timm_folder(shared, run.dir / "model", data.classes, data_cfg, card)
+            run.print(
+                "model/: the best weights as a timm folder, timm.create_model('local-dir:<run>/model', pretrained=True)"
+            )
     loop.finish(results, weights)  # the summary; the weights as W&B artifacts with --log_weights
     return results
 
