@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import yaml
 
 from common import UserError
-from common.config_help import field_ranges, ordered_fields
+from common.config_help import field_ranges, ordered_fields, recipe_file
 from common.config_help import show as _show
 
 C = TypeVar("C")
@@ -268,7 +268,7 @@ def _apply(cfg: Any, values: dict[str, Any], hints: dict[str, Any], source: str,
 def _recipe_of(keys: Sequence[str], cls: type) -> str:
     """The one recipe beside ``cls``'s own script whose Config has every one of ``keys`` (a config file written
     for it): its script name, else ''. Read from the scripts' source, not imported."""
-    here = Path(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
+    here = recipe_file(cls)
     if not issubclass(cls, RunConfig) or not here.is_file():
         return ""
     shared = {f.name for f in dataclasses.fields(RunConfig)}
@@ -372,7 +372,7 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, base: dict[str
             other = _recipe_of(list(loaded), cls) if unknown else ""
             if not other:
                 raise
-            this = Path(sys.modules[cls.__module__].__file__).stem
+            this = recipe_file(cls).stem
             keys = ", ".join(map(repr, unknown[:3])) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
             raise ConfigError(
                 f"config file '{config_file}' is for {other}.py, not {this}.py: {this}.py has no {keys}"

@@ -131,6 +131,11 @@ def field_docs(cls: type) -> dict[str, FieldDoc]:
     return {f.name: docs.get(f.name, FieldDoc("", "")) for f in dataclasses.fields(cls)}
 
 
+def recipe_file(cls: type) -> Path:
+    """The script that defines ``cls`` (a recipe's ``Config``: ``recipes/detr.py``); ``Path("")`` if none."""
+    return Path(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
+
+
 @functools.cache
 def field_ranges(cls: type) -> dict[str, str]:
     """Field name -> its legal range, e.g. ``"[1, inf)"`` (common.config.RunConfig.ranges), from the ``ranges``

@@ -4,10 +4,11 @@ and :func:`cli_main`, the recipes' entry point that turns a mistake into one ``e
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from common import RunStopped, UserError
@@ -116,6 +117,20 @@ def _fail(message: str, code: int) -> None:
     _close_bars()
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
+
+
+@contextlib.contextmanager
+def own_files(prefix: str) -> Iterator[None]:
+    """Around a recipe's imports of the files beside it that carry its name (``prefix`` ``detr_``:
+    ``detr_model.py`` beside ``detr.py``): a copy made without them stops with one line naming the first
+    one missing, exit status 2; any other missing module is left to raise."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith(prefix):
+            raise
+        print(f"error: this recipe needs {e.name}.py beside it: copy recipes/{prefix}*.py with it", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def cli_main(main: Callable[[], Any]) -> None:

@@ -67,8 +67,9 @@ def unreadable(path: str | Path) -> str:
 def readable_images(files: Sequence[Path], what: str = "images") -> tuple[list[Path], str]:
     """The ``files`` that are complete images (:func:`unreadable`), and one line naming the others (''
     when there are none); none readable is one :class:`UserError` naming them."""
-    bad = [(f, why) for f in files if (why := unreadable(f))]
-    good = [f for f in files if f not in {b for b, _ in bad}]
+    reasons = {f: unreadable(f) for f in files}
+    good = [f for f, why in reasons.items() if not why]
+    bad = [(f, why) for f, why in reasons.items() if why]
     listed = ", ".join(f"{f.name} ({why})" for f, why in bad[:5]) + (
         f" and {len(bad) - 5} more" if len(bad) > 5 else ""
     )

@@ -13,6 +13,12 @@ from torch import nn
 from common import UserError
 
 
+def hub_offline() -> bool:
+    """Whether downloads are off (``HF_HUB_OFFLINE``, read as huggingface_hub reads it): a missing weights
+    file is then one line at once, not a minute of retries."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
 def create_timm_model(name: str, optional: dict[str, Any] | None = None, also: str = "", **kwargs: Any) -> nn.Module:
     """``timm.create_model(name, **optional, **kwargs)``; where the model family does not take the
     ``optional`` arguments (``img_size`` for a convnet, say), again without them. An unknown name is
@@ -38,7 +44,7 @@ def create_timm_model(name: str, optional: dict[str, Any] | None = None, also: s
             raise
         cfg = timm.models.get_pretrained_cfg(name)
         source = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or "the hub"
-        why = "HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") else type(e).__name__
+        why = "HF_HUB_OFFLINE is set" if hub_offline() else type(e).__name__
         raise UserError(
             f"--pretrained: timm's weights for '{name}' ({source}) are not in the local cache and cannot be "
             f"downloaded ({why}): cache them once with network (timm.create_model('{name}', pretrained=True)), "

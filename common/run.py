@@ -71,8 +71,6 @@ class Run:
         self.started = time.perf_counter()
         # report_to and mixed_precision were checked against their choices when the config was parsed
         mixed = cfg.mixed_precision or None  # empty: whatever `accelerate launch` set
-        if cfg.grad_accum_steps < 1:
-            raise UserError(f"grad_accum_steps must be at least 1, got {cfg.grad_accum_steps}")
 
         # Every process looks at the folder before any creates it (so a refusal stops all alike),
         # then all take the main process's choice. PartialState sets up the process group; the
@@ -82,8 +80,10 @@ class Run:
         if procs.num_processes > 1:
             procs.wait_for_everyone()
             broadcast_object_list(choice)
-        self.dir, self.folder_note = Path(choice[0]), choice[1]
-        self.notes: list[str] = []  # lines a recipe adds for the start banner (common.loop.Loop prints them)
+        self.dir = Path(choice[0])
+        # lines for under the start banner (common.loop.Loop prints them): how --resume auto chose the
+        # folder, and what a recipe adds about its settings
+        self.notes: list[str] = [choice[1]] if choice[1] else []
         self.checkpoint_dir = self.dir / "checkpoints"
         self.plots_dir = self.dir / "plots"
         cfg.output_dir = str(self.dir)
@@ -138,8 +138,6 @@ class Run:
         acc.wait_for_everyone()
         if cfg.report_to != "none":
             init_trackers(acc, cfg, self.recipe, self.dir, to_dict(cfg), self.print)
-        if self.folder_note:
-            self.print(self.folder_note)
         if self.resume_changes:
             self.print(
                 "resume with changed " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.resume_changes.items())
@@ -295,10 +293,10 @@ class Run:
         for sig, handler in self._handlers.items():  # the run ends here: the signals go back
             signal.signal(sig, handler)
         name = signal.Signals(self._stop_signal).name
-        checkpoint = self.checkpoints()[-1] if self.checkpoints() else "none"
         raise RunStopped(
             f"stopped by {name} after the training loop, before the run's last files were written; everything "
-            f"written so far is kept (last checkpoint: {checkpoint})\nfinish it with: {self.continue_command()}"
+            f"written so far is kept (last checkpoint: {self.last_checkpoint or 'none'})\n"
+            f"finish it with: {self.continue_command()}"
         )
 
     def should_stop(self) -> bool:

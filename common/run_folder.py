@@ -113,21 +113,23 @@ def choose_output_dir(cfg: RunConfig, recipe: str) -> tuple[Path, str]:
         return _next_free(base), ""
     folders = [base] + sorted(base.parent.glob(f"{base.name}-*"), key=lambda p: p.name)
     folders = [p for p in folders if re.fullmatch(re.escape(base.name) + r"(-\d+)?", p.name)]
-    interrupted = [p for p in folders if _interrupted(p)]
+    interrupted = {p: last for p in folders if (last := _interrupted_at(p)) is not None}
     if not interrupted:
         out = _next_free(base)
         return out, f"resume auto: no interrupted run named {base.name} in {base.parent}; a new run in {out}"
-    newest = max(interrupted, key=lambda p: complete_checkpoints(p / "checkpoints")[-1].stat().st_mtime)
+    newest = max(interrupted, key=lambda p: interrupted[p].stat().st_mtime)
     others = [p.name for p in interrupted if p != newest]
     also = f" (also interrupted: {', '.join(others)}; name one with --config <folder>/config.yaml)" if others else ""
     return newest, f"resume auto: continuing {newest}, the newest interrupted run named {base.name}{also}"
 
 
-def _interrupted(folder: Path) -> bool:
-    """Whether ``folder`` holds a run stopped before the end of its training: a complete checkpoint,
-    the newest of which is not marked ``finished``."""
+def _interrupted_at(folder: Path) -> Path | None:
+    """The newest complete checkpoint of ``folder`` when the run there stopped before the end of its
+    training (that checkpoint is not marked ``finished``), else None."""
     found = complete_checkpoints(folder / "checkpoints")
-    return bool(found) and not json.loads((found[-1] / "train_state.json").read_text()).get("finished", False)
+    if not found or json.loads((found[-1] / "train_state.json").read_text()).get("finished", False):
+        return None
+    return found[-1]
 
 
 def changed_on_resume(cfg: RunConfig, folder: Path) -> dict[str, tuple[Any, Any]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,7 +23,7 @@ from torch import nn
 
 from common import UserError
 from common.config import RunConfig, parse_config, to_dict
-from common.config_help import show
+from common.config_help import recipe_file, show
 from common.guard import NonFiniteLoss
 
 C = TypeVar("C", bound=RunConfig)
@@ -125,7 +124,7 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
     if not Path(cfg.weights).is_file():
         raise UserError(f"weights '{cfg.weights}' does not exist")
     meta = read_metadata(cfg.weights)
-    this = Path(getattr(sys.modules.get(cls.__module__), "__file__", None) or "").stem
+    this = recipe_file(cls).stem
     known = {f.name for f in dataclasses.fields(cls)}
     if meta["recipe"] not in ("", this) and any(k not in known for k in meta["config"]):  # not a renamed copy's
         raise UserError(

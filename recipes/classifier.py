@@ -237,10 +237,8 @@ def input_normalization(cfg: Config) -> tuple[Config, str]:
     from the file, or a warning that an explicit one differs from it ('' when there is nothing to say).
     A backbone fed inputs normalised for another model sees them scaled and shifted: a DINO ViT trained
     on ImageNet's statistics, probed with timm's ViT default (0.5, 0.5), gets about half its input range."""
-    if len(cfg.mean) != len(cfg.std) or len(cfg.mean) not in (0, 3) or any(v <= 0 for v in cfg.std):
-        raise UserError(
-            f"mean and std are 3 values each (R, G, B; std > 0), or both empty: got mean {cfg.mean}, std {cfg.std}"
-        )
+    if len(cfg.mean) != len(cfg.std) or len(cfg.mean) not in (0, 3):  # their values: Config.ranges
+        raise UserError(f"mean and std are 3 values each (R, G, B), or both empty: got mean {cfg.mean}, std {cfg.std}")
     if not cfg.init_weights or not Path(cfg.init_weights).is_file():
         return cfg, ""
     meta = read_metadata(cfg.init_weights)

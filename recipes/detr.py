@@ -68,7 +68,7 @@ from torchvision.transforms.v2 import functional as TF
 from common import UserError
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
-from common.console import cli_main
+from common.console import cli_main, own_files
 from common.detection import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -86,15 +86,10 @@ from common.run import Run
 from common.schedules import schedule, set_group_values
 from common.weights import config_with_weights, load_state, load_weights, mismatch, save_weights, saved_by
 
-try:  # DETR's own files, beside this one: copy them with it (README, "Your own recipe")
+with own_files("detr_"):  # DETR's own files, beside this one: copy them with it (README, "Your own recipe")
     from detr_checkpoint import load_init_weights  # DETR's checkpoint reader
     from detr_model import DETR, HungarianMatcher, SetCriterion, postprocess  # DETR's model and loss
     from detr_pretrain import pretrain_backbone  # the backbone pre-training on box crops
-except ModuleNotFoundError as e:
-    if not (e.name or "").startswith("detr_"):
-        raise
-    print(f"error: this recipe needs {e.name}.py beside it: copy recipes/detr_*.py with it", file=sys.stderr)
-    sys.exit(2)
 
 # The three weighted loss terms, in the order of loss_weights (and, for the costs, of matcher_costs).
 LOSS_TERMS = ("loss_ce", "loss_bbox", "loss_giou")
@@ -419,21 +414,15 @@ def check_config(cfg: Config) -> None:
         raise UserError(f"loss_weights must be 3 non-negative numbers (CE, L1, GIoU), got {cfg.loss_weights}")
     if len(cfg.matcher_costs) != 3 or any(w < 0 for w in cfg.matcher_costs):
         raise UserError(f"matcher_costs must be 3 non-negative numbers (class, L1, GIoU), got {cfg.matcher_costs}")
-    if not cfg.scales or min(cfg.scales) <= 0:
+    if not cfg.scales:  # their values, and the other numbers' ranges, were checked while parsing (Config.ranges)
         raise UserError(f"scales must be one or more positive sizes, got {cfg.scales}")
-    if len(cfg.crop_size) != 2 or not 0 < cfg.crop_size[0] <= cfg.crop_size[1] or not cfg.crop_resize:
+    if len(cfg.crop_size) != 2 or cfg.crop_size[0] > cfg.crop_size[1] or not cfg.crop_resize:
         raise UserError(
             f"crop_size must be [min, max] with 0 < min <= max and crop_resize not empty, got "
             f"{cfg.crop_size} and {cfg.crop_resize}"
         )
-    if not 0 <= cfg.crop <= 1 or not 0 <= cfg.hflip <= 1:
-        raise UserError(f"crop and hflip are probabilities, got {cfg.crop} and {cfg.hflip}")
     if cfg.d_model % cfg.nheads or cfg.d_model % 4:
         raise UserError(f"d_model ({cfg.d_model}) must be a multiple of 4 and of nheads ({cfg.nheads})")
-    if min(cfg.enc_layers, cfg.dec_layers - 1, cfg.num_queries - 1) < 0:
-        raise UserError("enc_layers >= 0, dec_layers >= 1 and num_queries >= 1 are needed")
-    if not 0 <= cfg.eos_coef <= 1:
-        raise UserError(f"eos_coef must be in 0..1, got {cfg.eos_coef}")
     if cfg.init_weights and cfg.init_backbone:
         raise UserError("init_weights and init_backbone both give the backbone's weights: set one of them")
 

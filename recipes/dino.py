@@ -554,9 +554,9 @@ MODEL_FIELDS = ("model", "model_kwargs", "global_size")  # what --weights restor
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = config_with_weights(Config, argv, MODEL_FIELDS)
-    if cfg.local_crops < 0 or cfg.global_size < cfg.local_size:
-        raise UserError("need local_crops >= 0 and global_size >= local_size")
-    if not cfg.knn_k or min(cfg.knn_k) < 1:
+    if cfg.global_size < cfg.local_size:  # each number's own range was checked while parsing (Config.ranges)
+        raise UserError("need global_size >= local_size")
+    if not cfg.knn_k:
         raise UserError(f"knn_k needs one or more neighbour counts >= 1, got {cfg.knn_k}")
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator

@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-import os
 import sys
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
@@ -72,7 +71,7 @@ from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
-from common.models import create_timm_model, freeze_stages, sync_batchnorm
+from common.models import create_timm_model, freeze_stages, hub_offline, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, load_state, load_weights, save_weights
@@ -401,7 +400,7 @@ def preset_model(cfg: Config, num_classes: int) -> TwoStageDetector:
     cache = Path(torch.hub.get_dir()) / "checkpoints"
     missing = [w.url for w in downloads if not (cache / Path(w.url).name).is_file()]
     flag = "--pretrained" if cfg.pretrained else "--pretrained_backbone"
-    if missing and os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):  # offline: say so now, not after retries
+    if missing and hub_offline():  # say so now, not after urllib's retries
         raise UserError(
             f"{flag}: torchvision's weights {', '.join(missing)} are not in {cache} and HF_HUB_OFFLINE is "
             f"set: download them there once with network, or train without {flag}"
@@ -595,20 +594,17 @@ def check_config(cfg: Config) -> None:
             f"loss_weights must be 4 non-negative numbers (rpn objectness, rpn box, roi classifier, "
             f"roi box), got {cfg.loss_weights}"
         )
-    if not cfg.min_size or min(cfg.min_size) <= 0 or cfg.max_size < max(cfg.min_size):
+    # each number's own range was checked while parsing (Config.ranges): here, how they go together
+    if not cfg.min_size or cfg.max_size < max(cfg.min_size):
         raise UserError(
             f"min_size must be one or more positive sizes no larger than max_size ({cfg.max_size}), got {cfg.min_size}"
         )
     for name in ("rpn_pre_nms_top_n", "rpn_post_nms_top_n"):
         value = getattr(cfg, name)
-        if value and (len(value) != 2 or min(value) <= 0):
+        if value and len(value) != 2:
             raise UserError(f"{name} takes two positive numbers [train, eval], or [] for the model's own; got {value}")
-    if min(cfg.rpn_batch_size_per_image, cfg.box_batch_size_per_image) < 0:
-        raise UserError(
-            "rpn_batch_size_per_image and box_batch_size_per_image must be positive, or 0 for the model's own"
-        )
     stages = PRESET_STAGES.get(cfg.model, 5)
-    if not 0 <= cfg.freeze_at <= stages:
+    if cfg.freeze_at > stages:
         raise UserError(f"freeze_at must be 0..{stages} for {cfg.model}, got {cfg.freeze_at}")
 
 

@@ -57,7 +57,7 @@ from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
-from common.console import cli_main
+from common.console import cli_main, own_files
 from common.detection import DetectionDataset, collate, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.ema import ModelEma
@@ -68,14 +68,9 @@ from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, load_state, load_weights, save_weights
 
-try:  # YOLO's own files, beside this one: copy them with it (README, "Your own recipe")
+with own_files("yolo_"):  # YOLO's own files, beside this one: copy them with it (README, "Your own recipe")
     from yolo_data import MultiScaleBatchSampler, detection_transforms, kmeans_anchors  # its data helpers
     from yolo_model import LOSS_TERMS, Exported, YOLOv3, postprocess, yolo_loss  # its model and loss
-except ModuleNotFoundError as e:
-    if not (e.name or "").startswith("yolo_"):
-        raise
-    print(f"error: this recipe needs {e.name}.py beside it: copy recipes/yolo_*.py with it", file=sys.stderr)
-    sys.exit(2)
 
 
 # ============================================================================================
@@ -418,8 +413,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise UserError(
             "anchors must be 3 x A [w, h] pairs in pixels (A per level), small to large (or empty: k-means)"
         )
-    if not cfg.anchors and cfg.anchors_per_level < 1:
-        raise UserError(f"anchors_per_level must be at least 1, got {cfg.anchors_per_level}")
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
     if cfg.predict:
