@@ -97,10 +97,12 @@ class RunConfig:
     #   metrics.jsonl is written in every case
     project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
     run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
-    log_weights: bool = False  # wandb: upload the final and best weights as W&B model artifacts at the end
+    log_weights: bool = False  # wandb: upload the final and best weights (model folder, ONNX) as W&B model artifacts
+    push_to_hub: str = ""  # ORG/NAME: upload the model folder (<run>/model) to the Hugging Face hub at the end
     # saved weights (the model fields default to the file's saved config)
-    weights: str = ""  # a weights file this recipe saved (best.safetensors), for eval_only and predict
+    weights: str = ""  # a weights file this recipe saved (best.safetensors, model.onnx, a model folder)
     eval_only: bool = False  # evaluate --weights on the evaluation split, no training
+    export: bool = False  # <run>/export/model.onnx (+ model.pt2), checked against eager; with --weights: W alone
 
     # the legal values of the numeric fields, checked while parsing: an interval ("[" and "]" include the end,
     # "(" and ")" do not; an optional note after ";") -> the fields it bounds, every item of a list field. A

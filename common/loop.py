@@ -244,6 +244,11 @@ class Loop:
     def best(self, metric: str) -> float:
         return self.extra.get(f"best/{metric}", math.nan)
 
+    def best_for_card(self, metric: str, unit: str = "") -> dict[str, float]:
+        """The best evaluation of ``metric`` named with its step, as a model card reports it."""
+        step = self.extra.get(f"best_step/{metric}", self.step)
+        return {f"{metric}{unit}, the best evaluation (step {step})": self.best(metric)}
+
     def finish(self, results: Mapping[str, Any], weights: Sequence[Path] = ()) -> None:
         """End a completed run: the summary (final metrics, the best ones and their steps, the weights
         files, wall time), then ``run.finish`` (weights as W&B artifacts with ``log_weights``)."""

@@ -22,12 +22,20 @@ SOURCE_KEYS = ("tag", "license", "origin_url", "paper_ids", "paper_name", "notes
 
 
 def write_timm_folder(
-    model: nn.Module, folder: Path, classes: Sequence[str], data_config: Mapping[str, Any], card: str
+    model: nn.Module,
+    folder: Path,
+    classes: Sequence[str],
+    data_config: Mapping[str, Any],
+    card: str,
+    metadata: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``model`` (a plain timm model, its current weights) to ``folder`` with timm's own writer
     (:func:`timm.models.save_for_hf`: the factory's arguments, ``model_kwargs`` included, go into
     ``config.json``), ``classes`` as its ``label_names``, ``data_config`` (timm's keys: input size,
-    interpolation, crop_pct, mean, std) as its preprocessing, and ``card`` as ``README.md``."""
+    interpolation, crop_pct, mean, std) as its preprocessing, and ``card`` as ``README.md``. ``metadata``
+    (the recipe's weights metadata, :func:`common.weights.weights_metadata`) goes into
+    ``model.safetensors``, so that the folder is also the recipe's ``--weights``."""
+    import safetensors.torch
     from timm.models import save_for_hf
 
     folder = Path(folder)
@@ -40,6 +48,26 @@ def write_timm_folder(
     for key in SOURCE_KEYS:
         config["pretrained_cfg"].pop(key, None)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if metadata:
+        weights = folder / "model.safetensors"
+        tensors = safetensors.torch.load_file(str(weights))
+        safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt", **metadata})
+    (folder / "README.md").write_text(card)
+    return folder
+
+
+def write_detector_folder(weights: Path, folder: Path, card: str) -> Path:
+    """A detector's model folder: ``model.safetensors`` (a copy of the recipe's ``weights`` file, its
+    metadata included), ``config.json`` (that metadata: recipe, config, classes, category ids, input
+    normalisation) and ``card`` as ``README.md``; the recipe's ``--weights <folder>`` loads it."""
+    import shutil
+
+    from common.weights import read_metadata
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(weights, folder / "model.safetensors.tmp")
+    (folder / "model.safetensors.tmp").replace(folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(read_metadata(weights), indent=2) + "\n")
     (folder / "README.md").write_text(card)
     return folder
 
@@ -52,25 +80,36 @@ def model_card(
     data_sizes: tuple[int, int],
     metrics: Mapping[str, float],
     data_config: Mapping[str, Any],
+    task: str = "classifier",
 ) -> str:
     """A model card (markdown): what was trained on what data, its evaluation, how to load it with its
     preprocessing, what it does not promise, the command that reproduces it and the full config.
-    ``metrics``: the evaluation to report (``name -> value``, percentages as the recipe logs them)."""
+    ``metrics``: the evaluation to report (``name -> value``, percentages as the recipe logs them);
+    ``task``: ``classifier`` (a timm folder with a head), ``backbone`` (a timm folder of features, from
+    self-supervised training) or ``detector`` (a folder the recipe's ``--weights`` loads)."""
     train, evaluation = data_sizes
-    size = data_config["input_size"][-1]
-    rows = "\n".join(f"| {k} | {v:.2f} |" for k, v in metrics.items())
-    shown = ", ".join(classes[:20]) + (f", ... ({len(classes)} in all)" if len(classes) > 20 else "")
+    data = config.get("data", "?")
+    rows = "\n".join(f"| {k} | {v:.4g} |" for k, v in metrics.items())
+    shown = ", ".join(map(str, classes[:20])) + (f", ... ({len(classes)} in all)" if len(classes) > 20 else "")
+    library = "timm" if task in ("classifier", "backbone") else "pytorch"
+    what = {
+        "classifier": f"A `{architecture}` image classifier",
+        "backbone": f"A `{architecture}` backbone, self-supervised without labels (DINO),",
+        "detector": f"An object detector on a `{architecture}` backbone",
+    }[task]
+    labelled = f", {len(classes)} classes ({shown})" if classes else ""
+    tag = {"classifier": "image-classification", "backbone": "image-feature-extraction"}.get(task, "object-detection")
     return f"""---
-library_name: timm
-tags: [image-classification, timm, cv-recipes]
+library_name: {library}
+tags: [{tag}, cv-recipes]
 ---
 
-# {architecture}, trained on {config.get("data", "?")}
+# {architecture}, trained on {data}
 
-A `{architecture}` image classifier trained with cv-recipes' `recipes/{recipe}.py` on `{config.get("data", "?")}`:
-{train:,} training images, evaluated on {evaluation:,} held-out images, {len(classes)} classes ({shown}).
+{what} trained with cv-recipes' `recipes/{recipe}.py` on `{data}`: {train:,} training images, evaluated on
+{evaluation:,} held-out images{labelled}.
 
-## Evaluation (held-out split, {size} px)
+## Evaluation (held-out split)
 
 | metric | value |
 |---|---|
@@ -78,26 +117,13 @@ A `{architecture}` image classifier trained with cv-recipes' `recipes/{recipe}.p
 
 ## Use
 
-```python
-import timm, torch
-from PIL import Image
-
-model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"
-transform = timm.data.create_transform(**timm.data.resolve_data_config(model=model))
-with torch.no_grad():
-    probabilities = model(transform(Image.open("photo.jpg").convert("RGB"))[None]).softmax(-1)
-print(model.pretrained_cfg["label_names"][probabilities.argmax()])
-```
-
-The preprocessing in `config.json` is the one it was evaluated with: resize to {size} / crop_pct
-({data_config["crop_pct"]}), centre crop {size} px, `{data_config["interpolation"]}` interpolation, mean
-{_rounded(data_config["mean"])}, std {_rounded(data_config["std"])}.
+{_use(task, recipe, data_config)}
 
 ## What it does not promise
 
-Its accuracy is that of the held-out split above, drawn like its training images; images of another
-kind (other cameras, sizes, subjects, classes it never saw) may score far lower, and it always answers
-with one of its {len(classes)} classes. No robustness, fairness or calibration was measured.
+Its scores are those of the held-out split above, drawn like its training images; images of another
+kind (other cameras, sizes, subjects, classes it never saw) may score far lower. No robustness, fairness or
+calibration was measured.
 
 ## Reproduce
 
@@ -116,6 +142,39 @@ accelerate launch recipes/{recipe}.py --config {config.get("output_dir") or f"ru
 
 </details>
 """
+
+
+def _use(task: str, recipe: str, data_config: Mapping[str, Any]) -> str:
+    """The card's "Use" section: loading the folder and feeding it what it was evaluated on."""
+    if task == "detector":
+        return f"""With cv-recipes (boxes in each image's pixels, `detections.json` and pictures):
+
+```bash
+accelerate launch recipes/{recipe}.py --predict path/to/images --weights path/to/this/folder
+```
+
+Without it: `--export --weights path/to/this/folder` writes `model.onnx`; its metadata names its input,
+outputs and preprocessing (mean {_rounded(data_config["mean"])}, std {_rounded(data_config["std"])})."""
+    size = data_config["input_size"][-1]
+    head = (
+        'print(model.pretrained_cfg["label_names"][model(x).argmax()])'
+        if task == "classifier"
+        else "features = model(x)  # [1, D]: the pooled features the kNN evaluation compared"
+    )
+    return f"""```python
+import timm, torch
+from PIL import Image
+
+model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"
+transform = timm.data.create_transform(**timm.data.resolve_data_config(model=model))
+with torch.no_grad():
+    x = transform(Image.open("photo.jpg").convert("RGB"))[None]
+    {head}
+```
+
+The preprocessing in `config.json` is the one it was evaluated with: resize to {size} / crop_pct
+({data_config["crop_pct"]}), centre crop {size} px, `{data_config["interpolation"]}` interpolation, mean
+{_rounded(data_config["mean"])}, std {_rounded(data_config["std"])}."""
 
 
 def _rounded(values: Sequence[float]) -> list[float]:

@@ -86,11 +86,14 @@ def saved_run_folder(cfg: RunConfig) -> Path | None:
 
 def default_name(cfg: RunConfig) -> str:
     """The folder name of a run given no ``output_dir``: the config file's name (``default`` without one);
-    for ``--eval_only`` / ``--predict``, ``eval-`` / ``predict-`` and the run folder of the weights."""
-    if cfg.eval_only or getattr(cfg, "predict", ""):  # DINO has no predict
+    for ``--eval_only`` / ``--predict`` / ``--export --weights``, ``eval-`` / ``predict-`` / ``export-`` and
+    the run folder of the weights."""
+    mode = "eval" if cfg.eval_only else "predict" if getattr(cfg, "predict", "") else "export" if cfg.weights else ""
+    if mode:  # DINO has no predict; weights without either mode are the export's
         weights = Path(cfg.weights)
-        source = weights.parent.name if weights.suffix else weights.name  # a file in a run folder, or a folder
-        return ("eval-" if cfg.eval_only else "predict-") + (source or "weights")
+        folder = weights.parent if weights.suffix else weights  # a file in a run folder, or a folder
+        folder = folder.parent if folder.name in ("model", "export") else folder  # <run>/model, <run>/export
+        return f"{mode}-{folder.name or 'weights'}"
     return Path(cfg.config or "default").stem
 
 

@@ -52,27 +52,47 @@ def save_weights(
     diverged = next((k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
     if diverged is not None:  # a diverged model is never anybody's best or final weights
         raise NonFiniteLoss(f"{path.name} not written: its tensor '{diverged}' holds NaN or infinite values")
+    meta = weights_metadata(cfg, classes, recipe, category_ids, normalization)
+    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def weights_metadata(
+    cfg: Any,
+    classes: Sequence[str] = (),
+    recipe: str = "",
+    category_ids: Sequence[int] | None = None,
+    normalization: tuple[Sequence[float], Sequence[float]] | None = None,
+) -> dict[str, str]:
+    """The metadata schema of the module docstring (all values strings), as :func:`save_weights` writes it
+    into safetensors and the exports into ONNX files."""
     meta = {"recipe": recipe, "config": json.dumps(to_dict(cfg)), "classes": json.dumps(list(classes))}
     if category_ids is not None:
         meta["category_ids"] = json.dumps([int(i) for i in category_ids])
     if normalization is not None:
         meta["mean"], meta["std"] = (json.dumps([float(v) for v in values]) for values in normalization)
-    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    return meta
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The metadata of a weights file written by :func:`save_weights`: ``recipe`` (str), ``config``
     (dict), ``classes`` (list), ``category_ids`` (list; the class indices where the file has none) and
     ``mean``, ``std`` (the input normalisation, lists of 3 floats; None where the file does not say);
-    an unreadable file is one :class:`UserError`."""
+    an unreadable file is one :class:`UserError`. An exported ONNX file (:mod:`common.export`) carries the
+    same metadata; a model folder's is that of its ``model.safetensors``."""
     import safetensors
 
-    try:
-        with safetensors.safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-    except Exception as e:
-        raise UserError(f"weights '{path}' could not be read: {type(e).__name__}: {e}") from None
+    from common.export import is_onnx, read_onnx_metadata
+
+    path = weights_file(path)
+    if is_onnx(path):
+        meta = read_onnx_metadata(path)
+    else:
+        try:
+            with safetensors.safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+        except Exception as e:
+            raise UserError(f"weights '{path}' could not be read: {type(e).__name__}: {e}") from None
     classes = json.loads(meta.get("classes", "[]"))
     return {
         "recipe": meta.get("recipe", ""),
@@ -84,6 +104,20 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     }
 
 
+def weights_file(path: str | Path) -> Path:
+    """The weights file ``--weights`` names: the path itself, or the ``model.safetensors`` of a model folder
+    (``<run>/model``)."""
+    path = Path(path)
+    return path / "model.safetensors" if path.is_dir() and (path / "model.safetensors").is_file() else path
+
+
+def kept_weights(run_dir: str | Path) -> Path:
+    """The weights a run keeps for use (export, model folder): ``best.safetensors`` (the best evaluation),
+    else ``final.safetensors``."""
+    best = Path(run_dir) / "best.safetensors"
+    return best if best.is_file() else Path(run_dir) / "final.safetensors"
+
+
 def load_weights(
     path: str | Path, model_of: str = "", tensors: Sequence[str] = ()
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -92,7 +126,8 @@ def load_weights(
     recipe trains, for the message), the file must be one: class names, and the ``tensors`` named."""
     import safetensors.torch
 
-    if not Path(path).is_file():
+    path = weights_file(path)
+    if not path.is_file():
         raise UserError(f"weights '{path}' does not exist")
     meta = read_metadata(path)
     state = safetensors.torch.load_file(str(path))
@@ -121,8 +156,9 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
         raise UserError(f"{mode} needs --weights (a weights file this recipe saved)")
     if not cfg.weights:
         return cfg
-    if not Path(cfg.weights).is_file():
+    if not weights_file(cfg.weights).is_file():
         raise UserError(f"weights '{cfg.weights}' does not exist")
+    cfg = dataclasses.replace(cfg, weights=str(weights_file(cfg.weights)))
     meta = read_metadata(cfg.weights)
     this = recipe_file(cls).stem
     known = {f.name for f in dataclasses.fields(cls)}
@@ -132,7 +168,8 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
         )
     saved = meta["config"]
     restored = [*fields, *EVALUATION_FIELDS] if cfg.eval_only else list(fields)
-    return parse_config(cls, argv, base={k: saved[k] for k in restored if k in saved})
+    parsed = parse_config(cls, argv, base={k: saved[k] for k in restored if k in saved})
+    return dataclasses.replace(parsed, weights=cfg.weights)  # a model folder's file
 
 
 def saved_by(path: str | Path) -> str:

@@ -19,6 +19,7 @@ Expected: the default run (resnet18 at 32 px, 12 epochs) reaches about 98-99 % t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optim
 from common.console import cli_main
 from common.data import ClassificationDataset, load_classification
 from common.ema import ModelEma
+from common.export import OnnxModel, export_model, export_run, is_onnx
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.images import decode_image, image_files, readable_images
 from common.loaders import eval_loader_for, train_loader_for
@@ -62,6 +64,7 @@ from common.weights import (
     read_metadata,
     save_weights,
     saved_by,
+    weights_metadata,
 )
 
 
@@ -387,26 +390,51 @@ MODEL_FIELDS = (
 )  # what --weights restores from the file's saved config
 
 
-def results_card(loop: Loop) -> dict[str, float]:
-    """What the model card reports: the best top-1 (the weights of the model folder) and the step it came from."""
-    return {f"top-1 (%), the best evaluation (step {loop.extra.get('best_step/top1', loop.step)})": loop.best("top1")}
-
-
 def trained_model(cfg: Config) -> tuple[torch.nn.Module, list[str]]:
-    """The model of ``cfg.weights`` and its class names (the file's metadata)."""
+    """The model of ``cfg.weights`` and its class names (the file's metadata); of an ONNX file, the
+    architecture alone (its data config), the file running the weights."""
+    if is_onnx(cfg.weights):
+        classes = read_metadata(cfg.weights)["classes"]
+        return create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), len(classes)), classes
     state, meta = load_weights(cfg.weights, "classifier")
     model = create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), len(meta["classes"]))
     return load_state(model, state, cfg.weights, meta["recipe"]), meta["classes"]
 
 
+def export_files(
+    model: torch.nn.Module, cfg: Config, classes: list[str], folder: Path, recipe: str
+) -> dict[str, float]:
+    """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S], preprocessed as the metadata's
+    ``preprocessing`` (timm's data config) says, -> logits [B, C]; checked against eager (common/export.py)."""
+    data_cfg = data_config(cfg, model)
+    size = data_cfg["input_size"][-1]
+    meta = weights_metadata(cfg, classes, recipe, normalization=(data_cfg["mean"], data_cfg["std"]))
+    meta["preprocessing"] = json.dumps(data_cfg)
+    example = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+    return export_model(model, {"images": example}, ["logits"], folder, meta)
+
+
+def export_weights(cfg: Config, run: Run) -> dict[str, float]:
+    """``--export --weights W``: W as ONNX (and .pt2) in the run folder; no data is read."""
+    model, classes = trained_model(cfg)
+    run.begin()
+    diffs = export_run(run, run.dir, lambda folder: export_files(model, cfg, classes, folder, run.recipe))
+    run.finish([run.dir / "model.onnx"])
+    return diffs
+
+
 @torch.no_grad()
 def predict(cfg: Config, run: Run) -> dict[str, float]:
-    """``predictions.csv`` in the run folder: per image its path and the top-5 class names and probabilities."""
+    """``predictions.csv`` in the run folder: per image its path and the top-5 class names and probabilities;
+    from ONNX weights, the file runs the model (ONNX Runtime, CPU)."""
     files, skipped = readable_images(image_files(cfg.predict))
     model, classes = trained_model(cfg)
     _, eval_tf = create_transforms(cfg, model)
     accelerator = run.accelerator
     model = model.to(accelerator.device).eval()
+    if is_onnx(cfg.weights):
+        onnx_model = OnnxModel(cfg.weights)
+        model = lambda images: onnx_model(images)[0].to(images.device)  # noqa: E731
     run.begin()
     if skipped:
         run.print(skipped)
@@ -446,6 +474,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     accelerator = run.accelerator
     if cfg.predict:
         return predict(cfg, run)
+    if cfg.export and cfg.weights and not cfg.eval_only:
+        return export_weights(cfg, run)
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():  # the main process fills the datasets cache first
@@ -661,16 +691,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if ema is not None:
             weights.append(run.dir / "final_ema.safetensors")
             save_weights(ema.module.state_dict(), weights[2], cfg, **saved_as)
-        if not cfg.probe_blocks:  # the best weights as a timm folder (a probe on blocks is not a timm model)
-            best = safetensors.torch.load_file(str(weights[0])) if weights[0].is_file() else final
-            shared = create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), num_classes)
-            shared.load_state_dict(best)
+        # what leaves the project is the best (evaluated) weights: a timm folder and the exports
+        best = safetensors.torch.load_file(str(weights[0])) if weights[0].is_file() else final
+        shared = create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), num_classes)
+        shared.load_state_dict(best)
+        if not cfg.probe_blocks:  # a probe on blocks is not a timm model
             sizes = (len(train_set), len(eval_set))
-            card = model_card(run.recipe, cfg.model, to_dict(cfg), data.classes, sizes, results_card(loop), data_cfg)
-            write_timm_folder(shared, run.dir / "model", data.classes, data_cfg, card)
+            card = model_card(
+                run.recipe, cfg.model, to_dict(cfg), data.classes, sizes, loop.best_for_card("top1", " (%)"), data_cfg
+            )
+            write_timm_folder(
+                shared, run.dir / "model", data.classes, data_cfg, card, weights_metadata(cfg, **saved_as)
+            )
             run.print(
                 "model/: the best weights as a timm folder, timm.create_model('local-dir:<run>/model', pretrained=True)"
             )
+        if cfg.export:
+            write = lambda folder: export_files(shared, cfg, data.classes, folder, run.recipe)  # noqa: E731
+            results.update(export_run(run, run.dir / "export", write, loop.step))
     loop.finish(results, weights)  # the summary; the weights as W&B artifacts with --log_weights
     return results
 

@@ -41,6 +41,7 @@ Expected (defaults, measured): see the README's recipe table (mAP@0.5 on the 400
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from collections.abc import Iterator
@@ -66,6 +67,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from common import UserError
+from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
@@ -79,16 +81,27 @@ from common.detection import (
     prediction_batches,
 )
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
+from common.export import OnnxModel, export_model, export_run, is_onnx
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.models import create_timm_model, freeze_stages, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values
-from common.weights import config_with_weights, load_state, load_weights, mismatch, save_weights, saved_by
+from common.weights import (
+    config_with_weights,
+    kept_weights,
+    load_state,
+    load_weights,
+    mismatch,
+    read_metadata,
+    save_weights,
+    saved_by,
+    weights_metadata,
+)
 
 with own_files("detr_"):  # DETR's own files, beside this one: copy them with it (README, "Your own recipe")
     from detr_checkpoint import load_init_weights  # DETR's checkpoint reader
-    from detr_model import DETR, HungarianMatcher, SetCriterion, postprocess  # DETR's model and loss
+    from detr_model import DETR, Exported, HungarianMatcher, SetCriterion, postprocess  # DETR's model and loss
     from detr_pretrain import pretrain_backbone  # the backbone pre-training on box crops
 
 # The three weighted loss terms, in the order of loss_weights (and, for the costs, of matcher_costs).
@@ -346,14 +359,22 @@ def create_criterion(cfg: Config, num_classes: int) -> SetCriterion:
 # ============================================================================================
 # Evaluation and saving
 # ============================================================================================
-def detect(model: nn.Module, loader, accelerator) -> Iterator[list[dict[str, Any]]]:
+def detect(model: nn.Module | OnnxModel, loader, accelerator) -> Iterator[list[dict[str, Any]]]:
     """Per batch of ``loader``, per image: ``image_id`` and the detections (``boxes`` XYXY in the original
-    image's pixels, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode."""
+    image's pixels, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode, or its ONNX
+    export (boxes in the resized image's pixels, taken back to the original's)."""
     for images, mask, targets in loader:
-        with torch.no_grad(), accelerator.autocast():
-            outputs = model(images, mask)
         orig = torch.tensor([t["orig_size"] for t in targets])
-        yield [{"image_id": t["image_id"], **d} for d, t in zip(postprocess(outputs, orig), targets)]
+        if isinstance(model, OnnxModel):
+            boxes, scores, labels = (t.to(images.device) for t in model(images, mask))
+            found = [
+                {"boxes": rescale_boxes(b, t["size"], t["orig_size"]), "scores": s, "labels": c}
+                for b, s, c, t in zip(boxes, scores, labels, targets)
+            ]
+        else:
+            with torch.no_grad(), accelerator.autocast():
+                found = postprocess(model(images, mask), orig)
+        yield [{"image_id": t["image_id"], **d} for d, t in zip(found, targets)]
 
 
 def evaluate(
@@ -396,13 +417,42 @@ def trained_model(cfg: Config, data: DetectionData | None = None) -> tuple[nn.Mo
 
 
 def predict(cfg: Config, run: Run) -> dict[str, float]:
-    """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
-    model, meta = trained_model(cfg)
+    """``--predict``: the detections of the ``--weights`` model (or ONNX file) on the images ``cfg.predict`` names."""
+    if is_onnx(cfg.weights):
+        model, meta = OnnxModel(cfg.weights), read_metadata(cfg.weights)
+    else:
+        model, meta = trained_model(cfg)
+        model = model.to(run.accelerator.device)
     table, batches = prediction_batches(
         run, cfg.predict, data_transforms(cfg, False), detr_collate, 2 * cfg.batch_size, cfg.num_workers
     )
-    found = detect(model.to(run.accelerator.device), batches, run.accelerator)
-    return save_predictions(run, found, table, meta, cfg.predict_score, cfg.predict)
+    return save_predictions(run, detect(model, batches, run.accelerator), table, meta, cfg.predict_score, cfg.predict)
+
+
+def export_files(model: nn.Module, cfg: Config, meta: dict[str, Any], folder: Path, recipe: str) -> dict[str, float]:
+    """``model.onnx`` in ``folder``: images [B, 3, H, W] (shorter side resized to the last of ``scales``,
+    normalised with the ImageNet mean and std, padded right and bottom) and mask [B, H, W] (True on the
+    padding) -> boxes [B, Q, 4] XYXY in each unpadded image's pixels, scores [B, Q], labels [B, Q]; any
+    batch and size. Checked against eager."""
+    saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
+    saved["preprocessing"] = json.dumps(
+        {"shorter_side": cfg.scales[-1], "max_size": cfg.max_size, "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
+    )
+    images = torch.randn(2, 3, cfg.scales[-1], cfg.scales[-1] + 32, generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, *images.shape[-2:], dtype=torch.bool)
+    mask[1, :, -32:] = True  # the second image is narrower
+    spatial = {"images": {0: "batch", 2: "height", 3: "width"}, "mask": {0: "batch", 1: "height", 2: "width"}}
+    names = ["boxes", "scores", "labels"]
+    return export_model(Exported(model), {"images": images, "mask": mask}, names, folder, saved, spatial)
+
+
+def export_weights(cfg: Config, run: Run) -> dict[str, float]:
+    """``--export --weights W``: W as ONNX in the run folder; no data is read."""
+    model, meta = trained_model(cfg)
+    run.begin()
+    diffs = export_run(run, run.dir, lambda folder: export_files(model, cfg, meta, folder, run.recipe))
+    run.finish([run.dir / "model.onnx"])
+    return diffs
 
 
 # ============================================================================================
@@ -434,6 +484,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     accelerator = run.accelerator
     if cfg.predict:
         return predict(cfg, run)
+    if cfg.export and cfg.weights and not cfg.eval_only:
+        return export_weights(cfg, run)
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():
@@ -564,6 +616,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe, data.category_ids)
+    if cfg.export and accelerator.is_main_process:  # what leaves the project: the best (evaluated) weights
+        kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
+        write = lambda folder: export_files(kept, cfg, meta, folder, run.recipe)  # noqa: E731
+        results.update(export_run(run, run.dir / "export", write, loop.step))
     if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
         run.print(per_class_text(details))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary

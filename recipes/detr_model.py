@@ -159,7 +159,7 @@ class DETR(nn.Module):
         memory = src
         for layer in self.encoder:
             memory = layer(memory, pos, padding)
-        query_pos = self.query_embed.weight[None].expand(len(images), -1, -1)  # [B, Q, d]
+        query_pos = self.query_embed.weight[None].expand(images.shape[0], -1, -1)  # [B, Q, d]
         tgt = torch.zeros_like(query_pos)
         hidden = []
         for layer in self.decoder:
@@ -334,14 +334,34 @@ class SetCriterion(nn.Module):
 # Post-processing: outputs -> detections in the original image's pixels
 # ============================================================================================
 @torch.no_grad()
-def postprocess(outputs: dict, orig_sizes: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-    """DETR's outputs -> per image ``{scores [Q], labels [Q], boxes [Q, 4]}``: softmax, the best class
-    other than no-object per query, boxes as XYXY in the pixels of each image's original ``(h, w)``
-    (``orig_sizes`` [B, 2]). Predicted boxes are fractions of the unpadded image, so the original size
-    is all that is needed, whatever resize the transforms did. No NMS and no threshold."""
+def detections(outputs: dict, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DETR's outputs -> ``boxes [B, Q, 4]`` XYXY in the pixels of images of ``sizes`` ([B, 2] as (h, w)),
+    ``scores [B, Q]`` and ``labels [B, Q]``: softmax, the best class other than no-object per query. Predicted
+    boxes are fractions of the unpadded image, so its size is all that is needed, whatever resize the
+    transforms did. No NMS and no threshold; batched, so that it can be exported."""
     prob = outputs["pred_logits"].float().softmax(-1)
     scores, labels = prob[..., :-1].max(-1)
-    h, w = orig_sizes.to(prob.device, torch.float32).unbind(1)
+    h, w = sizes.to(prob.device, torch.float32).unbind(1)
     scale = torch.stack([w, h, w, h], 1)[:, None]  # [B, 1, 4]
-    boxes = box_convert(outputs["pred_boxes"].float(), "cxcywh", "xyxy") * scale
+    return box_convert(outputs["pred_boxes"].float(), "cxcywh", "xyxy") * scale, scores, labels
+
+
+def postprocess(outputs: dict, orig_sizes: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """:func:`detections` in each image's original ``(h, w)`` (``orig_sizes`` [B, 2]), per image
+    ``{scores [Q], labels [Q], boxes [Q, 4]}``."""
+    boxes, scores, labels = detections(outputs, orig_sizes)
     return [{"scores": s, "labels": c, "boxes": b} for s, c, b in zip(scores, labels, boxes)]
+
+
+class Exported(nn.Module):
+    """What is exported: ``(images [B, 3, H, W]`` normalised and padded, ``mask [B, H, W]`` True on padding)
+    -> :func:`detections` (boxes in the pixels of each unpadded input image, scores, labels)."""
+
+    def __init__(self, model: DETR) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        valid = ~mask  # each image fills the top-left corner of the padded batch
+        sizes = torch.stack([valid[:, :, 0].sum(1), valid[:, 0, :].sum(1)], 1)  # [B, 2] (h, w)
+        return detections(self.model(images, mask), sizes)

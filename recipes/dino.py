@@ -22,12 +22,13 @@ The teacher backbone is exported as `teacher_backbone.safetensors` for recipes/c
 from __future__ import annotations
 
 import copy
+import json
 import math
 import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -47,18 +48,20 @@ from torch import nn
 from torchvision import transforms as T
 
 from common import UserError
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
 from common.console import cli_main
 from common.data import ClassificationData, ClassificationDataset, load_classification
 from common.ema import ema_update_
+from common.export import export_model, export_run
 from common.feature_figures import attention_overlay, neighbour_grid
 from common.knn import extract, knn_accuracy, knn_predict, shard
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
+from common.model_folder import model_card, write_timm_folder
 from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from common.weights import config_with_weights, load_weights, mismatch, save_weights, saved_by
+from common.weights import config_with_weights, load_weights, mismatch, save_weights, saved_by, weights_metadata
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -355,6 +358,29 @@ def load_backbone(backbone: nn.Module, path: str, model: str) -> None:
     backbone.load_state_dict(state)
 
 
+def backbone_data_config(cfg: Config) -> dict[str, Any]:
+    """The backbone's input as timm describes it: the kNN evaluation's resize, crop and normalisation."""
+    crop_pct = cfg.global_size / (cfg.knn_resize or cfg.global_size)
+    size = (3, cfg.global_size, cfg.global_size)
+    return {
+        "input_size": size,
+        "interpolation": "bicubic",
+        "crop_pct": crop_pct,
+        "mean": IMAGENET_MEAN,
+        "std": IMAGENET_STD,
+    }
+
+
+def export_files(backbone: nn.Module, cfg: Config, folder: Path, recipe: str) -> dict[str, float]:
+    """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S] (S = global_size, normalised as
+    :func:`backbone_data_config` says) -> the pooled features [B, D] the kNN evaluation compares. Checked
+    against eager."""
+    meta = weights_metadata(cfg, recipe=recipe, normalization=(IMAGENET_MEAN, IMAGENET_STD))
+    meta["preprocessing"] = json.dumps(backbone_data_config(cfg))
+    example = torch.randn(2, 3, cfg.global_size, cfg.global_size, generator=torch.Generator().manual_seed(0))
+    return export_model(copy.deepcopy(backbone), {"images": example}, ["features"], folder, meta)
+
+
 # ============================================================================================
 # Loss: the reference's DINOLoss, constructor and call shape kept
 # ============================================================================================
@@ -584,6 +610,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             cfg, knn_set, accelerator.process_index, accelerator.num_processes
         )
 
+    if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W as ONNX, no data read
+        backbone = create_backbone(cfg)
+        load_backbone(backbone, cfg.weights, cfg.model)
+        run.begin()
+        diffs = export_run(run, run.dir, lambda folder: export_files(backbone, cfg, folder, run.recipe))
+        run.finish([run.dir / "model.onnx"])
+        return diffs
+
     # ---- model: the student; the teacher is copied from it once prepared (the same on every process) --
     student = create_student(cfg)
     student = sync_batchnorm(student, accelerator)  # several GPUs: BN statistics over the global batch
@@ -716,12 +750,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if loop.stopped:
         return results
 
-    # ---- saving: the teacher backbone, for recipes/classifier.py --init_weights ----------------
+    # ---- saving: the teacher backbone, for --init_weights / --init_backbone, a timm folder, ONNX ----
     path = run.dir / "teacher_backbone.safetensors"
     if accelerator.is_main_process:
-        save_weights(
-            teacher.backbone.state_dict(), path, cfg, recipe=run.recipe, normalization=(IMAGENET_MEAN, IMAGENET_STD)
+        saved_as = {"recipe": run.recipe, "normalization": (IMAGENET_MEAN, IMAGENET_STD)}
+        save_weights(teacher.backbone.state_dict(), path, cfg, **saved_as)
+        data_cfg = backbone_data_config(cfg)
+        sizes = (len(train_set), len(query_set) if knn_set is not None else 0)
+        card = model_card(run.recipe, cfg.model, to_dict(cfg), [], sizes, results, data_cfg, "backbone")
+        backbone = copy.deepcopy(teacher.backbone)
+        write_timm_folder(backbone, run.dir / "model", [], data_cfg, card, weights_metadata(cfg, **saved_as))
+        run.print(
+            "model/: the teacher backbone as a timm folder, timm.create_model('local-dir:<run>/model', pretrained=True)"
         )
+        if cfg.export:
+            write = lambda folder: export_files(teacher.backbone, cfg, folder, run.recipe)  # noqa: E731
+            results.update(export_run(run, run.dir / "export", write, loop.step))
     loop.finish(results, [path])  # the summary; the weights as a W&B artifact with --log_weights
     return results
 

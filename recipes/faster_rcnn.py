@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
 import math
 import sys
 from collections import Counter, OrderedDict
@@ -69,12 +70,21 @@ from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
+from common.export import OnnxModel, export_model, export_run, is_onnx
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.models import create_timm_model, freeze_stages, hub_offline, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from common.weights import config_with_weights, load_state, load_weights, save_weights
+from common.weights import (
+    config_with_weights,
+    kept_weights,
+    load_state,
+    load_weights,
+    read_metadata,
+    save_weights,
+    weights_metadata,
+)
 
 # torchvision's Faster R-CNN presets (model = one of these names, each built by its own function) -> the ImageNet
 # weights --pretrained_backbone gives the preset's backbone: IMAGENET1K_V1, which torchvision's reference trained the
@@ -361,6 +371,19 @@ class TwoStageDetector(nn.Module):
         return self.transform.postprocess(detections, batch.image_sizes, original_sizes)  # back to input px
 
 
+class Exported(nn.Module):
+    """What is exported: one image ``[3, H, W]`` (0..1, any size; the model resizes and normalises it) ->
+    ``boxes [K, 4]`` XYXY in its pixels, ``scores [K]``, ``labels [K]`` (0..C-1), NMS inside the graph."""
+
+    def __init__(self, model: TwoStageDetector) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        found = self.model([image])[0]
+        return found["boxes"], found["scores"], found["labels"] - 1
+
+
 def _float_outputs(module: nn.Module, inputs: Any, output: Any) -> Any:
     """Forward hook: the module's tensors (alone or in tuples and lists) returned as fp32."""
     if isinstance(output, torch.Tensor):
@@ -512,18 +535,22 @@ def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
 # ============================================================================================
 # Evaluation and saving
 # ============================================================================================
-def detect(model: nn.Module, loader, accelerator) -> Iterator[list[dict[str, Any]]]:
+def detect(model: nn.Module | OnnxModel, loader, accelerator) -> Iterator[list[dict[str, Any]]]:
     """Per batch of ``loader``, per image: ``image_id`` and the detections (``boxes`` XYXY in the original
-    image's pixels, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode."""
+    image's pixels, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode, or its ONNX
+    export (one image at a time)."""
     for images, targets in loader:
-        with torch.no_grad(), accelerator.autocast():
-            detections = model(images)  # boxes in the input's pixels: the transform undoes its resize
+        if isinstance(model, OnnxModel):
+            detections = [dict(zip(("boxes", "scores", "labels"), model(image))) for image in images]
+        else:
+            with torch.no_grad(), accelerator.autocast():
+                detections = [{**d, "labels": d["labels"] - 1} for d in model(images)]  # boxes in the input's pixels
         yield [
             {
                 "image_id": t["image_id"],
                 "boxes": rescale_boxes(d["boxes"], t["size"], t["orig_size"]),
                 "scores": d["scores"],
-                "labels": d["labels"] - 1,
+                "labels": d["labels"],
             }
             for d, t in zip(detections, targets)
         ]
@@ -574,13 +601,41 @@ def trained_model(cfg: Config, data: Any = None) -> tuple[nn.Module, dict[str, A
 
 
 def predict(cfg: Config, run: Run) -> dict[str, float]:
-    """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
-    model, meta = trained_model(cfg)
+    """``--predict``: the detections of the ``--weights`` model (or ONNX file) on the images ``cfg.predict`` names."""
+    if is_onnx(cfg.weights):
+        model, meta = OnnxModel(cfg.weights), read_metadata(cfg.weights)
+    else:
+        model, meta = trained_model(cfg)
+        model = model.to(run.accelerator.device)
+    # one image at a time, as the ONNX file takes them: a batch pads its images to its largest, which
+    # changes the features near their borders, so batched detections depend on an image's companions
     table, batches = prediction_batches(
-        run, cfg.predict, data_transforms(False, 0.0, False), list_collate, 2 * cfg.batch_size, cfg.num_workers
+        run, cfg.predict, data_transforms(False, 0.0, False), list_collate, 1, cfg.num_workers
     )
-    found = detect(model.to(run.accelerator.device), batches, run.accelerator)
-    return save_predictions(run, found, table, meta, cfg.predict_score, cfg.predict)
+    return save_predictions(run, detect(model, batches, run.accelerator), table, meta, cfg.predict_score, cfg.predict)
+
+
+def export_files(
+    model: nn.Module, cfg: Config, meta: dict[str, Any], folder: Path, recipe: str, image: torch.Tensor | None = None
+) -> dict[str, float]:
+    """``model.onnx`` in ``folder`` (TorchScript exporter: NMS has outputs of data-dependent size, which
+    torch.export cannot trace): one image [3, H, W] in 0..1, any size -> boxes [K, 4] XYXY in its pixels,
+    scores [K], labels [K]; checked against eager on ``image`` (default: noise)."""
+    saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
+    saved["preprocessing"] = json.dumps({"inside the graph": "resize (min_size, max_size), ImageNet mean and std"})
+    if image is None:
+        image = torch.rand(3, cfg.min_size[-1], cfg.min_size[-1] * 4 // 3, generator=torch.Generator().manual_seed(0))
+    names, spatial = ["boxes", "scores", "labels"], {"image": {1: "height", 2: "width"}}
+    return export_model(Exported(model), {"image": image}, names, folder, saved, spatial, legacy=True)
+
+
+def export_weights(cfg: Config, run: Run) -> dict[str, float]:
+    """``--export --weights W``: W as ONNX in the run folder; no data is read."""
+    model, meta = trained_model(cfg)
+    run.begin()
+    diffs = export_run(run, run.dir, lambda folder: export_files(model, cfg, meta, folder, run.recipe))
+    run.finish([run.dir / "model.onnx"])
+    return diffs
 
 
 # ============================================================================================
@@ -615,6 +670,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     accelerator = run.accelerator
     if cfg.predict:
         return predict(cfg, run)
+    if cfg.export and cfg.weights and not cfg.eval_only:
+        return export_weights(cfg, run)
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():
@@ -731,6 +788,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe, data.category_ids)
+    if cfg.export and accelerator.is_main_process:  # what leaves the project: the best (evaluated) weights
+        kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
+        write = lambda folder: export_files(kept, cfg, meta, folder, run.recipe, eval_set[0][0])  # noqa: E731
+        results.update(export_run(run, run.dir / "export", write, loop.step))
     if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
         run.print(per_class_text(details))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary

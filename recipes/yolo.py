@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -51,6 +52,7 @@ import random
 
 import numpy as np
 import torch
+from torch import nn
 from torchvision.ops import clip_boxes_to_image
 
 from common import UserError
@@ -58,15 +60,24 @@ from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
-from common.detection import DetectionDataset, collate, load_detection, prediction_batches
+from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.ema import ModelEma
+from common.export import OnnxModel, export_model, export_run, is_onnx
 from common.loaders import eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from common.weights import config_with_weights, load_state, load_weights, save_weights
+from common.weights import (
+    config_with_weights,
+    kept_weights,
+    load_state,
+    load_weights,
+    read_metadata,
+    save_weights,
+    weights_metadata,
+)
 
 with own_files("yolo_"):  # YOLO's own files, beside this one: copy them with it (README, "Your own recipe")
     from yolo_data import MultiScaleBatchSampler, detection_transforms, kmeans_anchors  # its data helpers
@@ -133,7 +144,7 @@ class Config(RunConfig):
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
     best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
     #   COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
-    export: bool = True  # torch.export (.pt2) and ONNX of the final model, each checked against eager
+    export: bool = True  # <run>/export/model.onnx (+ .pt2) of the best weights, checked against eager
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
     eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
     #   dataset's category ids), no training
@@ -301,14 +312,18 @@ def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor) -> YOLOv3
 # Evaluation (NMS: postprocess in recipes/yolo_model.py), prediction and export
 # ============================================================================================
 @torch.no_grad()
-def detect(model: YOLOv3, loader, accelerator, cfg: Config) -> Iterator[list[dict[str, Any]]]:
+def detect(model: YOLOv3 | OnnxModel, loader, accelerator, cfg: Config) -> Iterator[list[dict[str, Any]]]:
     """Per batch of ``loader``, per image: ``image_id`` and the detections (``boxes`` XYXY in the original
-    image's pixels, clipped to it, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode."""
-    unwrapped = accelerator.unwrap_model(model)
+    image's pixels, clipped to it, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode,
+    or its ONNX export (the same boxes and scores before NMS)."""
+    unwrapped = accelerator.unwrap_model(model) if isinstance(model, nn.Module) else None
     for images, _, targets in loader:
-        with accelerator.autocast():
-            raw = model(images)
-        boxes, scores = unwrapped.decode(raw, images.shape[-2], images.shape[-1])  # fp32
+        if unwrapped is None:
+            boxes, scores = (t.to(images.device) for t in model(images))
+        else:
+            with accelerator.autocast():
+                raw = model(images)
+            boxes, scores = unwrapped.decode(raw, images.shape[-2], images.shape[-1])  # fp32
         predictions = postprocess(boxes, scores, cfg.conf_threshold, cfg.nms_iou, cfg.max_detections)
         for p, t in zip(predictions, targets):  # letterbox padding and cells at the border reach past the image
             p["boxes"] = clip_boxes_to_image(rescale_boxes(p["boxes"], t["size"], t["orig_size"]), t["orig_size"])
@@ -354,51 +369,34 @@ def trained_model(cfg: Config, data: Any = None) -> tuple[YOLOv3, dict[str, Any]
 
 
 def predict(cfg: Config, run: Run) -> dict[str, float]:
-    """``--predict``: the detections of the ``--weights`` model on the images ``cfg.predict`` names."""
-    model, meta = trained_model(cfg)
+    """``--predict``: the detections of the ``--weights`` model (or ONNX file) on the images ``cfg.predict`` names."""
+    if is_onnx(cfg.weights):
+        model, meta = OnnxModel(cfg.weights), read_metadata(cfg.weights)
+    else:
+        model, meta = trained_model(cfg)
+        model = model.to(run.accelerator.device)
     transform = detection_transforms(False, cfg.img_size, preset=cfg.augment)  # as the evaluation saw images
     table, batches = prediction_batches(run, cfg.predict, transform, collate, 2 * cfg.batch_size, cfg.num_workers)
-    found = detect(model.to(run.accelerator.device), batches, run.accelerator, cfg)
+    found = detect(model, batches, run.accelerator, cfg)
     return save_predictions(run, found, table, meta, cfg.predict_score, cfg.predict)
 
 
-def export_and_check(model: YOLOv3, images: torch.Tensor, folder: Path) -> dict[str, float]:
-    """torch.export (model.pt2) and ONNX (model.onnx) of images -> (boxes, scores), each run on
-    ``images`` and compared with the eager model. Returns the largest absolute differences."""
-    wrapper = Exported(model).eval().cpu()
-    images = images.cpu().float()
-    with torch.no_grad():
-        expected = wrapper(images)
-    batch = torch.export.Dim("batch", min=1, max=1024)
-    # traced with 2 images whatever was given: from an example batch of 1, torch.export would
-    # specialise the batch dimension to 1 and refuse to keep it dynamic
-    example = images[torch.arange(2) % len(images)]
-    program = torch.export.export(wrapper, (example,), dynamic_shapes={"images": {0: batch}})
-    # each file is written under a temporary name and renamed: a stop or a kill never leaves half of one
-    torch.export.save(program, str(folder / "model.tmp.pt2"))
-    (folder / "model.tmp.pt2").replace(folder / "model.pt2")
-    reloaded = torch.export.load(str(folder / "model.pt2")).module()
-    with torch.no_grad():
-        got = reloaded(images)
-    diffs = {"export/torch_export_max_abs_diff": max(float((g - e).abs().max()) for g, e in zip(got, expected))}
-    try:
-        import onnxruntime
-    except ImportError:
-        return diffs
-    # ONNX from the same exported program (torch.onnx's dynamo exporter; needs onnx and onnxscript)
-    torch.onnx.export(
-        program,
-        (example,),
-        str(folder / "model.tmp.onnx"),
-        input_names=["images"],
-        output_names=["boxes", "scores"],
-        dynamo=True,
-        verbose=False,
-    )
-    (folder / "model.tmp.onnx").replace(folder / "model.onnx")
-    session = onnxruntime.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
-    got = session.run(None, {"images": images.numpy()})
-    diffs["export/onnx_max_abs_diff"] = max(float(np.abs(g - e.numpy()).max()) for g, e in zip(got, expected))
+def export_files(model: YOLOv3, cfg: Config, meta: dict[str, Any], folder: Path, recipe: str) -> dict[str, float]:
+    """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S] (letterboxed to img_size,
+    0..1, normalised with the ImageNet mean and std) -> boxes [B, N, 4] XYXY in those pixels and
+    class scores [B, N, C]; NMS (``postprocess``) follows outside the graph. Checked against eager."""
+    saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
+    saved["preprocessing"] = json.dumps({"letterbox": cfg.img_size, "mean": IMAGENET_MEAN, "std": IMAGENET_STD})
+    example = torch.rand(2, 3, cfg.img_size, cfg.img_size, generator=torch.Generator().manual_seed(0))
+    return export_model(Exported(model), {"images": example}, ["boxes", "scores"], folder, saved)
+
+
+def export_weights(cfg: Config, run: Run) -> dict[str, float]:
+    """``--export --weights W``: W as ONNX (and .pt2) in the run folder; no data is read."""
+    model, meta = trained_model(cfg)
+    run.begin()
+    diffs = export_run(run, run.dir, lambda folder: export_files(model, cfg, meta, folder, run.recipe))
+    run.finish([run.dir / "model.onnx"])
     return diffs
 
 
@@ -417,6 +415,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     accelerator = run.accelerator
     if cfg.predict:
         return predict(cfg, run)
+    if cfg.export and cfg.weights and not cfg.eval_only:
+        return export_weights(cfg, run)
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():
@@ -560,13 +560,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         save_weights(
             final.state_dict(), run.dir / "final.safetensors", cfg, data.classes, run.recipe, data.category_ids
         )
-        if cfg.export:
-            images = torch.stack([eval_set[i][0] for i in range(min(2, len(eval_set)))])
-            diffs = export_and_check(final, images, run.dir)
-            run.log(diffs, loop.step)
-            results.update(diffs)
-            if max(diffs.values()) > 1e-3:
-                raise RuntimeError(f"an exported model disagrees with the eager one: {diffs}")
+        if cfg.export:  # what leaves the project is the best (evaluated) weights
+            model_kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
+            write = lambda folder: export_files(model_kept, cfg, meta, folder, run.recipe)  # noqa: E731
+            results.update(export_run(run, run.dir / "export", write, loop.step))
     if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
         run.print(per_class_text(details))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary

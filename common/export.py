@@ -1,0 +1,222 @@
+"""A trained model as files other runtimes load: ONNX (and ``torch.export``'s ``.pt2`` where it traces),
+each checked against the eager model before it is kept, and an exported ONNX file run back as a model.
+
+What is exported is a recipe's *wrapper*: a module from the input tensor to the outputs a user wants
+(a classifier's logits, a backbone's features, a detector's boxes and scores), with the weights'
+metadata (:func:`common.weights.weights_metadata`: recipe, config, classes, normalisation) and a plain
+description of the input and outputs in the ONNX file's ``metadata_props``. :func:`read_onnx_metadata`
+gives the metadata back, so ``--predict --weights model.onnx`` rebuilds the recipe's config from the
+file alone.
+
+Two exporters:
+
+- ``torch.export`` (default): the wrapper is traced with a dynamic batch dimension (and image sides
+  where asked); the program is converted to ``model.onnx`` by torch.onnx's dynamo exporter and saved as
+  ``model.pt2`` where that format can hold it (not every symbolic shape operation serialises).
+- TorchScript (``legacy=True``): for models whose outputs have data-dependent sizes (NMS inside the
+  graph, as torchvision's detectors), which ``torch.export`` cannot trace. The input is one image
+  ``[3, H, W]`` of any size; no ``.pt2`` is written.
+
+Every file is written under a temporary name, compared with the eager wrapper on the example input
+(ONNX Runtime on the CPU, fp32) and renamed only when the largest absolute difference is within
+``atol + rtol * max|eager|``; otherwise nothing is kept and the export is refused in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from common import UserError
+
+#: The export check's tolerance: ``|exported - eager| <= ATOL + RTOL * max|eager|`` on every output.
+ATOL, RTOL = 1e-3, 1e-4
+#: The largest batch the exported graphs are traced for (``torch.export``'s dynamic batch dimension).
+MAX_BATCH = 1024
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The exporters' progress lines and tracer warnings kept off the console (a failure still raises)."""
+    loggers = [logging.getLogger(name) for name in ("onnxscript", "onnx_ir", "torch.onnx")]
+    levels = [logger.level for logger in loggers]
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+def _tensors(outputs: Any) -> list[torch.Tensor]:
+    return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+
+
+def _largest_difference(got: Sequence[Any], expected: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """(the largest |got - expected| over every output, the allowed difference); outputs of another shape
+    count as infinitely far."""
+    diff, allowed = 0.0, ATOL
+    for g, e in zip(got, expected):
+        g = torch.as_tensor(np.asarray(g)).to(e.dtype)
+        if g.shape != e.shape:
+            return float("inf"), allowed
+        if e.numel():
+            diff = max(diff, float((g.double() - e.double()).abs().max()))
+            allowed = max(allowed, ATOL + RTOL * float(e.double().abs().max()))
+    return diff, allowed
+
+
+def _check(name: str, diff: float, allowed: float, tmp: Path) -> None:
+    if diff > allowed:
+        tmp.unlink(missing_ok=True)
+        raise UserError(
+            f"export refused: {name} differs from the eager model by {diff:.3g} (tolerance {allowed:.3g}); "
+            "nothing was written"
+        )
+
+
+def export_model(
+    wrapper: nn.Module,
+    inputs: Mapping[str, torch.Tensor],
+    output_names: Sequence[str],
+    folder: str | Path,
+    metadata: Mapping[str, str],
+    dynamic: Mapping[str, Mapping[int, str]] | None = None,
+    legacy: bool = False,
+) -> dict[str, float]:
+    """Export ``wrapper`` (eval mode, CPU, fp32; its forward takes ``inputs`` by position, named by their
+    keys) to ``folder/model.onnx`` and, unless ``legacy``, ``folder/model.pt2``, each checked against the
+    eager wrapper on ``inputs``. ``dynamic``: per input, the dimensions left free and their names
+    (``batch``: 1..MAX_BATCH; image sides: as the model allows); default, the first dimension of each, as
+    ``batch``. ``metadata`` (strings) goes into the ONNX file with the inputs' and outputs' names. Returns
+    the largest absolute differences (``export/onnx_max_abs_diff``, ``export/torch_export_max_abs_diff``);
+    one above the tolerance is one :class:`UserError` and leaves no file."""
+    import onnx
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = wrapper.eval().cpu().float()
+    names = list(inputs)
+    given = [t.detach().cpu() for t in inputs.values()]
+    given = [t.float() if t.is_floating_point() else t for t in given]
+    dynamic = dynamic if dynamic is not None else {name: {0: "batch"} for name in names}
+    with torch.no_grad():
+        expected = _tensors(wrapper(*given))
+    diffs: dict[str, float] = {}
+    onnx_tmp, pt2_tmp = folder / "model.tmp.onnx", folder / "model.tmp.pt2"
+    if legacy:
+        axes = {name: dict(dims) for name, dims in dynamic.items()}
+        with _quiet():
+            torch.onnx.export(
+                wrapper,
+                tuple(given),
+                str(onnx_tmp),
+                input_names=names,
+                output_names=list(output_names),
+                dynamic_axes=axes,
+                opset_version=17,
+                dynamo=False,
+            )
+    else:
+        # the batch must stay free (an error otherwise); image sides are left to torch.export's own
+        # ranges (AUTO), as convolutions and poolings tie them to their strides
+        batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+        dims = {n: batch if n == "batch" else torch.export.Dim.AUTO for spec in dynamic.values() for n in spec.values()}
+        shapes = tuple({axis: dims[n] for axis, n in dynamic.get(name, {}).items()} or None for name in names)
+        # traced with a batch of 2 whatever was given: from a batch of 1, torch.export would specialise the
+        # batch dimension to 1 and refuse to keep it dynamic
+        traced = tuple(t[torch.arange(2) % len(t)] for t in given)
+        program = torch.export.export(wrapper, traced, dynamic_shapes=shapes)
+        try:  # the .pt2 format cannot hold every symbolic shape operation (a ceil of a free image side)
+            torch.export.save(program, str(pt2_tmp))
+        except Exception:
+            pt2_tmp.unlink(missing_ok=True)
+        if pt2_tmp.is_file():
+            with torch.no_grad():
+                got = _tensors(torch.export.load(str(pt2_tmp)).module()(*given))
+            diffs["export/torch_export_max_abs_diff"], allowed = _largest_difference(got, expected)
+            _check("model.pt2", diffs["export/torch_export_max_abs_diff"], allowed, pt2_tmp)
+        with _quiet():
+            torch.onnx.export(
+                program,
+                traced,
+                str(onnx_tmp),
+                input_names=names,
+                output_names=list(output_names),
+                dynamo=True,
+                external_data=False,  # one self-contained file (models under 2 GB)
+                verbose=False,
+            )
+    proto = onnx.load(str(onnx_tmp))
+    described = {**metadata, "inputs": json.dumps(names), "outputs": json.dumps(list(output_names))}
+    onnx.helper.set_model_props(proto, {k: str(v) for k, v in described.items()})
+    onnx.save(proto, str(onnx_tmp))
+    got = OnnxModel(onnx_tmp)(*given)
+    diffs["export/onnx_max_abs_diff"], allowed = _largest_difference(got, expected)
+    _check("model.onnx", diffs["export/onnx_max_abs_diff"], allowed, onnx_tmp)
+    # renamed only once both are checked: a refused or interrupted export leaves no half of one
+    if pt2_tmp.is_file():
+        pt2_tmp.replace(folder / "model.pt2")
+    onnx_tmp.replace(folder / "model.onnx")
+    return diffs
+
+
+def export_run(run: Any, folder: Path, write: Callable[[Path], dict[str, float]], step: int = 0) -> dict[str, float]:
+    """A run's exports (``run``: :class:`common.run.Run`, begun): on the main process ``write(folder)`` (a
+    recipe's function around :func:`export_model`), its differences from eager logged to metrics.jsonl
+    at ``step`` and told in one line; returns them ({} on the other processes)."""
+    if not run.accelerator.is_main_process:
+        return {}
+    diffs = write(Path(folder))
+    run.log(diffs, step, echo=False)
+    files = [name for name in ("model.onnx", "model.pt2") if (Path(folder) / name).is_file()]
+    run.print(
+        f"export: {', '.join(files)} in {folder}, checked against eager (largest difference {max(diffs.values()):.2g})"
+    )
+    return diffs
+
+
+def read_onnx_metadata(path: str | Path) -> dict[str, str]:
+    """The ``metadata_props`` of an ONNX file (strings); an unreadable file is one :class:`UserError`."""
+    import onnx
+
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as e:
+        raise UserError(f"weights '{path}' could not be read as ONNX: {type(e).__name__}: {e}") from None
+    return {p.key: p.value for p in proto.metadata_props}
+
+
+class OnnxModel:
+    """An ONNX file run with ONNX Runtime on the CPU, called as the wrapper it was exported from: its
+    input tensors by position in, the list of output tensors (CPU, as the file gives them) out."""
+
+    def __init__(self, path: str | Path) -> None:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3  # errors only: the graph optimiser's notes are not the user's business
+        self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.input_names = [i.name for i in self.session.get_inputs()]
+
+    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        feed = {n: t.detach().cpu().numpy() for n, t in zip(self.input_names, inputs)}
+        return [torch.from_numpy(np.asarray(o)) for o in self.session.run(None, feed)]
+
+
+def is_onnx(path: str | Path) -> bool:
+    """Whether ``path`` names an ONNX file (by its suffix), as ``--weights`` may."""
+    return Path(path).suffix.lower() == ".onnx"
