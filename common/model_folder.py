@@ -15,6 +15,8 @@ from typing import Any
 import yaml
 from torch import nn
 
+from common import UserError
+
 #: The keys of a timm data config that describe an evaluation's input.
 DATA_KEYS = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std")
 #: What timm's pretrained entry says of the weights it describes (their tag, licence, source, paper...).
@@ -56,20 +58,74 @@ def write_timm_folder(
     return folder
 
 
-def write_detector_folder(weights: Path, folder: Path, card: str) -> Path:
-    """A detector's model folder: ``model.safetensors`` (a copy of the recipe's ``weights`` file, its
-    metadata included), ``config.json`` (that metadata: recipe, config, classes, category ids, input
-    normalisation) and ``card`` as ``README.md``; the recipe's ``--weights <folder>`` loads it."""
+def write_detector_folder(
+    run: Any,
+    config: Mapping[str, Any],
+    classes: Sequence[str],
+    data_sizes: tuple[int, int],
+    metrics: Mapping[str, float],
+) -> Path:
+    """A detector run's model folder ``<run>/model`` (``run``: :class:`common.run.Run`, main process):
+    ``model.safetensors`` (a copy of the kept weights, :func:`common.weights.kept_weights`, their metadata
+    included), ``config.json`` (that metadata: recipe, config, classes, category ids, input normalisation)
+    and a model card (:func:`model_card`) as ``README.md``; the recipe's ``--weights <folder>`` loads it."""
     import shutil
 
-    from common.weights import read_metadata
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
+    from common.weights import kept_weights, read_metadata
+
+    weights, folder = kept_weights(run.dir), run.dir / "model"
+    meta = read_metadata(weights)
+    normalised = {"mean": meta["mean"] or IMAGENET_DEFAULT_MEAN, "std": meta["std"] or IMAGENET_DEFAULT_STD}
+    card = model_card(run.recipe, config["model"], config, classes, data_sizes, metrics, normalised, "detector")
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(weights, folder / "model.safetensors.tmp")
     (folder / "model.safetensors.tmp").replace(folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps(read_metadata(weights), indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     (folder / "README.md").write_text(card)
+    run.print(f"model/: {weights.name} with config.json and a model card (--weights {folder} loads it)")
     return folder
+
+
+def check_hub_push(repo: str) -> None:
+    """``--push_to_hub ORG/NAME``, checked before anything is written: the name's form, network allowed
+    (``HF_HUB_OFFLINE`` unset) and a token where huggingface_hub looks (``HF_TOKEN``, ``hf auth login``);
+    each a :class:`UserError` line, so that a long run does not find out at its end."""
+    from huggingface_hub import get_token
+
+    from common.models import hub_offline
+
+    if not repo:
+        return
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise UserError(f"push_to_hub needs ORG/NAME (a hub model repository), got '{repo}'")
+    if hub_offline():
+        raise UserError(
+            f"push_to_hub {repo}: HF_HUB_OFFLINE is set, so nothing can be uploaded; unset it or drop the flag"
+        )
+    if not get_token():
+        raise UserError(
+            f"push_to_hub {repo}: no Hugging Face token (set HF_TOKEN or run `hf auth login`); nothing was written"
+        )
+
+
+def push_folder(folder: Path, repo: str, api: Any = None) -> str:
+    """Upload the model ``folder`` to the hub model repository ``repo`` (created if new; ``api``: a
+    :class:`huggingface_hub.HfApi`, default a new one) and say where it went; a failed upload is told in the
+    returned line with the command that retries it, and never ends the run (the folder stays)."""
+    if not Path(folder).is_dir():
+        return f"push_to_hub: nothing to upload, {folder} was not written"
+    try:
+        if api is None:
+            from huggingface_hub import HfApi
+
+            api = HfApi()
+        api.create_repo(repo, repo_type="model", exist_ok=True)
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model", commit_message="cv-recipes")
+    except Exception as e:
+        return f"push_to_hub {repo} failed ({type(e).__name__}: {e}); retry with: hf upload {repo} {folder} ."
+    return f"push_to_hub: {folder} uploaded to {getattr(info, 'commit_url', None) or repo}"
 
 
 def model_card(

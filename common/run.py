@@ -43,6 +43,7 @@ from PIL import Image
 from common import RunStopped, UserError
 from common.config import RunConfig, save_config, to_dict
 from common.guard import NonFiniteGuard
+from common.model_folder import check_hub_push, push_folder
 from common.run_folder import check_resume, choose_output_dir, complete_checkpoints, drop_metrics_after, is_checkpoint
 from common.trackers import init_trackers, log_images, log_weights
 
@@ -76,6 +77,7 @@ class Run:
         # then all take the main process's choice. PartialState sets up the process group; the
         # Accelerator made below shares it.
         procs = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as the Accelerator would
+        check_hub_push(cfg.push_to_hub)
         choice = [*map(str, choose_output_dir(cfg, recipe))]  # the folder, and how --resume auto chose it
         if procs.num_processes > 1:
             procs.wait_for_everyone()
@@ -334,12 +336,15 @@ class Run:
         return f"accelerate launch {script} --config {self.dir / 'config.yaml'} --resume auto"
 
     def finish(self, weights: Sequence[Path] = ()) -> None:
-        """End the run: with ``cfg.log_weights``, ``weights`` (files in the run folder) become W&B
-        artifacts; the tracker is closed and the signal handlers handed back."""
+        """End the run: with ``cfg.log_weights``, ``weights`` (files in the run folder) and the model folder
+        and ONNX file where the run wrote them become W&B artifacts; with ``cfg.push_to_hub``, the model
+        folder goes to the hub; the tracker is closed and the signal handlers handed back."""
+        model_out = [p for p in (self.dir / "model", self.dir / "export" / "model.onnx") if p.exists()]
         if self.cfg.log_weights and weights:
-            log_weights(
-                self.accelerator, self.cfg.report_to, [Path(w) for w in weights], f"{self.recipe}-{self.dir.name}"
-            )
+            paths = [Path(w) for w in weights if Path(w).exists()] + model_out
+            log_weights(self.accelerator, self.cfg.report_to, paths, f"{self.recipe}-{self.dir.name}")
+        if self.cfg.push_to_hub and self.accelerator.is_main_process:
+            self.print(push_folder(self.dir / "model", self.cfg.push_to_hub))
         if self._pending is not None:  # collect the last stop-flag reduction before shutting down
             self._pending[0].wait()
             self._pending = None

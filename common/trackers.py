@@ -121,16 +121,19 @@ def log_images(accelerator: Any, report_to: str, images: Mapping[str, Image.Imag
 
 
 def log_weights(accelerator: Any, report_to: str, paths: Sequence[Path], name: str) -> None:
-    """Each weights file as a W&B model artifact ``<name>-<file stem>`` (main process, wandb only);
-    offline runs upload it with ``wandb sync``."""
+    """Each weights file or model folder as a W&B model artifact ``<name>-<label>`` (main process, wandb
+    only), the label being a safetensors file's stem (``best``), else its name with ``_`` for ``.``
+    (``model``: the model folder, ``model_onnx``); offline runs upload them with ``wandb sync``."""
     if report_to != "wandb" or not accelerator.is_main_process:
         return
     import wandb
 
     tracker = accelerator.get_tracker("wandb", unwrap=True)
-    for path in paths:
-        artifact = wandb.Artifact(
-            f"{name}-{Path(path).stem}".replace("/", "-"), type="model", metadata={"file": Path(path).name}
-        )
-        artifact.add_file(str(path))
-        tracker.log_artifact(artifact, aliases=["latest", Path(path).stem])
+    for path in map(Path, paths):
+        label = path.stem if path.suffix == ".safetensors" else path.name.replace(".", "_")
+        artifact = wandb.Artifact(f"{name}-{label}".replace("/", "-"), type="model", metadata={"file": path.name})
+        if path.is_dir():
+            artifact.add_dir(str(path))
+        else:
+            artifact.add_file(str(path))
+        tracker.log_artifact(artifact, aliases=["latest", label])

@@ -593,6 +593,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "parallelism (configs/accelerate/multi_gpu_bf16.yaml)"
         )
 
+    if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W as ONNX, no data read
+        backbone = create_backbone(cfg)
+        load_backbone(backbone, cfg.weights, cfg.model)
+        run.begin()
+        diffs = export_run(run, run.dir, lambda folder: export_files(backbone, cfg, folder, run.recipe))
+        run.finish([run.dir / "model.onnx"])
+        return diffs
+
     # ---- data: unlabelled images train; a labelled set (data itself, or knn_data) evaluates ---------
     with accelerator.main_process_first():
         data = load_classification(
@@ -609,14 +617,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         bank_set, query_set, bank_loader, query_loader, pixel_loader = knn_loaders(
             cfg, knn_set, accelerator.process_index, accelerator.num_processes
         )
-
-    if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W as ONNX, no data read
-        backbone = create_backbone(cfg)
-        load_backbone(backbone, cfg.weights, cfg.model)
-        run.begin()
-        diffs = export_run(run, run.dir, lambda folder: export_files(backbone, cfg, folder, run.recipe))
-        run.finish([run.dir / "model.onnx"])
-        return diffs
 
     # ---- model: the student; the teacher is copied from it once prepared (the same on every process) --
     student = create_student(cfg)

@@ -66,13 +66,14 @@ from torchvision.transforms import v2
 from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
 from common.console import cli_main
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.export import OnnxModel, export_model, export_run, is_onnx
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
+from common.model_folder import write_detector_folder
 from common.models import create_timm_model, freeze_stages, hub_offline, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
@@ -780,15 +781,34 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             )
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
-                save_weights(weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe, data.category_ids)
+                save_weights(
+                    weights,
+                    run.dir / "best.safetensors",
+                    cfg,
+                    data.classes,
+                    run.recipe,
+                    data.category_ids,
+                    (IMAGENET_MEAN, IMAGENET_STD),
+                )
     if loop.stopped:
         return results
 
     # ---- saving -----------------------------------------------------------------------------------
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_weights(weights, run.dir / "final.safetensors", cfg, data.classes, run.recipe, data.category_ids)
-    if cfg.export and accelerator.is_main_process:  # what leaves the project: the best (evaluated) weights
+        save_weights(
+            weights,
+            run.dir / "final.safetensors",
+            cfg,
+            data.classes,
+            run.recipe,
+            data.category_ids,
+            (IMAGENET_MEAN, IMAGENET_STD),
+        )
+    if accelerator.is_main_process:  # what leaves the project: the best (evaluated) weights
+        sizes = (len(train_set), len(eval_set))
+        write_detector_folder(run, to_dict(cfg), data.classes, sizes, loop.best_for_card(cfg.best_metric))
+    if cfg.export and accelerator.is_main_process:
         kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
         write = lambda folder: export_files(kept, cfg, meta, folder, run.recipe, eval_set[0][0])  # noqa: E731
         results.update(export_run(run, run.dir / "export", write, loop.step))

@@ -58,7 +58,7 @@ from torchvision.ops import clip_boxes_to_image
 from common import UserError
 from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
 from common.console import cli_main, own_files
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
@@ -66,6 +66,7 @@ from common.ema import ModelEma
 from common.export import OnnxModel, export_model, export_run, is_onnx
 from common.loaders import eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
+from common.model_folder import write_detector_folder
 from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
@@ -549,7 +550,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
                 if accelerator.is_main_process:
                     save_weights(
-                        weights, run.dir / "best.safetensors", cfg, data.classes, run.recipe, data.category_ids
+                        weights,
+                        run.dir / "best.safetensors",
+                        cfg,
+                        data.classes,
+                        run.recipe,
+                        data.category_ids,
+                        (IMAGENET_MEAN, IMAGENET_STD),
                     )
     if loop.stopped:
         return results
@@ -558,9 +565,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     final = ema.module if ema is not None else unwrapped
     if accelerator.is_main_process:
         save_weights(
-            final.state_dict(), run.dir / "final.safetensors", cfg, data.classes, run.recipe, data.category_ids
+            final.state_dict(),
+            run.dir / "final.safetensors",
+            cfg,
+            data.classes,
+            run.recipe,
+            data.category_ids,
+            (IMAGENET_MEAN, IMAGENET_STD),
         )
-        if cfg.export:  # what leaves the project is the best (evaluated) weights
+        # what leaves the project is the best (evaluated) weights
+        sizes = (len(train_set), len(eval_set))
+        write_detector_folder(run, to_dict(cfg), data.classes, sizes, loop.best_for_card(cfg.best_metric))
+        if cfg.export:
             model_kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
             write = lambda folder: export_files(model_kept, cfg, meta, folder, run.recipe)  # noqa: E731
             results.update(export_run(run, run.dir / "export", write, loop.step))

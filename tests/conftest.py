@@ -228,3 +228,45 @@ def wandb_run(tmp_path_factory) -> tuple[Path, str]:
             TINY_CLASSIFIER + ["--report_to", "wandb", "--log_weights", "--output_dir", str(folder)]
         )
     return folder, out.getvalue()
+
+
+def scene_files(folder: Path, count: int = 4) -> Path:
+    """``count`` of the built-in digits_det evaluation scenes copied as image files into ``folder``."""
+    import shutil
+
+    from common.builtin import DETECTION
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for source in sorted((DETECTION["digits_det"]() / "val").iterdir())[:count]:
+        shutil.copy(source, folder / source.name)
+    return folder
+
+
+def export_and_predict(recipe: str, weights: Path, images: Path, out: Path, *args: str) -> tuple[Path, Path, Path]:
+    """What a user does to check a shipped file (in-process): ``--export --weights W`` into ``out/export``,
+    then ``--predict images`` from W and from the exported ``model.onnx``. Returns the export folder and the
+    two prediction folders (safetensors, ONNX)."""
+    module = load_recipe(recipe)
+    common_args = ["--report_to", "none", *args]
+    module.main(["--export", "--weights", str(weights), "--output_dir", str(out / "export"), *common_args])
+    predicted = []
+    for name, source in (("eager", weights), ("onnx", out / "export" / "model.onnx")):
+        predicted.append(out / name)
+        module.main(["--predict", str(images), "--weights", str(source), "--output_dir", str(out / name), *common_args])
+    return out / "export", predicted[0], predicted[1]
+
+
+def assert_same_detections(eager: Path, onnx: Path, px: float = 0.5, score: float = 1e-3) -> int:
+    """The detections.json of two --predict runs agree: the same images, classes and order, boxes within
+    ``px`` pixels and scores within ``score``. Returns how many detections were compared."""
+    import json
+
+    a, b = (json.loads((folder / "detections.json").read_text()) for folder in (eager, onnx))
+    assert [e["file"] for e in a] == [e["file"] for e in b]
+    compared = 0
+    for x, y in zip(a, b):
+        assert [d["class"] for d in x["detections"]] == [d["class"] for d in y["detections"]], x["file"]
+        for p, q in zip(x["detections"], y["detections"]):
+            assert abs(p["score"] - q["score"]) <= score and max(abs(u - v) for u, v in zip(p["box"], q["box"])) <= px
+            compared += 1
+    return compared

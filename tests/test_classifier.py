@@ -16,7 +16,17 @@ import torch
 from PIL import Image
 
 from common.config import parse_config
-from conftest import ROOT, assert_pictures, check, error_line, load_recipe, recipe_cmd, recipe_env, run_recipe
+from conftest import (
+    ROOT,
+    assert_pictures,
+    check,
+    error_line,
+    export_and_predict,
+    load_recipe,
+    recipe_cmd,
+    recipe_env,
+    run_recipe,
+)
 
 # A small transformer without batch norm: weights can be compared across batch splittings. Runs that
 # test no process-level behaviour (signals, exit codes, several processes) call main() in-process:
@@ -581,7 +591,37 @@ def test_the_model_folder_loads_in_timm_with_its_preprocessing(trained):
     }
     card = (folder / "README.md").read_text()
     best = [m for m in metrics(trained) if "best/top1" in m][-1]["best/top1"]
-    assert f"| {best:.2f} |" in card and 'timm.create_model("local-dir:' in card and "model: test_vit" in card
+    assert f"| {best:.4g} |" in card and 'timm.create_model("local-dir:' in card and "model: test_vit" in card
+
+
+def test_the_exported_onnx_predicts_what_the_weights_predict(trained, tmp_path):
+    """--export --weights best.safetensors (no data read: --data names nothing) writes model.onnx with the
+    class names and preprocessing in its metadata; --predict through it (ONNX Runtime) gives the same top-5
+    names and probabilities within 1e-3 as the safetensors, and so does the model folder as --weights."""
+    import csv
+
+    from common.builtin import CLASSIFICATION
+    from common.weights import read_metadata
+
+    images = tmp_path / "images"
+    images.mkdir()
+    digits = CLASSIFICATION["digits"]()["test"]
+    for i in range(6):
+        digits[i]["image"].save(images / f"digit_{i}.png")
+    args = ["--data", "no/such-dataset"]
+    export, eager, onnx = export_and_predict("classifier", trained / "best.safetensors", images, tmp_path, *args)
+    meta = read_metadata(export / "model.onnx")
+    assert meta["classes"] == [str(i) for i in range(10)] and meta["config"]["model"] == "test_vit"
+    folder = tmp_path / "folder"
+    classifier.main(["--predict", str(images), "--weights", str(trained / "model"), "--output_dir", str(folder), *args])
+    rows = {
+        name: list(csv.DictReader(open(tmp_path / name / "predictions.csv"))) for name in ("eager", "onnx", "folder")
+    }
+    assert len(rows["eager"]) == 6
+    for kind in ("onnx", "folder"):
+        for a, b in zip(rows["eager"], rows[kind]):
+            assert [a[f"class_{k}"] for k in range(1, 6)] == [b[f"class_{k}"] for k in range(1, 6)]
+            assert all(abs(float(a[f"prob_{k}"]) - float(b[f"prob_{k}"])) <= 1e-3 for k in range(1, 6))
 
 
 def test_lr_is_per_256_images(trained):

@@ -21,7 +21,7 @@ from PIL import Image
 
 from common.builtin import DETECTION
 from common.weights import read_metadata
-from conftest import check, error_line, load_recipe, run_recipe
+from conftest import assert_same_detections, check, error_line, export_and_predict, load_recipe, run_recipe
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 IDS = dict(enumerate([0, 3, 7, 8, 12, 15, 20, 31, 44, 90]))  # digit -> the user's category id
@@ -156,6 +156,27 @@ def test_eval_only_reproduces_the_run_in_fp32_and_under_bf16(frcnn_run, tmp_path
 
 
 @pytest.mark.slow
+def test_predictions_through_onnx_are_those_of_the_weights(frcnn_run, tmp_path):
+    """Faster R-CNN's export (TorchScript exporter: NMS inside the graph, one image of any size in, boxes
+    in its pixels out) predicts what the weights predict: the same classes and the user's category ids,
+    boxes within 0.5 px, scores within 1e-3. The run's model folder carries its config and card."""
+    data, run = frcnn_run
+    images = tmp_path / "images"
+    images.mkdir()
+    for entry in json.loads((data / "annotations" / "instances_val.json").read_text())["images"][:4]:
+        shutil.copy(data / "val" / entry["file_name"], images / entry["file_name"])
+    args = ["--predict_score", "0.3", *FRCNN]
+    export, eager, onnx = export_and_predict("faster_rcnn", run / "best.safetensors", images, tmp_path, *args)
+    assert sorted(p.name for p in export.iterdir()) == ["config.yaml", "metrics.jsonl", "model.onnx"]
+    assert assert_same_detections(eager, onnx) >= 4
+    found = json.loads((onnx / "detections.json").read_text())
+    assert {d["category_id"] for e in found for d in e["detections"]} <= set(IDS.values())
+    folder = json.loads((run / "model" / "config.json").read_text())
+    assert folder["recipe"] == "faster_rcnn" and folder["category_ids"] == [IDS[d] for d in range(10)]
+    card = (run / "model" / "README.md").read_text()
+    assert "recipes/faster_rcnn.py --predict path/to/images --weights path/to/this/folder" in card
+
+
 def test_predict_writes_detections_in_original_pixels_and_the_users_ids(frcnn_run, tmp_path):
     """Two evaluation images as files (one enlarged 1.5x, one in a subfolder) and no dataset: the
     detections are the evaluation pass's own for the plain copy, scaled by 1.5 for the enlarged one."""

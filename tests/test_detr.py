@@ -16,7 +16,16 @@ import yaml
 
 from common.config import parse_config
 from common.weights import read_metadata
-from conftest import assert_pictures, check, error_line, load_recipe, run_recipe
+from conftest import (
+    assert_pictures,
+    assert_same_detections,
+    check,
+    error_line,
+    export_and_predict,
+    load_recipe,
+    run_recipe,
+    scene_files,
+)
 from detr_model import HungarianMatcher, SetCriterion, postprocess, sine_position_encoding  # beside the recipe
 from detr_pretrain import BoxCropDataset, CropClassifier
 
@@ -317,6 +326,22 @@ def test_run_writes_its_outputs(short_run):
         assert meta["recipe"] == "detr" and len(meta["classes"]) == 10
         model = detr.create_model(parse_config(detr.Config, []), 10)
         model.load_state_dict(safetensors.torch.load_file(str(run / name)))
+
+
+def test_predictions_through_onnx_are_those_of_the_weights(short_run, tmp_path):
+    """--export --weights best.safetensors (no data read) writes model.onnx for any batch and image size
+    (images and padding mask in, boxes in each image's pixels out); --predict through it gives the
+    safetensors' detections, boxes within 0.5 px and scores within 1e-3; the model folder is a --weights."""
+    run, _ = short_run
+    images = scene_files(tmp_path / "images")
+    args = ["--data", "no/such-dataset", "--predict_score", "0.05"]
+    export, eager, onnx = export_and_predict("detr", run / "best.safetensors", images, tmp_path, *args)
+    assert (export / "model.onnx").is_file() and read_metadata(export / "model.onnx")["recipe"] == "detr"
+    assert assert_same_detections(eager, onnx) >= 4
+    detr.main(
+        ["--predict", str(images), "--weights", str(run / "model"), "--output_dir", str(tmp_path / "folder"), *args]
+    )
+    assert (tmp_path / "folder" / "detections.json").read_text() == (eager / "detections.json").read_text()
 
 
 def test_shortened_default_run_learns_the_builtin_scenes(short_run):

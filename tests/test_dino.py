@@ -235,6 +235,31 @@ def test_teacher_moves_only_by_ema_and_last_layer_freezes(one_process):
     assert moved and not any("last_layer" in k for k in moved)  # first epoch: last layer frozen
 
 
+def test_the_backbone_leaves_as_a_timm_folder_and_an_onnx_file(one_process, tmp_path):
+    """<run>/model: timm.create_model("local-dir:...", pretrained=True) is the teacher backbone (the same
+    features, no head), with the kNN evaluation's preprocessing and a card; --export --weights
+    teacher_backbone.safetensors (no data read) writes model.onnx giving those features for any batch."""
+    from common.export import OnnxModel
+
+    run = one_process
+    model = timm.create_model(f"local-dir:{run / 'model'}", pretrained=True).eval()
+    weights = ["--weights", str(run / "teacher_backbone.safetensors")]
+    cfg = dino.config_with_weights(dino.Config, weights, dino.MODEL_FIELDS)  # the model it was trained as
+    backbone = dino.create_backbone(cfg).eval()
+    dino.load_backbone(backbone, cfg.weights, cfg.model)
+    images = torch.randn(3, 3, cfg.global_size, cfg.global_size)
+    with torch.no_grad():
+        expected = backbone(images)
+        assert model.num_classes == 0 and torch.equal(model(images), expected)
+    data = timm.data.resolve_data_config(model=model)
+    assert data["input_size"] == (3, cfg.global_size, cfg.global_size) and data["interpolation"] == "bicubic"
+    assert "image-feature-extraction" in (run / "model" / "README.md").read_text()
+    out = tmp_path / "export"
+    dino.main([*FAST, "--export", "--weights", cfg.weights, "--data", "no/such-dataset", "--output_dir", str(out)])
+    (features,) = OnnxModel(out / "model.onnx")(images)
+    assert torch.allclose(features, expected, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_one_epoch_of_the_demo_learns(tmp_path):
     """The built-in demo shortened to one epoch (44 steps of 64 images on digits_ssl, the default
