@@ -100,9 +100,9 @@ class RunConfig:
     log_weights: bool = False  # wandb: upload the final and best weights (model folder, ONNX) as W&B model artifacts
     push_to_hub: str = ""  # ORG/NAME: upload the model folder (<run>/model) to the Hugging Face hub at the end
     # saved weights (the model fields default to the file's saved config)
-    weights: str = ""  # a weights file this recipe saved (best.safetensors, model.onnx, a model folder)
+    weights: str = ""  # weights this recipe saved: best.safetensors, a model folder, model.onnx (for predict)
     eval_only: bool = False  # evaluate --weights on the evaluation split, no training
-    export: bool = False  # <run>/export/model.onnx (+ model.pt2), checked against eager; with --weights: W alone
+    export: bool = False  # ONNX (+ .pt2) in <run>/export/, checked against eager; --export --weights W: W only
 
     # the legal values of the numeric fields, checked while parsing: an interval ("[" and "]" include the end,
     # "(" and ")" do not; an optional note after ";") -> the fields it bounds, every item of a list field. A

@@ -209,6 +209,9 @@ class OnnxModel:
 
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3  # errors only: the graph optimiser's notes are not the user's business
+        # no busy-waiting between calls: idle threads would take the cores from the loader workers (and from
+        # PyTorch where both run in one process)
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
 

@@ -126,9 +126,13 @@ def load_weights(
     recipe trains, for the message), the file must be one: class names, and the ``tensors`` named."""
     import safetensors.torch
 
+    from common.export import is_onnx
+
     path = weights_file(path)
     if not path.is_file():
         raise UserError(f"weights '{path}' does not exist")
+    if is_onnx(path):
+        raise UserError(f"weights '{path}' are an ONNX export: --predict runs them; this needs the safetensors file")
     meta = read_metadata(path)
     state = safetensors.torch.load_file(str(path))
     if model_of and (not meta["classes"] or any(k not in state for k in tensors)):

@@ -130,7 +130,7 @@ class Config(RunConfig):
     #   256 for 224); 0: resized straight to global_size
     knn_pixel_size: int = 32  # the raw-pixel kNN baseline compares images area-resized to this side, px
     knn_pixel_limit: int = 20000  # the raw-pixel baseline's bank: at most this many images (seeded); 0: no baseline
-    weights: str = ""  # with eval_only: a backbone this recipe saved (teacher_backbone.safetensors)
+    weights: str = ""  # a backbone this recipe saved (teacher_backbone.safetensors), for eval_only and export
     eval_only: bool = False  # the kNN evaluation of --weights on the labelled data, no training (metrics.jsonl only)
     plot_images: int = 4  # evaluation images drawn under plots/ at each evaluation: their nearest neighbours in the
     #   kNN bank, and for ViTs the [CLS] attention over them (0: none)

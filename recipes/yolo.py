@@ -145,7 +145,7 @@ class Config(RunConfig):
     plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
     best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
     #   COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
-    export: bool = True  # <run>/export/model.onnx (+ .pt2) of the best weights, checked against eager
+    export: bool = True  # ONNX and .pt2 of the best weights in <run>/export/, checked against eager; --weights W: W
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
     eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
     #   dataset's category ids), no training

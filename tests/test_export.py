@@ -106,3 +106,11 @@ def test_push_uploads_the_model_folder_and_a_failure_keeps_the_run(tmp_path):
     failed = push_folder(folder, "me/digits", _FakeHub(fail=True))
     assert "failed (ConnectionError: no route to host)" in failed and f"hf upload me/digits {folder} ." in failed
     assert "nothing to upload" in push_folder(tmp_path / "absent", "me/digits", hub)
+
+
+def test_an_onnx_file_is_refused_where_tensors_are_needed(tmp_path):
+    from common.weights import load_weights
+
+    (tmp_path / "model.onnx").write_bytes(b"\x08\x07")
+    with pytest.raises(UserError, match=r"are an ONNX export: --predict runs them; this needs the safetensors file"):
+        load_weights(tmp_path / "model.onnx")
