@@ -182,10 +182,10 @@ def export_run(run: Any, folder: Path, write: Callable[[Path], dict[str, float]]
         return {}
     diffs = write(Path(folder))
     run.log(diffs, step, echo=False)
-    files = [name for name in ("model.onnx", "model.pt2") if (Path(folder) / name).is_file()]
-    run.print(
-        f"export: {', '.join(files)} in {folder}, checked against eager (largest difference {max(diffs.values()):.2g})"
-    )
+    folder = Path(folder)
+    inside = folder.relative_to(run.dir) if folder.is_relative_to(run.dir) else folder  # the last line names run.dir
+    files = [str(inside / name) for name in ("model.onnx", "model.pt2") if (folder / name).is_file()]
+    run.print(f"export: {', '.join(files)}, checked against eager (largest difference {max(diffs.values()):.2g})")
     return diffs
 
 

@@ -49,6 +49,8 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "project",
         "run_name",
         "log_weights",
+        "export",
+        "push_to_hub",
         "plot_images",
         "eval_batch_size",
         "mixed_precision",

@@ -216,8 +216,8 @@ TINY_CLASSIFIER = [
 
 @pytest.fixture(scope="module")
 def wandb_run(tmp_path_factory) -> tuple[Path, str]:
-    """A 4-step classifier run logging to W&B offline (WANDB_MODE=offline, set above), and
-    what it printed."""
+    """A 4-step classifier run logging to W&B offline (WANDB_MODE=offline, set above) with its weights,
+    model folder and ONNX export as artifacts, and what it printed."""
     import contextlib
     import io
 
@@ -225,7 +225,7 @@ def wandb_run(tmp_path_factory) -> tuple[Path, str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         load_recipe("classifier").main(
-            TINY_CLASSIFIER + ["--report_to", "wandb", "--log_weights", "--output_dir", str(folder)]
+            TINY_CLASSIFIER + ["--report_to", "wandb", "--log_weights", "--export", "--output_dir", str(folder)]
         )
     return folder, out.getvalue()
 

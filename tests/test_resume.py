@@ -248,7 +248,7 @@ STOPS = [
     ("classifier", "save_weights", "final.safetensors"),
     ("dino", "save_weights", "teacher_backbone.safetensors"),
     ("dino", "evaluate", "teacher_backbone.safetensors"),
-    ("yolo", "export_and_check", "model.onnx"),
+    ("yolo", "export_files", "export/model.onnx"),
     ("yolo", "evaluate", "final.safetensors"),
     ("yolo", "save_weights", "final.safetensors"),
     ("detr", "evaluate", "final.safetensors"),
@@ -307,7 +307,7 @@ def test_a_stop_after_the_training_steps_keeps_what_is_written_and_says_how_to_f
     finish = f"finish it with: accelerate launch recipes/{recipe}.py --config {run / 'config.yaml'} --resume auto"
     assert lines[-1] == finish
     assert (run / "checkpoints" / "step_00000003" / "train_state.json").is_file()
-    assert not (run / last).exists() and not list(run.glob("*.tmp*"))
+    assert not (run / last).exists() and not list(run.rglob("*.tmp*"))
 
     if FINISHED[recipe] != phase or recipe == "yolo":  # YOLO's finish is the export itself, a minute of CPU
         return

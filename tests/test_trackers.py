@@ -73,6 +73,8 @@ def test_weights_are_logged_as_wandb_artifacts(wandb_run):
     (record,) = (folder / "wandb").glob("offline-run-*/run-*.wandb")
     data = record.read_bytes()
     assert b"classifier-run-best" in data and b"classifier-run-final" in data
+    # the model folder (a directory artifact) and the ONNX export, what leaves the project
+    assert b"classifier-run-model" in data and b"classifier-run-model_onnx" in data
 
 
 def test_tracker_project_and_run_name_defaults(monkeypatch, tmp_path):
