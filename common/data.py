@@ -24,7 +24,7 @@ import torch
 from common import UserError
 from common.builtin import CLASSIFICATION
 from common.images import decode_image
-from common.loaders import sample_seed, seeded
+from common.loaders import REPLACEMENT_TRIES, replacement, sample_seed, seeded
 
 EVAL_SPLITS = ("validation", "val", "valid", "test")
 
@@ -231,7 +231,12 @@ class ClassificationDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
         epoch, index, repeat = (tuple(key) + (0,))[:3] if isinstance(key, tuple) else (0, key, 0)
-        row = self.ds[int(index)]
-        image = decode_image(row[self.image_column], f"row {index} of column '{self.image_column}'")
+        for attempt in range(REPLACEMENT_TRIES + 1):  # an image unreadable since the start's scan is replaced
+            row = self.ds[int(index)]
+            try:
+                image = decode_image(row[self.image_column], f"row {index} of column '{self.image_column}'")
+                break
+            except UserError as e:
+                index = replacement(self.seed, epoch, index, len(self), attempt, e)
         with seeded(sample_seed(self.seed, epoch, index, repeat)):  # label -1: a dataset without labels
             return self.transform(image), int(row[self.label_column]) if self.label_column else -1

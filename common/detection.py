@@ -32,7 +32,7 @@ from common.builtin import DETECTION
 from common.data import EVAL_SPLITS, load_saved_or_hub, same_split
 from common.detection_sources import coco_splits, image_table, load_coco_split, normalise
 from common.images import decode_image, image_files, readable_images
-from common.loaders import eval_loader_for, sample_seed, seeded
+from common.loaders import REPLACEMENT_TRIES, eval_loader_for, replacement, sample_seed, seeded
 
 # Per-channel RGB mean and std (0..1) that ImageNet-pretrained backbones expect; the detection
 # recipes normalise with them, and plots undo it.
@@ -160,8 +160,13 @@ class DetectionDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, dict[str, Any]]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        row = self.ds[int(index)]
-        image = decode_image(row["image"], f"row {index} (image_id {row['image_id']})")
+        for attempt in range(REPLACEMENT_TRIES + 1):  # an image unreadable since the start's scan is replaced
+            row = self.ds[int(index)]
+            try:
+                image = decode_image(row["image"], f"row {index} (image_id {row['image_id']})")
+                break
+            except UserError as e:
+                index = replacement(self.seed, epoch, index, len(self), attempt, e)
         objects = row["objects"]
         keep = [i for i, crowd in enumerate(objects["iscrowd"]) if not crowd]
         xywh = torch.tensor([objects["bbox"][i] for i in keep], dtype=torch.float32).reshape(-1, 4)

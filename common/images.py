@@ -44,22 +44,28 @@ def decode_image(value: dict[str, Any] | Image.Image, name: str) -> Image.Image:
         raise UserError(f"cannot read image '{path}': {type(e).__name__}: {e}") from None
 
 
-def unreadable(path: str | Path) -> str:
-    """Why the image file ``path`` cannot be used ('' when it can), without decoding it: it must open,
-    its header must give a size, and its data must be complete (a JPEG ends with its end-of-image marker,
-    allowing a little padding or trailing metadata; other formats pass PIL's ``verify``, which checks a
-    PNG's chunk checksums)."""
+def unreadable(path: str | Path | io.BytesIO) -> str:
+    """Why the image file ``path`` (or image bytes) cannot be used ('' when it can), without decoding it:
+    it must open, its header must give a size, and its data must be complete (a JPEG ends with its
+    end-of-image marker, allowing a little padding or trailing metadata; other formats pass PIL's
+    ``verify``, which checks a PNG's chunk checksums)."""
     try:
         with Image.open(path) as image:
             image.verify()
             kind = image.format
         if kind == "JPEG":
-            with open(path, "rb") as f:
-                f.seek(max(0, Path(path).stat().st_size - 1024))
-                tail = f.read()
+            if isinstance(path, io.BytesIO):
+                tail = path.getvalue()[-1024:]
+            else:
+                with open(path, "rb") as f:
+                    f.seek(max(0, Path(path).stat().st_size - 1024))
+                    tail = f.read()
             if b"\xff\xd9" not in tail:
                 return "truncated JPEG: no end-of-image marker"
         return ""
+    except Image.UnidentifiedImageError:
+        empty = path.getbuffer().nbytes == 0 if isinstance(path, io.BytesIO) else Path(path).stat().st_size == 0
+        return "empty file" if empty else "not an image PIL can identify"
     except Exception as e:  # PIL raises many kinds for a broken file; the name and message say which
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}"[:120]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +25,24 @@ def sample_seed(seed: int, epoch: int, index: int, repeat: int = 0) -> int:
     Repeat 0 (no repeated augmentation) gives the seed of (seed, epoch, index) alone."""
     high, low = np.random.SeedSequence([seed, epoch, index + 1] + ([repeat] if repeat else [])).generate_state(2)
     return (int(high) >> 1) << 32 | int(low)
+
+
+#: How many replacements a sample whose image became unreadable tries before the run stops.
+REPLACEMENT_TRIES = 10
+_told: set[str] = set()  # the unreadable files this process has named
+
+
+def replacement(seed: int, epoch: int, index: int, size: int, attempt: int, error: Exception) -> int:
+    """The index of the sample that stands in for ``index``, whose image became unreadable after the
+    start's scan (deleted or rewritten during the run; ``error`` says so): drawn from (seed, epoch, index,
+    attempt), so a resumed run draws the same. The file is named once per process on stderr; after
+    :data:`REPLACEMENT_TRIES` unreadable draws the error ends the run."""
+    if attempt >= REPLACEMENT_TRIES:
+        raise error
+    if str(error) not in _told:
+        _told.add(str(error))
+        print(f"warning: {error}; another image, drawn from the seed, takes its place", file=sys.stderr, flush=True)
+    return int(np.random.default_rng(sample_seed(seed, epoch, index, 1 + attempt)).integers(size))
 
 
 @contextlib.contextmanager

@@ -86,6 +86,7 @@ class Run:
         # lines for under the start banner (common.loop.Loop prints them): how --resume auto chose the
         # folder, and what a recipe adds about its settings
         self.notes: list[str] = [choice[1]] if choice[1] else []
+        self.files: dict[str, str] = {}  # name -> text: written into the run folder when it is made
         self.checkpoint_dir = self.dir / "checkpoints"
         self.plots_dir = self.dir / "plots"
         cfg.output_dir = str(self.dir)
@@ -137,6 +138,8 @@ class Run:
             self.dir.mkdir(parents=True, exist_ok=True)  # checkpoints/ and plots/ appear with their first file
             # ``resume`` is an action, not a setting: `--config <run>/config.yaml` alone starts a new run
             save_config(dataclasses.replace(cfg, resume=""), self.dir / "config.yaml")
+            for name, text in self.files.items():
+                (self.dir / name).write_text(text)
         acc.wait_for_everyone()
         if cfg.report_to != "none":
             init_trackers(acc, cfg, self.recipe, self.dir, to_dict(cfg), self.print)

@@ -55,6 +55,7 @@ from common.loop import Loop, steps_total
 from common.model_folder import model_card, write_timm_folder
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
+from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values
 from common.weights import (
     config_with_weights,
@@ -482,6 +483,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data = load_classification(
             cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed
         )
+    # every image checked once before the first step: unreadable ones are left out and listed (common/scan.py)
+    data = without_unreadable(run, data, data.image_column, train=not cfg.eval_only)
     num_classes = len(data.classes)
 
     # ---- model -----------------------------------------------------------------------------

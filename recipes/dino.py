@@ -60,6 +60,7 @@ from common.loop import Loop, steps_total
 from common.model_folder import model_card, write_timm_folder
 from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
+from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, load_weights, mismatch, save_weights, saved_by, weights_metadata
 
@@ -607,6 +608,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed, labels=False
         )
         knn_set = load_classification(cfg.knn_data, seed=cfg.seed) if cfg.knn_data else data
+    # every image checked once before the first step: unreadable ones are left out and listed (common/scan.py)
+    checked = without_unreadable(run, data, data.image_column, train=not cfg.eval_only)
+    knn_set = checked if knn_set is data else without_unreadable(run, knn_set, knn_set.image_column)
+    data = checked
     if not knn_set.classes:
         knn_set = None
         if cfg.eval_only:

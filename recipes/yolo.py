@@ -69,6 +69,7 @@ from common.loop import Loop, steps_total
 from common.model_folder import write_detector_folder
 from common.models import create_timm_model, sync_batchnorm
 from common.run import Run
+from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import (
     config_with_weights,
@@ -422,6 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
+    # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
+    data = without_unreadable(run, data, "image", train=not cfg.eval_only)
     num_classes = len(data.classes)
     eval_set = DetectionDataset(data.eval, detection_transforms(False, cfg.img_size, preset=cfg.augment), cfg.seed)
     eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=collate)

@@ -1,0 +1,186 @@
+"""Unreadable images found before the first step (common/scan.py, issue 25): every kind of broken file
+is found, listed in bad_images.txt and left out, and the run goes to its end; --bad_images error refuses
+before anything is written; the scan's answers are cached by size and modification time; processes
+split the scan; a file that breaks during the run is replaced by a sample drawn from the seed; a
+detection image takes its boxes with it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from common import UserError
+from common.scan import scan_files, scan_table, without_unreadable
+from conftest import TINY_CLASSIFIER, check, load_recipe, recipe_cmd, recipe_env
+
+BROKEN = {  # file name -> what the scan says
+    "truncated_x.jpg": "truncated JPEG: no end-of-image marker",
+    "empty.jpg": "empty file",
+    "random_bytes.jpg": "not an image PIL can identify",
+    "page.jpg": "not an image PIL can identify",  # an HTML page saved under an image's name
+}
+
+
+def _jpeg(path: Path, rng: np.random.Generator, size: tuple[int, int] = (40, 30)) -> None:
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(path, quality=90)
+
+
+def _break(folder: Path, rng: np.random.Generator) -> None:
+    """The broken files of BROKEN (and a truncated PNG) written into ``folder``."""
+    _jpeg(folder / "whole.jpg", rng)
+    data = (folder / "whole.jpg").read_bytes()
+    (folder / "whole.jpg").unlink()
+    (folder / "truncated_x.jpg").write_bytes(data[: len(data) // 2])
+    (folder / "empty.jpg").write_bytes(b"")
+    (folder / "random_bytes.jpg").write_bytes(rng.bytes(2000))
+    (folder / "page.jpg").write_text("<html><body>Not found</body></html>")
+
+
+@pytest.fixture
+def photos(tmp_path) -> Path:
+    """An imagefolder of 2 classes, 12 good training JPEGs each plus the broken files in one class, and
+    a validation split with one truncated PNG."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 12), ("validation", 4)):
+        for name in ("cat", "dog"):
+            (tmp_path / "photos" / split / name).mkdir(parents=True)
+            for i in range(count):
+                _jpeg(tmp_path / "photos" / split / name / f"{name}_{i}.jpg", rng)
+    _break(tmp_path / "photos" / "train" / "dog", rng)
+    Image.new("RGB", (20, 20), (200, 10, 10)).save(tmp_path / "broken.png")
+    png = (tmp_path / "broken.png").read_bytes()
+    (tmp_path / "photos" / "validation" / "cat" / "cut.png").write_bytes(png[: len(png) - 20])
+    return tmp_path / "photos"
+
+
+def test_every_broken_kind_is_listed_and_left_out_and_the_run_ends(photos, tmp_path, capsys):
+    classifier = load_recipe("classifier")
+    run = tmp_path / "run"
+    args = TINY_CLASSIFIER + ["--report_to", "none", "--data", str(photos), "--batch_size", "8", "--max_steps", "3"]
+    classifier.main(args + ["--output_dir", str(run)])
+    out = capsys.readouterr().out
+    assert "4 of 28 training images cannot be read and are skipped:" in " ".join(out.split())
+    assert "1 of 9 evaluation images cannot be read and are skipped: cut.png (" in " ".join(out.split())
+    rows = [line.split("\t") for line in (run / "bad_images.txt").read_text().splitlines()[1:]]
+    assert {(split, Path(name).name): why for split, name, why in rows} == {
+        **{("training", name): why for name, why in BROKEN.items()},
+        ("evaluation", "cut.png"): rows[-1][2],
+    }
+    assert rows[-1][2].startswith(("OSError", "SyntaxError", "ValueError"))  # PNG verify: a broken chunk
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3  # to its end
+
+    refused = tmp_path / "refused"
+    with pytest.raises(UserError, match=r"4 of 28 training images cannot be read: .*--bad_images error"):
+        classifier.main(args + ["--output_dir", str(refused), "--bad_images", "error"])
+    assert not refused.exists()  # refused before anything is written
+    with pytest.raises(UserError, match=r"24 training images are left once the unreadable ones are out \(empty.jpg \(empty file\)"):
+        classifier.main(args[:-4] + ["--batch_size", "26", "--max_steps", "3", "--output_dir", str(refused)])
+
+
+def test_all_unreadable_is_one_line_naming_them(tmp_path):
+    folder = tmp_path / "train" / "x"
+    folder.mkdir(parents=True)
+    _break(folder, np.random.default_rng(1))
+    with pytest.raises(UserError, match=r"none of the 4 training images can be read: empty.jpg \(empty file\)"):
+        load_recipe("dino").main(["--data", str(tmp_path), "--report_to", "none", "--output_dir", str(tmp_path / "r")])
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_scan_is_cached_by_size_and_time_and_sees_a_changed_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(2)
+    paths = []
+    for i in range(300):  # more than one chunk: two pool processes share them
+        _jpeg(tmp_path / f"{i:03d}.jpg", rng, (8, 8))
+        paths.append(str(tmp_path / f"{i:03d}.jpg"))
+    (tmp_path / "007.jpg").write_bytes(b"")
+    first, cached = scan_files(paths, workers=2)
+    assert first == {paths[7]: "empty file"} and not cached
+    assert scan_files(paths, workers=2) == (first, True)  # every answer from the cache
+    _jpeg(tmp_path / "007.jpg", rng, (8, 8))  # repaired: another size and time
+    data = (tmp_path / "100.jpg").read_bytes()
+    (tmp_path / "100.jpg").write_bytes(data[:-30])  # broken after the first scan
+    os.utime(tmp_path / "100.jpg", ns=(1, 1))
+    assert scan_files(paths) == ({paths[100]: "truncated JPEG: no end-of-image marker"}, False)
+
+
+def _run(tmp_path: Path, index: int, processes: int) -> SimpleNamespace:
+    """What without_unreadable uses of common.run.Run."""
+    accelerator = SimpleNamespace(process_index=index, num_processes=processes)
+    cfg = SimpleNamespace(bad_images="skip", num_workers=0, batch_size=2)
+    return SimpleNamespace(accelerator=accelerator, cfg=cfg, notes=[], files={}, dir=tmp_path / "run")
+
+
+def _detection_folder(root: Path) -> Path:
+    """A COCO-json folder with category ids 4 and 9, 10 training images (2 broken, with 3 boxes) and 4 val."""
+    rng = np.random.default_rng(3)
+    for split, count in (("train", 10), ("val", 4)):
+        (root / split).mkdir(parents=True)
+        images, annotations = [], []
+        for i in range(count):
+            _jpeg(root / split / f"{i}.jpg", rng, (48, 32))
+            images.append({"id": 100 + i, "file_name": f"{i}.jpg", "width": 48, "height": 32})
+            for k in range(1 + i % 2):
+                box = [4 + k * 10, 4, 8, 8]
+                annotations.append({"id": len(annotations) + 1, "image_id": 100 + i, "category_id": [4, 9][k],
+                                    "bbox": box, "area": 64, "iscrowd": 0})  # fmt: skip
+        categories = [{"id": 4, "name": "four"}, {"id": 9, "name": "nine"}]
+        (root / "annotations").mkdir(exist_ok=True)
+        coco = {"images": images, "annotations": annotations, "categories": categories}
+        (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
+    (root / "train" / "2.jpg").write_bytes(b"")  # 1 box
+    (root / "train" / "5.jpg").write_text("<html>")  # 2 boxes
+    return root
+
+
+def test_a_detection_image_takes_its_boxes_and_processes_share_the_scan(tmp_path):
+    from common.detection import load_detection
+
+    data = load_detection(str(_detection_folder(tmp_path / "coco")), seed=0)
+    shares = [scan_table(data.train, "image", share=(i, 2))[0] for i in range(2)]
+    assert {i for i, _, _ in shares[0]} == {2} and {i for i, _, _ in shares[1]} == {5}  # rows i % 2 == process
+    run = _run(tmp_path, 0, 1)
+    kept = without_unreadable(run, data, "image")
+    assert len(kept.train) == 8 and len(kept.eval) == 4 and 102 not in kept.train["image_id"]
+    assert "2 of 10 training images (with 3 boxes) cannot be read and are skipped:" in " ".join(run.notes)
+    assert run.files["bad_images.txt"].count("\n") == 3
+
+
+def test_an_image_broken_during_the_run_is_replaced_from_the_seed(photos, tmp_path, capsys):
+    from common.data import ClassificationDataset, load_classification
+
+    data = load_classification(str(photos), seed=0)
+    rows = [i for i in range(len(data.train)) if Path(data.train[i]["image"]["path"]).name == "dog_3.jpg"]
+    dataset = ClassificationDataset(data.train, data.image_column, data.label_column, lambda image: image.size)
+    before = [dataset[(1, i)] for i in range(len(dataset))]
+    os.remove(data.train[rows[0]]["image"]["path"])  # deleted in the middle of a long run
+    got = dataset[(1, rows[0])]
+    again = dataset[(1, rows[0])]  # the same draw: a resumed run sees the same sample
+    assert got == again and got in before
+    err = capsys.readouterr().err
+    told = [line for line in err.splitlines() if "dog_3.jpg" in line]  # once, though drawn twice
+    assert len(told) == 1 and told[0].endswith("another image, drawn from the seed, takes its place")
+
+
+@pytest.mark.slow
+def test_two_processes_scan_their_shares_and_agree(photos, tmp_path):
+    """Two gloo processes: each checks half of the files, both leave the same ones out and train on."""
+    run = tmp_path / "run"
+    args = TINY_CLASSIFIER + ["--report_to", "none", "--data", str(photos), "--batch_size", "4", "--max_steps", "2"]
+    proc = check(
+        __import__("subprocess").run(
+            recipe_cmd("classifier", args + ["--output_dir", str(run)], nproc=2),
+            env=recipe_env(2),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    )
+    assert "4 of 28 training images cannot be read and are skipped" in " ".join(proc.stdout.split())
+    assert (run / "bad_images.txt").read_text().count("\n") == 6
