@@ -218,13 +218,17 @@ def load_classification(
 class ClassificationDataset(torch.utils.data.Dataset):
     """``(image tensor, label)`` pairs from a hub-style dataset, transformed reproducibly.
 
+    ``shorter`` > 0: JPEGs larger than the transform needs are decoded reduced (:func:`common.images.decode_image`).
     Indexed by ``(epoch, index)`` or ``(epoch, index, repeat)`` (what :class:`common.loaders.EpochBatchSampler`
     yields) or by a plain index (epoch 0, for evaluation).
     """
 
-    def __init__(self, ds: Any, image_column: str, label_column: str, transform: Callable, seed: int = 0) -> None:
+    def __init__(
+        self, ds: Any, image_column: str, label_column: str, transform: Callable, seed: int = 0, shorter: int = 0
+    ) -> None:
         self.ds, self.image_column, self.label_column = ds, image_column, label_column
         self.transform, self.seed = transform, seed
+        self.shorter = shorter  # > 0: large JPEGs decoded reduced to this shorter side (common.images.decode_image)
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -234,7 +238,9 @@ class ClassificationDataset(torch.utils.data.Dataset):
         for attempt in range(REPLACEMENT_TRIES + 1):  # an image unreadable since the start's scan is replaced
             row = self.ds[int(index)]
             try:
-                image = decode_image(row[self.image_column], f"row {index} of column '{self.image_column}'")
+                image = decode_image(
+                    row[self.image_column], f"row {index} of column '{self.image_column}'", self.shorter
+                )
                 break
             except UserError as e:
                 index = replacement(self.seed, epoch, index, len(self), attempt, e)

@@ -4,6 +4,7 @@ telling the complete ones from the broken ones without decoding them."""
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,17 +32,34 @@ def image_files(path: str | Path) -> list[Path]:
     return found
 
 
-def decode_image(value: dict[str, Any] | Image.Image, name: str) -> Image.Image:
-    """An RGB PIL image from a ``datasets.Image(decode=False)`` value; UserError naming the file."""
+def decode_image(value: dict[str, Any] | Image.Image, name: str, shorter: int = 0) -> Image.Image:
+    """An RGB PIL image from a ``datasets.Image(decode=False)`` value; UserError naming the file.
+
+    ``shorter`` > 0: a JPEG whose shorter side is larger is decoded reduced (1/2, 1/4 or 1/8, in the
+    JPEG decoder, at a fraction of the cost), as far as its shorter side stays at least ``shorter``
+    pixels: what a transform that needs that many pixels (:func:`needed_side`) then makes of it is the
+    same picture, without the full decode of a camera-size photo."""
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     path = value.get("path") or name
     try:
         image = Image.open(io.BytesIO(value["bytes"])) if value.get("bytes") else Image.open(value["path"])
+        if shorter and image.format == "JPEG" and min(image.size) > shorter:
+            k = shorter / min(image.size)  # PIL picks the largest reduction that keeps at least this size
+            image.draft(image.mode, (math.ceil(image.width * k), math.ceil(image.height * k)))
         image.load()
         return image.convert("RGB")
     except Exception as e:
         raise UserError(f"cannot read image '{path}': {type(e).__name__}: {e}") from None
+
+
+def needed_side(size: int, scale: float = 1.0, ratio: Sequence[float] = (1.0, 1.0), crop_pct: float = 1.0) -> int:
+    """The shorter side an image needs so that a transform still finds ``size`` pixels on each side of
+    what it keeps: a random-resized crop (area fraction at least ``scale`` of the image, aspect ratio
+    within ``ratio``: its sides are at least ``sqrt(scale * ratio)`` and ``sqrt(scale / ratio)`` of the
+    shorter side) or a resize to ``size / crop_pct`` then a centre crop (``scale`` 1)."""
+    aspect = min(math.sqrt(ratio[0]), 1 / math.sqrt(ratio[1]), 1.0)
+    return math.ceil(size / (math.sqrt(scale) * aspect * crop_pct))
 
 
 def unreadable(path: str | Path | io.BytesIO) -> str:

@@ -95,12 +95,18 @@ def scan_files(paths: Sequence[str], workers: int = 0) -> tuple[dict[str, str], 
 
 
 def _rows(table: Any, column: str) -> list[dict[str, Any]]:
-    """The undecoded image values (``{"bytes", "path"}``) of ``table``'s ``column``, without the bytes."""
+    """The undecoded image values of ``table``'s ``column`` as ``{"path", "bytes": whether it holds bytes}``,
+    row by row as the dataset orders them (a split's index mapping included), read in batches so that
+    images stored inside the dataset are never all in memory."""
     import pyarrow.compute as pc
 
-    data = table.data.column(column)
-    has_bytes = pc.invert(pc.is_null(pc.struct_field(data, "bytes"))).to_pylist()
-    return [{"path": p, "bytes": b} for p, b in zip(pc.struct_field(data, "path").to_pylist(), has_bytes)]
+    rows = []
+    for batch in table.select_columns([column]).with_format("arrow").iter(batch_size=1000):
+        values = batch.column(column)
+        paths = pc.struct_field(values, "path").to_pylist()
+        inside = pc.invert(pc.is_null(pc.struct_field(values, "bytes"))).to_pylist()
+        rows += [{"path": p, "bytes": b} for p, b in zip(paths, inside)]
+    return rows
 
 
 def scan_table(

@@ -49,7 +49,7 @@ from common.data import ClassificationDataset, load_classification
 from common.ema import ModelEma
 from common.export import OnnxModel, export_model, export_run, is_onnx
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
-from common.images import decode_image, image_files, readable_images
+from common.images import decode_image, image_files, needed_side, readable_images
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.model_folder import model_card, write_timm_folder
@@ -504,8 +504,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_tf, eval_tf = create_transforms(cfg, model)
     data_cfg = data_config(cfg, model)  # the weights files record the normalisation, for whoever starts from them
     saved_as = {"classes": data.classes, "recipe": run.recipe, "normalization": (data_cfg["mean"], data_cfg["std"])}
-    train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed)
-    eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed)
+    # camera-size JPEGs decoded reduced, as far as the crops still find img_size pixels (common/images.py)
+    sides = needed_side(cfg.img_size, cfg.scale[0], cfg.ratio), needed_side(cfg.img_size, crop_pct=data_cfg["crop_pct"])
+    train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed, sides[0])
+    eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed, sides[1])
     train_loader = train_loader_for(
         train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, repeats=cfg.aug_repeats
     )

@@ -54,6 +54,7 @@ from common.data import ClassificationData, ClassificationDataset, load_classifi
 from common.ema import ema_update_
 from common.export import export_model, export_run
 from common.feature_figures import attention_overlay, neighbour_grid
+from common.images import needed_side
 from common.knn import extract, knn_accuracy, knn_predict, shard
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
@@ -239,8 +240,9 @@ def knn_loaders(
     if 0 < cfg.knn_train_limit < len(bank):
         bank = bank.shuffle(seed=cfg.seed).select(range(cfg.knn_train_limit))
     knn_tf = eval_transform(cfg.global_size, cfg.knn_resize)
-    bank_set = ClassificationDataset(bank, knn_set.image_column, knn_set.label_column, knn_tf)
-    query_set = ClassificationDataset(knn_set.eval, knn_set.image_column, knn_set.label_column, knn_tf)
+    side = needed_side(cfg.global_size, crop_pct=cfg.global_size / (cfg.knn_resize or cfg.global_size))
+    bank_set = ClassificationDataset(bank, knn_set.image_column, knn_set.label_column, knn_tf, shorter=side)
+    query_set = ClassificationDataset(knn_set.eval, knn_set.image_column, knn_set.label_column, knn_tf, shorter=side)
     here = (process_index, num_processes)
     bank_loader = eval_loader_for(shard(bank_set, *here), 2 * cfg.batch_size, cfg.num_workers)
     query_loader = eval_loader_for(shard(query_set, *here), 2 * cfg.batch_size, cfg.num_workers)
@@ -616,7 +618,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         knn_set = None
         if cfg.eval_only:
             raise UserError(f"eval_only needs labels: '{cfg.data}' has none; name a labelled set with --knn_data")
-    train_set = ClassificationDataset(data.train, data.image_column, data.label_column, MultiCrop(cfg), cfg.seed)
+    # camera-size JPEGs decoded reduced, as far as every crop still finds its pixels (common/images.py)
+    crops = [(cfg.global_size, cfg.global_scale[0]), (cfg.local_size, cfg.local_scale[0])]
+    side = max(needed_side(size, scale, (3 / 4, 4 / 3)) for size, scale in crops)  # torchvision's default ratio
+    train_set = ClassificationDataset(data.train, data.image_column, data.label_column, MultiCrop(cfg), cfg.seed, side)
     train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes)
     if knn_set is not None:  # each process reads its own share of the bank and of the queries
         bank_set, query_set, bank_loader, query_loader, pixel_loader = knn_loaders(

@@ -79,7 +79,9 @@ def test_every_broken_kind_is_listed_and_left_out_and_the_run_ends(photos, tmp_p
     with pytest.raises(UserError, match=r"4 of 28 training images cannot be read: .*--bad_images error"):
         classifier.main(args + ["--output_dir", str(refused), "--bad_images", "error"])
     assert not refused.exists()  # refused before anything is written
-    with pytest.raises(UserError, match=r"24 training images are left once the unreadable ones are out \(empty.jpg \(empty file\)"):
+    with pytest.raises(
+        UserError, match=r"24 training images are left once the unreadable ones are out \(empty.jpg \(empty file\)"
+    ):
         classifier.main(args[:-4] + ["--batch_size", "26", "--max_steps", "3", "--output_dir", str(refused)])
 
 

@@ -1,0 +1,83 @@
+"""Camera-size JPEGs decoded reduced (common.images.decode_image with ``shorter``, issue 25, item 2): the
+crops the classifier's and DINO's transforms cut are the same pictures as from the full decode (PSNR at
+least 35 dB for the same random draws: the same crop box, flip and jitter), small images and other
+formats are decoded as before, and the sides the transforms need are what their geometry says."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw, ImageFilter
+from timm.data import create_transform
+
+from common.images import decode_image, needed_side
+from common.loaders import sample_seed, seeded
+
+
+def _photo(path: Path, size: tuple[int, int] = (4032, 3024)) -> Path:
+    """A photo-like JPEG: smooth colour fields, edges and fine texture, blurred as a lens would."""
+    rng = np.random.default_rng(0)
+    small = Image.fromarray(rng.integers(0, 255, (size[1] // 64, size[0] // 64, 3), dtype=np.uint8))
+    image = small.resize(size, Image.BICUBIC)
+    draw = ImageDraw.Draw(image)
+    for _ in range(60):
+        x, y = int(rng.integers(0, size[0])), int(rng.integers(0, size[1]))
+        r = int(rng.integers(40, 400))
+        draw.ellipse((x - r, y - r, x + r, y + r), fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+    noise = rng.normal(0, 12, (size[1], size[0], 3))
+    image = Image.fromarray(np.clip(np.asarray(image) + noise, 0, 255).astype(np.uint8)).filter(
+        ImageFilter.GaussianBlur(2)
+    )
+    image.save(path, quality=92)
+    return path
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor, peak: float) -> float:
+    return 10 * math.log10(peak**2 / float(((a - b) ** 2).mean()))
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory) -> Path:
+    return _photo(tmp_path_factory.mktemp("photo") / "camera.jpg")
+
+
+def test_needed_sides_follow_the_crop_geometry():
+    assert needed_side(224, crop_pct=0.875) == 256  # resize to 256, centre crop 224
+    # a crop of 8 % of the area at aspect 3/4: its narrow side is sqrt(0.08 * 0.75) = 0.245 of the shorter side
+    assert needed_side(224, 0.08, (3 / 4, 4 / 3)) == math.ceil(224 / (math.sqrt(0.08) * math.sqrt(0.75)))
+    assert needed_side(32) == 32
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_the_classifiers_crops_are_the_same_pictures_from_a_reduced_decode(photo, train):
+    value = {"path": str(photo), "bytes": None}
+    if train:
+        transform = create_transform(224, is_training=True, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+        side = needed_side(224, 0.08, (3 / 4, 4 / 3))
+    else:
+        transform = create_transform(224, is_training=False, crop_pct=0.875)
+        side = needed_side(224, crop_pct=0.875)
+    reduced = decode_image(value, "camera.jpg", side)
+    # training crops need 1/2 (at 1/4 a small crop would hold under 224 px); the evaluation's resize 1/8
+    assert min(reduced.size) >= side and reduced.size == ((2016, 1512) if train else (504, 378))
+    full = decode_image(value, "camera.jpg")
+    assert full.size == (4032, 3024)
+    worst = math.inf
+    for k in range(8):  # the same random draws on both: the same crop box (in fractions), flip and jitter
+        with seeded(sample_seed(0, 0, k)):
+            a = transform(full)
+        with seeded(sample_seed(0, 0, k)):
+            b = transform(reduced)
+        worst = min(worst, psnr(a, b, float(a.max() - a.min())))
+    assert worst >= 35, worst
+
+
+def test_small_images_and_other_formats_decode_as_before(tmp_path):
+    small = _photo(tmp_path / "small.jpg", (500, 375))
+    assert decode_image({"path": str(small)}, "small.jpg", 300).size == (500, 375)  # 1/2 would be under 300
+    Image.new("RGB", (1600, 1200), (10, 200, 30)).save(tmp_path / "big.png")
+    assert decode_image({"path": str(tmp_path / "big.png")}, "big.png", 100).size == (1600, 1200)  # not a JPEG
