@@ -277,12 +277,6 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(tmp_path):
     assert f"at step {state['step']}" in again.stdout
 
 
-def _single_error_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return lines[0]
-
-
 def test_corrupted_image_is_named_and_left_out(tmp_path):
     rng = np.random.default_rng(0)
     for cls in ("a", "b"):
