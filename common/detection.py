@@ -31,7 +31,7 @@ from common import UserError
 from common.builtin import DETECTION
 from common.data import EVAL_SPLITS, load_saved_or_hub, same_split
 from common.detection_sources import coco_splits, image_table, load_coco_split, normalise
-from common.images import decode_image, image_files, readable_images
+from common.images import decode_sized, image_files, readable_images
 from common.loaders import REPLACEMENT_TRIES, eval_loader_for, replacement, sample_seed, seeded
 
 # Per-channel RGB mean and std (0..1) that ImageNet-pretrained backbones expect; the detection
@@ -152,8 +152,11 @@ class DetectionDataset(torch.utils.data.Dataset):
     an attribute the main process sees, so a recipe sums ``target["dropped"]`` over its batches to log it.
     """
 
-    def __init__(self, ds: Any, transform: Callable, seed: int = 0) -> None:
+    def __init__(self, ds: Any, transform: Callable, seed: int = 0, shorter: int = 0) -> None:
         self.ds, self.transform, self.seed = ds, transform, seed
+        # > 0: large JPEGs decoded reduced to this shorter side, boxes scaled with them; ``orig_size``
+        # stays the file's own (common.images.decode_sized)
+        self.shorter = shorter
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -163,13 +166,16 @@ class DetectionDataset(torch.utils.data.Dataset):
         for attempt in range(REPLACEMENT_TRIES + 1):  # an image unreadable since the start's scan is replaced
             row = self.ds[int(index)]
             try:
-                image = decode_image(row["image"], f"row {index} (image_id {row['image_id']})")
+                image, (width, height) = decode_sized(
+                    row["image"], f"row {index} (image_id {row['image_id']})", self.shorter
+                )
                 break
             except UserError as e:
                 index = replacement(self.seed, epoch, index, len(self), attempt, e)
         objects = row["objects"]
         keep = [i for i, crowd in enumerate(objects["iscrowd"]) if not crowd]
         xywh = torch.tensor([objects["bbox"][i] for i in keep], dtype=torch.float32).reshape(-1, 4)
+        xywh *= torch.tensor([image.width / width, image.height / height] * 2)  # 1 unless decoded reduced
         boxes = tv_tensors.BoundingBoxes(xywh, format="XYWH", canvas_size=(image.height, image.width))
         target = {
             "boxes": F.convert_bounding_box_format(boxes, new_format=tv_tensors.BoundingBoxFormat.XYXY),
@@ -180,7 +186,7 @@ class DetectionDataset(torch.utils.data.Dataset):
         out = out.as_subclass(torch.Tensor)
         target.update(
             image_id=int(row["image_id"]),
-            orig_size=(image.height, image.width),
+            orig_size=(height, width),
             dropped=len(keep) - len(target["boxes"]),
         )
         target.setdefault("size", tuple(out.shape[-2:]))

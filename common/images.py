@@ -33,22 +33,31 @@ def image_files(path: str | Path) -> list[Path]:
 
 
 def decode_image(value: dict[str, Any] | Image.Image, name: str, shorter: int = 0) -> Image.Image:
-    """An RGB PIL image from a ``datasets.Image(decode=False)`` value; UserError naming the file.
+    """:func:`decode_sized` without the original size."""
+    return decode_sized(value, name, shorter)[0]
+
+
+def decode_sized(
+    value: dict[str, Any] | Image.Image, name: str, shorter: int = 0
+) -> tuple[Image.Image, tuple[int, int]]:
+    """An RGB PIL image from a ``datasets.Image(decode=False)`` value, and the file's own ``(width,
+    height)``; UserError naming the file.
 
     ``shorter`` > 0: a JPEG whose shorter side is larger is decoded reduced (1/2, 1/4 or 1/8, in the
     JPEG decoder, at a fraction of the cost), as far as its shorter side stays at least ``shorter``
     pixels: what a transform that needs that many pixels (:func:`needed_side`) then makes of it is the
     same picture, without the full decode of a camera-size photo."""
     if isinstance(value, Image.Image):
-        return value.convert("RGB")
+        return value.convert("RGB"), value.size
     path = value.get("path") or name
     try:
         image = Image.open(io.BytesIO(value["bytes"])) if value.get("bytes") else Image.open(value["path"])
+        size = image.size
         if shorter and image.format == "JPEG" and min(image.size) > shorter:
             k = shorter / min(image.size)  # PIL picks the largest reduction that keeps at least this size
             image.draft(image.mode, (math.ceil(image.width * k), math.ceil(image.height * k)))
         image.load()
-        return image.convert("RGB")
+        return image.convert("RGB"), size
     except Exception as e:
         raise UserError(f"cannot read image '{path}': {type(e).__name__}: {e}") from None
 

@@ -495,14 +495,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
     data = without_unreadable(run, data, "image", train=not cfg.eval_only)
     num_classes = len(data.classes)
-    eval_set = DetectionDataset(data.eval, data_transforms(cfg, False), cfg.seed)
+    # camera-size JPEGs decoded reduced, as far as the resizes (and the crop branch's) still find their pixels
+    eval_set = DetectionDataset(data.eval, data_transforms(cfg, False), cfg.seed, cfg.scales[-1])
     eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=detr_collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
         model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
-    train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed)
+    train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed, max(*cfg.scales, *cfg.crop_resize))
     train_loader = train_loader_for(
         train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, collate_fn=detr_collate
     )

@@ -681,7 +681,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
     data = without_unreadable(run, data, "image", train=not cfg.eval_only)
     num_classes = len(data.classes)
-    eval_set = DetectionDataset(data.eval, data_transforms(False, 0.0, False), cfg.seed)
+    # camera-size JPEGs decoded reduced, as far as the model's resize to min_size still finds its pixels
+    eval_set = DetectionDataset(data.eval, data_transforms(False, 0.0, False), cfg.seed, max(cfg.min_size))
     eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=list_collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
@@ -701,7 +702,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 "box to learn left out (--keep_empty true keeps them)"
             )
             data.train = data.train.select(keep)
-    train_set = DetectionDataset(data.train, data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed)
+    train_set = DetectionDataset(
+        data.train, data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed, max(cfg.min_size)
+    )
     aspect = [w / h for w, h in zip(data.train["width"], data.train["height"])]  # from the table: nothing decoded
     sampler = AspectRatioBatchSampler(
         aspect, cfg.batch_size, cfg.seed, True, accelerator.num_processes, cfg.aspect_ratio_group_factor

@@ -426,7 +426,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
     data = without_unreadable(run, data, "image", train=not cfg.eval_only)
     num_classes = len(data.classes)
-    eval_set = DetectionDataset(data.eval, detection_transforms(False, cfg.img_size, preset=cfg.augment), cfg.seed)
+    eval_tf = detection_transforms(False, cfg.img_size, preset=cfg.augment)
+    eval_set = DetectionDataset(
+        data.eval, eval_tf, cfg.seed, cfg.img_size
+    )  # large JPEGs decoded reduced to the letterbox
     eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
