@@ -74,6 +74,7 @@ class RunConfig:
     eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
     num_workers: int = 2  # DataLoader worker processes per training process (0: load in the main process)
     bad_images: Literal["skip", "error"] = "skip"  # unreadable images found before training: left out, or refused
+    cache_images: Literal["", "ram", "disk"] = ""  # each image decoded once, kept in ram or on disk
     epochs: int = 1  # training epochs
     max_steps: int = 0  # >0: stop after this many optimizer steps
     batch_size: int = 16  # images per process and micro-step: global batch = this x processes x grad_accum_steps

@@ -229,6 +229,7 @@ class ClassificationDataset(torch.utils.data.Dataset):
         self.ds, self.image_column, self.label_column = ds, image_column, label_column
         self.transform, self.seed = transform, seed
         self.shorter = shorter  # > 0: large JPEGs decoded reduced to this shorter side (common.images.decode_image)
+        self.cache: Any = None  # an ImageCache (common/image_cache.py, --cache_images): decoded once
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -237,6 +238,9 @@ class ClassificationDataset(torch.utils.data.Dataset):
         epoch, index, repeat = (tuple(key) + (0,))[:3] if isinstance(key, tuple) else (0, key, 0)
         for attempt in range(REPLACEMENT_TRIES + 1):  # an image unreadable since the start's scan is replaced
             row = self.ds[int(index)]
+            if self.cache is not None:
+                image = self.cache.get(int(index))[0]
+                break
             try:
                 image = decode_image(
                     row[self.image_column], f"row {index} of column '{self.image_column}'", self.shorter

@@ -157,6 +157,8 @@ class DetectionDataset(torch.utils.data.Dataset):
         # > 0: large JPEGs decoded reduced to this shorter side, boxes scaled with them; ``orig_size``
         # stays the file's own (common.images.decode_sized)
         self.shorter = shorter
+        self.image_column = "image"
+        self.cache: Any = None  # an ImageCache (common/image_cache.py, --cache_images): decoded once
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -165,6 +167,9 @@ class DetectionDataset(torch.utils.data.Dataset):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         for attempt in range(REPLACEMENT_TRIES + 1):  # an image unreadable since the start's scan is replaced
             row = self.ds[int(index)]
+            if self.cache is not None:
+                image, (width, height) = self.cache.get(int(index))
+                break
             try:
                 image, (width, height) = decode_sized(
                     row["image"], f"row {index} (image_id {row['image_id']})", self.shorter

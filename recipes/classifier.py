@@ -49,6 +49,7 @@ from common.data import ClassificationDataset, load_classification
 from common.ema import ModelEma
 from common.export import OnnxModel, export_model, export_run, is_onnx
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
+from common.image_cache import cache_images
 from common.images import decode_image, image_files, needed_side, readable_images
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
@@ -508,6 +509,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     sides = needed_side(cfg.img_size, cfg.scale[0], cfg.ratio), needed_side(cfg.img_size, crop_pct=data_cfg["crop_pct"])
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed, sides[0])
     eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed, sides[1])
+    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/image_cache.py)
     train_loader = train_loader_for(
         train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, repeats=cfg.aug_repeats
     )

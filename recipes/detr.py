@@ -82,6 +82,7 @@ from common.detection import (
 )
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.export import OnnxModel, export_model, export_run, is_onnx
+from common.image_cache import cache_images
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.model_folder import write_detector_folder
@@ -504,6 +505,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
     train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed, max(*cfg.scales, *cfg.crop_resize))
+    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/image_cache.py)
     train_loader = train_loader_for(
         train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, collate_fn=detr_collate
     )

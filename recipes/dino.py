@@ -54,6 +54,7 @@ from common.data import ClassificationData, ClassificationDataset, load_classifi
 from common.ema import ema_update_
 from common.export import export_model, export_run
 from common.feature_figures import attention_overlay, neighbour_grid
+from common.image_cache import cache_images
 from common.images import needed_side
 from common.knn import extract, knn_accuracy, knn_predict, shard
 from common.loaders import eval_loader_for, train_loader_for
@@ -622,11 +623,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     crops = [(cfg.global_size, cfg.global_scale[0]), (cfg.local_size, cfg.local_scale[0])]
     side = max(needed_side(size, scale, (3 / 4, 4 / 3)) for size, scale in crops)  # torchvision's default ratio
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, MultiCrop(cfg), cfg.seed, side)
+    cache_images(run, train_set)  # --cache_images: each image decoded once (common/image_cache.py)
     train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes)
     if knn_set is not None:  # each process reads its own share of the bank and of the queries
         bank_set, query_set, bank_loader, query_loader, pixel_loader = knn_loaders(
             cfg, knn_set, accelerator.process_index, accelerator.num_processes
         )
+        cache_images(run, bank_set, query_set)  # --cache_images: each image decoded once (common/image_cache.py)
 
     # ---- model: the student; the teacher is copied from it once prepared (the same on every process) --
     student = create_student(cfg)

@@ -71,6 +71,7 @@ from common.console import cli_main
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.export import OnnxModel, export_model, export_run, is_onnx
+from common.image_cache import cache_images
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.model_folder import write_detector_folder
@@ -705,6 +706,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_set = DetectionDataset(
         data.train, data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed, max(cfg.min_size)
     )
+    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/image_cache.py)
     aspect = [w / h for w, h in zip(data.train["width"], data.train["height"])]  # from the table: nothing decoded
     sampler = AspectRatioBatchSampler(
         aspect, cfg.batch_size, cfg.seed, True, accelerator.num_processes, cfg.aspect_ratio_group_factor

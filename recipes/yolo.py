@@ -64,6 +64,7 @@ from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, coll
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.ema import ModelEma
 from common.export import OnnxModel, export_model, export_run, is_onnx
+from common.image_cache import cache_images
 from common.loaders import eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.model_folder import write_detector_folder
@@ -212,6 +213,7 @@ class YoloTrainSet(torch.utils.data.Dataset):
             if self.transform_at is None:
                 raise ValueError(f"input size {size} asked of a YoloTrainSet made for {self.size} only")
             self._at_size[size] = DetectionDataset(self.base.ds, self.transform_at(size), self.base.seed)
+            self._at_size[size].cache = self.base.cache  # --cache_images: the decoded images are the same
         image, target = self._at_size[size][(epoch, index)]
         boxes = target["boxes"].as_subclass(torch.Tensor).float()
         return image, boxes, target["labels"], torch.ones(len(boxes)), target["dropped"]
@@ -455,6 +457,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cfg.seed,
         transform_at,
     )
+    cache_images(run, train_set.base, eval_set)  # --cache_images: each image decoded once (common/image_cache.py)
     sampler = MultiScaleBatchSampler(
         len(train_set),
         cfg.batch_size,

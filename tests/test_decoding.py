@@ -102,3 +102,32 @@ def test_a_detectors_boxes_follow_a_reduced_decode(photo):
         full[1]["boxes"].as_subclass(torch.Tensor), reduced[1]["boxes"].as_subclass(torch.Tensor), atol=0.5
     )
     assert full[1]["orig_size"] == reduced[1]["orig_size"] == (3024, 4032)
+
+
+def test_cached_images_are_the_decoded_ones_and_a_cache_too_large_is_refused(photo, tmp_path, monkeypatch):
+    """--cache_images: each image decoded once at the size the transform needs (in RAM, or as .npy files
+    reused by a later run); the dataset then gives the same samples as without it; a cache that would
+    not fit is one line before anything is decoded."""
+    from types import SimpleNamespace
+
+    from common import UserError
+    from common.data import ClassificationDataset
+    from common.image_cache import cache_images
+    from conftest import detection_table
+
+    monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache"))
+    table = detection_table([{"path": str(photo), "bytes": None}], [[[10.0, 10.0, 50.0, 50.0]]])
+    transform = create_transform(224, is_training=False, crop_pct=0.875)
+    plain = ClassificationDataset(table, "image", "", transform, shorter=256)
+    expected = plain[0][0]
+    for where in ("ram", "disk"):
+        cached = ClassificationDataset(table, "image", "", transform, shorter=256)
+        run = SimpleNamespace(cfg=SimpleNamespace(cache_images=where, num_workers=1), notes=[])
+        cache_images(run, cached)
+        assert cached.cache.images[0].shape == (378, 504, 3) and cached.cache.sizes[0] == (4032, 3024)
+        assert torch.equal(cached[0][0], expected) and "1 images decoded once" in run.notes[0]
+    assert len(list((tmp_path / "cache" / "images").rglob("*.npy"))) == 1  # disk: kept for the next run
+    monkeypatch.setattr("common.image_cache.available_memory", lambda: 100_000)
+    run = SimpleNamespace(cfg=SimpleNamespace(cache_images="ram", num_workers=1), notes=[])
+    with pytest.raises(UserError, match=r"cache_images ram needs 0.0 GiB for 1 images; 0.0 GiB of available memory"):
+        cache_images(run, ClassificationDataset(table, "image", "", transform, shorter=256))

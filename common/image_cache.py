@@ -1,0 +1,132 @@
+"""Decoded images kept for a whole run (``--cache_images ram|disk``), as Ultralytics' ``cache=ram|disk``:
+for a small dataset trained for many epochs, each image is decoded once (reduced to the size its
+transforms need, :func:`common.images.decode_sized`) instead of once per epoch.
+
+- ``ram``: one ``uint8`` array per image, filled in the training process before its loader workers
+  start; the workers inherit them (fork, copy-on-write), so they are held once per training process.
+- ``disk``: one ``.npy`` per image under ``<cache root>/images/<dataset fingerprint>-<side>/``, written once
+  and memory-mapped afterwards; a later run on the same dataset reuses them.
+
+The memory (or disk space) it takes is estimated from the images' headers before anything is decoded, and
+a cache that would not fit is refused in one line. The transforms see the same pictures as without the
+cache: an image is stored at the size the reduced decoding gives.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from common import UserError
+from common.images import decode_sized
+
+
+def _stored_size(value: dict[str, Any], shorter: int) -> tuple[int, int]:
+    """The (width, height) an image is kept at: what :func:`decode_sized` gives, from its header alone."""
+    with Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as image:
+        w, h = image.size
+        if not (shorter and image.format == "JPEG" and min(w, h) > shorter):
+            return w, h
+    scale = 1
+    while scale < 8 and min(w, h) // (scale * 2) >= shorter:  # the JPEG decoder's reductions: 1/2, 1/4, 1/8
+        scale *= 2
+    return -(-w // scale), -(-h // scale)
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations (Linux ``MemAvailable``; elsewhere a large number)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 50
+
+
+class ImageCache:
+    """The decoded images of ``table``'s ``column`` at ``shorter`` (see the module docstring); ``get(i)``
+    gives row ``i``'s RGB image and the file's own (width, height)."""
+
+    def __init__(self, table: Any, column: str, shorter: int, where: str, folder: Path | None = None) -> None:
+        self.table, self.column, self.shorter, self.where = table, column, shorter, where
+        self.folder = folder
+        self.images: list[np.ndarray | None] = [None] * len(table)
+        self.sizes: list[tuple[int, int]] = [(0, 0)] * len(table)
+
+    def estimate(self) -> int:
+        """Bytes the cache will hold, from the images' headers."""
+        values = self.table.select_columns([self.column])
+        return sum(3 * w * h for w, h in (_stored_size(row[self.column], self.shorter) for row in values))
+
+    def _one(self, index: int) -> tuple[np.ndarray, tuple[int, int]]:
+        value = self.table[index][self.column]
+        file = self.folder / f"{index}.npy" if self.folder is not None else None
+        if file is not None and file.is_file():
+            array = np.load(file, mmap_mode="r")
+            with Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as im:
+                return array, im.size
+        image, size = decode_sized(value, f"row {index}", self.shorter)
+        array = np.asarray(image)
+        if file is not None:
+            tmp = file.with_suffix(f".{os.getpid()}.tmp.npy")
+            np.save(tmp, array)
+            tmp.replace(file)
+            array = np.load(file, mmap_mode="r")
+        return array, size
+
+    def fill(self, workers: int = 1) -> None:
+        """Decode every image (``workers`` threads: the decoders release the GIL)."""
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            for i, (array, size) in enumerate(pool.map(self._one, range(len(self.table)))):
+                self.images[i], self.sizes[i] = array, size
+
+    def get(self, index: int) -> tuple[Image.Image, tuple[int, int]]:
+        return Image.fromarray(np.asarray(self.images[index])), self.sizes[index]
+
+
+def cache_images(run: Any, *datasets: Any) -> None:
+    """With ``run.cfg.cache_images`` (``ram`` or ``disk``), give each dataset (a
+    :class:`common.data.ClassificationDataset` or :class:`common.detection.DetectionDataset`: its ``ds``,
+    ``image_column`` and ``shorter``) an :class:`ImageCache`, filled now. All are estimated first: more
+    than 80 % of the available memory (``ram``, times the training processes on this machine) or of the
+    cache folder's free disk (``disk``) is one :class:`UserError`, before any is filled."""
+    where = run.cfg.cache_images
+    if not where:
+        return
+    from common.builtin.cache import cache_root
+
+    caches = []
+    for ds in datasets:
+        folder = None
+        if where == "disk":
+            folder = cache_root() / "images" / f"{ds.ds._fingerprint}-{ds.image_column}-{ds.shorter}"
+        caches.append(ImageCache(ds.ds, ds.image_column, ds.shorter, where, folder))
+    need = sum(c.estimate() for c in caches)
+    if where == "ram":
+        need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # every training process on this machine holds one
+        have, of = available_memory(), "available memory"
+    else:
+        root = cache_root()
+        root.mkdir(parents=True, exist_ok=True)
+        have, of = shutil.disk_usage(root).free, f"free disk under {root}"
+    if need > 0.8 * have:
+        raise UserError(
+            f"cache_images {where} needs {need / 2**30:.1f} GiB for {sum(len(c.table) for c in caches):,} images; "
+            f"{have / 2**30:.1f} GiB of {of}: use {'disk' if where == 'ram' else 'ram'} or leave it off"
+        )
+    for ds, cache in zip(datasets, caches):
+        cache.fill(run.cfg.num_workers or 1)
+        ds.cache = cache
+    run.notes.append(
+        f"  cache     {sum(len(c.table) for c in caches):,} images decoded once, {need / 2**20:,.0f} MiB in {where}"
+    )
