@@ -24,7 +24,7 @@ import torch
 from common import UserError
 from common.builtin import CLASSIFICATION
 from common.images import decode_image
-from common.loaders import REPLACEMENT_TRIES, replacement, sample_seed, seeded
+from common.loaders import REPLACEMENT_TRIES, replacement, sample_seed, seeded, shared_count
 
 EVAL_SPLITS = ("validation", "val", "valid", "test")
 
@@ -230,6 +230,10 @@ class ClassificationDataset(torch.utils.data.Dataset):
         self.transform, self.seed = transform, seed
         self.shorter = shorter  # > 0: large JPEGs decoded reduced to this shorter side (common.images.decode_image)
         self.cache: Any = None  # an ImageCache (common/image_cache.py, --cache_images): decoded once
+        self.replaced = shared_count()  # samples whose image broke during the run (common.loaders.replacement)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "replaced": None}  # a shared counter only passes to forked workers
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -247,6 +251,6 @@ class ClassificationDataset(torch.utils.data.Dataset):
                 )
                 break
             except UserError as e:
-                index = replacement(self.seed, epoch, index, len(self), attempt, e)
+                index = replacement(self.seed, epoch, index, len(self), attempt, e, self.replaced)
         with seeded(sample_seed(self.seed, epoch, index, repeat)):  # label -1: a dataset without labels
             return self.transform(image), int(row[self.label_column]) if self.label_column else -1

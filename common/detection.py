@@ -32,7 +32,7 @@ from common.builtin import DETECTION
 from common.data import EVAL_SPLITS, load_saved_or_hub, same_split
 from common.detection_sources import coco_splits, image_table, load_coco_split, normalise
 from common.images import decode_sized, image_files, readable_images
-from common.loaders import REPLACEMENT_TRIES, eval_loader_for, replacement, sample_seed, seeded
+from common.loaders import REPLACEMENT_TRIES, eval_loader_for, replacement, sample_seed, seeded, shared_count
 
 # Per-channel RGB mean and std (0..1) that ImageNet-pretrained backbones expect; the detection
 # recipes normalise with them, and plots undo it.
@@ -159,6 +159,10 @@ class DetectionDataset(torch.utils.data.Dataset):
         self.shorter = shorter
         self.image_column = "image"
         self.cache: Any = None  # an ImageCache (common/image_cache.py, --cache_images): decoded once
+        self.replaced = shared_count()  # samples whose image broke during the run (common.loaders.replacement)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "replaced": None}  # a shared counter only passes to forked workers
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -176,7 +180,7 @@ class DetectionDataset(torch.utils.data.Dataset):
                 )
                 break
             except UserError as e:
-                index = replacement(self.seed, epoch, index, len(self), attempt, e)
+                index = replacement(self.seed, epoch, index, len(self), attempt, e, self.replaced)
         objects = row["objects"]
         keep = [i for i, crowd in enumerate(objects["iscrowd"]) if not crowd]
         xywh = torch.tensor([objects["bbox"][i] for i in keep], dtype=torch.float32).reshape(-1, 4)

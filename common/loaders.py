@@ -32,13 +32,24 @@ REPLACEMENT_TRIES = 10
 _told: set[str] = set()  # the unreadable files this process has named
 
 
-def replacement(seed: int, epoch: int, index: int, size: int, attempt: int, error: Exception) -> int:
+def shared_count() -> Any:
+    """An integer that the DataLoader workers forked from this process add to and this process reads
+    (``.value``); a dataset holding one drops it when pickled (:func:`replacement` then counts nothing)."""
+    import multiprocessing
+
+    return multiprocessing.Value("q", 0)
+
+
+def replacement(seed: int, epoch: int, index: int, size: int, attempt: int, error: Exception, count: Any = None) -> int:
     """The index of the sample that stands in for ``index``, whose image became unreadable after the
     start's scan (deleted or rewritten during the run; ``error`` says so): drawn from (seed, epoch, index,
-    attempt), so a resumed run draws the same. The file is named once per process on stderr; after
-    :data:`REPLACEMENT_TRIES` unreadable draws the error ends the run."""
+    attempt), so a resumed run draws the same. The file is named once per process on stderr and counted in
+    ``count`` (:func:`shared_count`); after :data:`REPLACEMENT_TRIES` unreadable draws the error ends the run."""
     if attempt >= REPLACEMENT_TRIES:
         raise error
+    if count is not None:
+        with count.get_lock():
+            count.value += 1
     if str(error) not in _told:
         _told.add(str(error))
         print(f"warning: {error}; another image, drawn from the seed, takes its place", file=sys.stderr, flush=True)

@@ -214,6 +214,7 @@ class YoloTrainSet(torch.utils.data.Dataset):
                 raise ValueError(f"input size {size} asked of a YoloTrainSet made for {self.size} only")
             self._at_size[size] = DetectionDataset(self.base.ds, self.transform_at(size), self.base.seed)
             self._at_size[size].cache = self.base.cache  # --cache_images: the decoded images are the same
+            self._at_size[size].replaced = self.base.replaced  # one count of the images broken during the run
         image, target = self._at_size[size][(epoch, index)]
         boxes = target["boxes"].as_subclass(torch.Tensor).float()
         return image, boxes, target["labels"], torch.ones(len(boxes)), target["dropped"]

@@ -129,7 +129,7 @@ def _detection_folder(root: Path) -> Path:
             _jpeg(root / split / f"{i}.jpg", rng, (48, 32))
             images.append({"id": 100 + i, "file_name": f"{i}.jpg", "width": 48, "height": 32})
             for k in range(1 + i % 2):
-                box = [4 + k * 10, 4, 8, 8]
+                box = [4 + k * 16, 4, 6 + i % 5, 5 + (i + k) % 4]  # sizes that vary: YOLO's k-means anchors
                 annotations.append({"id": len(annotations) + 1, "image_id": 100 + i, "category_id": [4, 9][k],
                                     "bbox": box, "area": 64, "iscrowd": 0})  # fmt: skip
         categories = [{"id": 4, "name": "four"}, {"id": 9, "name": "nine"}]
@@ -168,6 +168,27 @@ def test_an_image_broken_during_the_run_is_replaced_from_the_seed(photos, tmp_pa
     err = capsys.readouterr().err
     told = [line for line in err.splitlines() if "dog_3.jpg" in line]  # once, though drawn twice
     assert len(told) == 1 and told[0].endswith("another image, drawn from the seed, takes its place")
+    assert dataset.replaced.value >= 2  # counted each time (and the broken files of the fixture too)
+
+
+def test_a_run_whose_file_breaks_after_the_scan_goes_on_and_logs_the_count(photos, tmp_path, monkeypatch):
+    """The file is deleted once the scan has passed it: the run ends, and train/replaced_images says so."""
+    classifier = load_recipe("classifier")
+    victim = photos / "train" / "cat" / "cat_5.jpg"
+    scanned = classifier.without_unreadable
+
+    def scan_then_delete(*args, **kwargs):
+        kept = scanned(*args, **kwargs)
+        victim.unlink(missing_ok=True)
+        return kept
+
+    monkeypatch.setattr(classifier, "without_unreadable", scan_then_delete)
+    run = tmp_path / "run"
+    args = ["--report_to", "none", "--data", str(photos), "--batch_size", "8", "--max_steps", "6", "--log_every", "3"]
+    classifier.main(TINY_CLASSIFIER + args + ["--output_dir", str(run)])
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    counts = [r["train/replaced_images"] for r in logged if "train/replaced_images" in r]
+    assert counts and counts[-1] >= 1 and logged[-1]["step"] == 6
 
 
 @pytest.mark.slow
@@ -186,3 +207,16 @@ def test_two_processes_scan_their_shares_and_agree(photos, tmp_path):
     )
     assert "4 of 28 training images cannot be read and are skipped" in " ".join(proc.stdout.split())
     assert (run / "bad_images.txt").read_text().count("\n") == 6
+
+
+@pytest.mark.parametrize("recipe", ["yolo", "detr", "faster_rcnn", "dino"])
+def test_every_recipe_runs_to_its_end_past_broken_files(recipe, photos, tmp_path, capsys):
+    """Each recipe on a folder holding broken files: they are listed and left out, and the run ends."""
+    data = _detection_folder(tmp_path / "coco") if recipe != "dino" else photos
+    run = tmp_path / "run"
+    args = ["--data", str(data), "--report_to", "none", "--num_workers", "0", "--batch_size", "4", "--max_steps", "2"]
+    extra = {"yolo": ["--export", "false"], "detr": ["--pretrain_crops_epochs", "0"], "dino": ["--knn_k", "3"]}
+    load_recipe(recipe).main(args + extra.get(recipe, []) + ["--output_dir", str(run)])
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("2 of 10 training images (with 3 boxes)" if recipe != "dino" else "4 of 28 training images") in out
+    assert out.endswith(f"output: {run}") and (run / "bad_images.txt").is_file()
