@@ -223,3 +223,12 @@ class OnnxModel:
 def is_onnx(path: str | Path) -> bool:
     """Whether ``path`` names an ONNX file (by its suffix), as ``--weights`` may."""
     return Path(path).suffix.lower() == ".onnx"
+
+
+def export_saved(run: Any, write: Callable[[Path], dict[str, float]]) -> dict[str, float]:
+    """``--export --weights W``: the run (``run``: :class:`common.run.Run`) begins, ``write(run.dir)`` exports
+    W's model (no data is read, nothing trained) and the run ends; returns the differences from eager."""
+    run.begin()
+    diffs = export_run(run, run.dir, write)
+    run.finish([run.dir / "model.onnx"])
+    return diffs

@@ -47,7 +47,7 @@ from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optim
 from common.console import cli_main
 from common.data import ClassificationDataset, load_classification
 from common.ema import ModelEma
-from common.export import OnnxModel, export_model, export_run, is_onnx
+from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.image_cache import cache_images
 from common.images import decode_image, image_files, needed_side, readable_images
@@ -416,15 +416,6 @@ def export_files(
     return export_model(model, {"images": example}, ["logits"], folder, meta)
 
 
-def export_weights(cfg: Config, run: Run) -> dict[str, float]:
-    """``--export --weights W``: W as ONNX (and .pt2) in the run folder; no data is read."""
-    model, classes = trained_model(cfg)
-    run.begin()
-    diffs = export_run(run, run.dir, lambda folder: export_files(model, cfg, classes, folder, run.recipe))
-    run.finish([run.dir / "model.onnx"])
-    return diffs
-
-
 @torch.no_grad()
 def predict(cfg: Config, run: Run) -> dict[str, float]:
     """``predictions.csv`` in the run folder: per image its path and the top-5 class names and probabilities;
@@ -476,8 +467,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     accelerator = run.accelerator
     if cfg.predict:
         return predict(cfg, run)
-    if cfg.export and cfg.weights and not cfg.eval_only:
-        return export_weights(cfg, run)
+    if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W's export, no data read
+        model, classes = trained_model(cfg)
+        return export_saved(run, lambda folder: export_files(model, cfg, classes, folder, run.recipe))
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():  # the main process fills the datasets cache first

@@ -52,7 +52,7 @@ from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
 from common.console import cli_main
 from common.data import ClassificationData, ClassificationDataset, load_classification
 from common.ema import ema_update_
-from common.export import export_model, export_run
+from common.export import export_model, export_run, export_saved
 from common.feature_figures import attention_overlay, neighbour_grid
 from common.image_cache import cache_images
 from common.images import needed_side
@@ -600,10 +600,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W as ONNX, no data read
         backbone = create_backbone(cfg)
         load_backbone(backbone, cfg.weights, cfg.model)
-        run.begin()
-        diffs = export_run(run, run.dir, lambda folder: export_files(backbone, cfg, folder, run.recipe))
-        run.finish([run.dir / "model.onnx"])
-        return diffs
+        return export_saved(run, lambda folder: export_files(backbone, cfg, folder, run.recipe))
 
     # ---- data: unlabelled images train; a labelled set (data itself, or knn_data) evaluates ---------
     with accelerator.main_process_first():

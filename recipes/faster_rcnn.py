@@ -70,7 +70,7 @@ from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
 from common.console import cli_main
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
-from common.export import OnnxModel, export_model, export_run, is_onnx
+from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
 from common.image_cache import cache_images
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
@@ -632,15 +632,6 @@ def export_files(
     return export_model(Exported(model), {"image": image}, names, folder, saved, spatial, legacy=True)
 
 
-def export_weights(cfg: Config, run: Run) -> dict[str, float]:
-    """``--export --weights W``: W as ONNX in the run folder; no data is read."""
-    model, meta = trained_model(cfg)
-    run.begin()
-    diffs = export_run(run, run.dir, lambda folder: export_files(model, cfg, meta, folder, run.recipe))
-    run.finish([run.dir / "model.onnx"])
-    return diffs
-
-
 # ============================================================================================
 # Training
 # ============================================================================================
@@ -673,14 +664,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     accelerator = run.accelerator
     if cfg.predict:
         return predict(cfg, run)
-    if cfg.export and cfg.weights and not cfg.eval_only:
-        return export_weights(cfg, run)
+    if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W's export, no data read
+        model, meta = trained_model(cfg)
+        return export_saved(run, lambda folder: export_files(model, cfg, meta, folder, run.recipe))
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
     data = without_unreadable(run, data, "image", train=not cfg.eval_only)
+    # what every weights file records: classes, the dataset's ids, the input normalisation (common/weights.py)
+    saved_as = {"classes": data.classes, "recipe": run.recipe, "category_ids": data.category_ids}
+    saved_as["normalization"] = (IMAGENET_MEAN, IMAGENET_STD)
     num_classes = len(data.classes)
     # camera-size JPEGs decoded reduced, as far as the model's resize to min_size still finds its pixels
     eval_set = DetectionDataset(data.eval, data_transforms(False, 0.0, False), cfg.seed, max(cfg.min_size))
@@ -789,31 +784,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             )
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
-                save_weights(
-                    weights,
-                    run.dir / "best.safetensors",
-                    cfg,
-                    data.classes,
-                    run.recipe,
-                    data.category_ids,
-                    (IMAGENET_MEAN, IMAGENET_STD),
-                )
+                save_weights(weights, run.dir / "best.safetensors", cfg, **saved_as)
     if loop.stopped:
         return results
 
     # ---- saving -----------------------------------------------------------------------------------
     weights = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        save_weights(
-            weights,
-            run.dir / "final.safetensors",
-            cfg,
-            data.classes,
-            run.recipe,
-            data.category_ids,
-            (IMAGENET_MEAN, IMAGENET_STD),
-        )
-    if accelerator.is_main_process:  # what leaves the project: the best (evaluated) weights
+    if accelerator.is_main_process:  # the last weights; what leaves the project: the best (evaluated) ones
+        save_weights(weights, run.dir / "final.safetensors", cfg, **saved_as)
         sizes = (len(train_set), len(eval_set))
         write_detector_folder(run, to_dict(cfg), data.classes, sizes, loop.best_for_card(cfg.best_metric))
     if cfg.export and accelerator.is_main_process:
