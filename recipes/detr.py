@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
-    train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed, max(*cfg.scales, *cfg.crop_resize))
+    train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed, max([*cfg.scales, *cfg.crop_resize]))
     cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/image_cache.py)
     train_loader = train_loader_for(
         train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, collate_fn=detr_collate

@@ -212,7 +212,9 @@ class YoloTrainSet(torch.utils.data.Dataset):
         if size not in self._at_size:
             if self.transform_at is None:
                 raise ValueError(f"input size {size} asked of a YoloTrainSet made for {self.size} only")
-            self._at_size[size] = DetectionDataset(self.base.ds, self.transform_at(size), self.base.seed)
+            self._at_size[size] = DetectionDataset(
+                self.base.ds, self.transform_at(size), self.base.seed, self.base.shorter
+            )
             self._at_size[size].cache = self.base.cache  # --cache_images: the decoded images are the same
             self._at_size[size].replaced = self.base.replaced  # one count of the images broken during the run
         image, target = self._at_size[size][(epoch, index)]
@@ -444,8 +446,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         color_jitter=cfg.color_jitter,
         preset=cfg.augment,
     )
+    # camera-size JPEGs decoded reduced, as far as the largest size times the scale jitter's zoom still finds
+    # its pixels (letterbox); GluonCV's crops zoom further: decoded in full
+    largest = math.ceil(max([cfg.img_size, *cfg.multiscale]) * cfg.scale_range[1]) if cfg.augment == "letterbox" else 0
     train_set = YoloTrainSet(
-        DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed),
+        DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed, largest),
         cfg.img_size,
         cfg.mosaic,
         cfg.mixup,
