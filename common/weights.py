@@ -215,3 +215,29 @@ def load_state(model: nn.Module, state: dict[str, torch.Tensor], path: str | Pat
         raise UserError(f"weights '{path}'{by} do not fit this model: {problem}")
     model.load_state_dict(state)
     return model
+
+
+def load_backbone(backbone: nn.Module, path: str | Path) -> None:
+    """``--init_backbone``: a detector's timm ``features_only`` backbone from a safetensors file of the same
+    timm model (the classifier's ``best.safetensors``, DINO's ``teacher_backbone.safetensors``, one saved
+    from ``timm.create_model``): every tensor the backbone has must be there with its shape, or one
+    :class:`UserError` names the first that is not; the rest (a classifier head, stages the detector does
+    not read) is ignored. Keys under ``backbone.`` (a detector's own file) or ``model.`` / ``module.`` (a
+    wrapped model's) are found too, and so are the plain model's names of the modules a ``features_only``
+    model flattens. The detector's own layers stay as they were made."""
+    import safetensors.torch
+
+    if not Path(path).is_file():
+        raise UserError(f"init_backbone '{path}' does not exist")
+    state = safetensors.torch.load_file(str(path))
+    own = backbone.state_dict()
+    for prefix in ("backbone.", "model.", "module."):
+        if not any(k in state for k in own):
+            state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)} or state
+    # a features_only model flattens its first level of nested modules: `stem.conv1` is `stem_conv1` there
+    flat = {k: k if k in state else k.replace("_", ".", 1) for k in own}
+    state = {k: state[f] for k, f in flat.items() if f in state}
+    problem = mismatch(state, own)
+    if problem:
+        raise UserError(f"init_backbone '{path}'{saved_by(path)} does not fit the backbone: {problem}")
+    backbone.load_state_dict(state)

@@ -58,7 +58,6 @@ except ModuleNotFoundError:
     sys.exit(2)
 
 
-import safetensors.torch
 import timm
 import torch
 from torch import nn
@@ -93,12 +92,11 @@ from common.schedules import schedule, set_group_values
 from common.weights import (
     config_with_weights,
     kept_weights,
+    load_backbone,
     load_state,
     load_weights,
-    mismatch,
     read_metadata,
     save_weights,
-    saved_by,
     weights_metadata,
 )
 
@@ -323,25 +321,6 @@ def create_backbone(cfg: Config) -> nn.Module:
     if cfg.init_backbone:
         load_backbone(backbone, cfg.init_backbone)
     return backbone
-
-
-def load_backbone(backbone: nn.Module, path: str) -> None:
-    """Backbone weights from a safetensors file of the same timm model (a classifier's, or one saved
-    from ``timm.create_model``): every tensor the ``features_only`` backbone has must be there with its
-    shape; the rest (the classifier head, stages after ``out_index``) is ignored. Keys under
-    ``backbone.`` (a DETR's own file) or ``model.`` / ``module.`` (a wrapped model's) are found too."""
-    if not Path(path).is_file():
-        raise UserError(f"init_backbone '{path}' does not exist")
-    state = safetensors.torch.load_file(path)
-    own = backbone.state_dict()
-    for prefix in ("backbone.", "model.", "module."):
-        if not any(k in state for k in own):
-            state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)} or state
-    state = {k: v for k, v in state.items() if k in own}
-    problem = mismatch(state, own)
-    if problem:
-        raise UserError(f"init_backbone '{path}'{saved_by(path)} does not fit the backbone: {problem}")
-    backbone.load_state_dict(state)
 
 
 # ============================================================================================

@@ -82,6 +82,7 @@ from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import (
     config_with_weights,
     kept_weights,
+    load_backbone,
     load_state,
     load_weights,
     read_metadata,
@@ -148,6 +149,8 @@ class Config(RunConfig):
     #   timm.create_model arguments; the demo: resnet10t at half width
     pretrained: bool = False  # timm: ImageNet backbone; presets: COCO weights (both need network)
     pretrained_backbone: bool = False  # presets only: ImageNet backbone weights
+    init_backbone: str = ""  # timm models: safetensors of the same timm model (classifier.py's best.safetensors,
+    #   DINO's teacher_backbone.safetensors) for the backbone; the FPN, RPN and box head stay new
     out_indices: list[int] = field(default_factory=lambda: [1, 2, 3])  # timm feature levels (1 = stride 4)
     fpn_channels: int = 48  # FPN width at every level (torchvision: 256)
     extra_pool: bool = False  # one more FPN level by max-pooling the coarsest (torchvision's "pool")
@@ -485,6 +488,8 @@ def timm_model(cfg: Config, num_classes: int) -> TwoStageDetector:
         raise UserError(
             f"model '{cfg.model}' does not take out_indices {cfg.out_indices} and model_kwargs {cfg.model_kwargs}: {e}"
         ) from None
+    if cfg.init_backbone:  # before freezing: frozen batch norm takes the loaded statistics
+        load_backbone(body, cfg.init_backbone)
     freeze_stages(body, cfg.freeze_at)
     if cfg.frozen_bn:
         body = timm.layers.freeze_batch_norm_2d(body)  # BatchNorm2d -> FrozenBatchNorm2d
@@ -599,7 +604,8 @@ def trained_model(cfg: Config, data: Any = None) -> tuple[nn.Module, dict[str, A
     which must be those of ``data`` when given."""
     state, meta = load_weights(cfg.weights, "detector")
     check_classes(cfg.weights, meta, data)
-    model = create_model(dataclasses.replace(cfg, pretrained=False, pretrained_backbone=False), len(meta["classes"]))
+    plain = dataclasses.replace(cfg, pretrained=False, pretrained_backbone=False, init_backbone="")
+    model = create_model(plain, len(meta["classes"]))
     return load_state(model, state, cfg.weights, meta["recipe"]).eval(), meta
 
 
@@ -638,6 +644,11 @@ def export_files(
 def check_config(cfg: Config) -> None:
     """Values that would fail deep inside torchvision, as one clear error before anything is made
     (the anchors are checked against the backbone's levels in ``timm_model``)."""
+    if cfg.init_backbone and cfg.model in PRESETS:
+        raise UserError(
+            f"init_backbone takes a timm model's weights; '{cfg.model}' is a torchvision preset "
+            "(its backbone weights: --pretrained_backbone)"
+        )
     if len(cfg.loss_weights) != 4 or any(w < 0 for w in cfg.loss_weights):
         raise UserError(
             f"loss_weights must be 4 non-negative numbers (rpn objectness, rpn box, roi classifier, "

@@ -75,6 +75,7 @@ from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import (
     config_with_weights,
     kept_weights,
+    load_backbone,
     load_state,
     load_weights,
     read_metadata,
@@ -117,6 +118,8 @@ class Config(RunConfig):
     #   arguments; out_indices (1, 2, 3): strides 4, 8, 16, so that a 12-47 px digit spans 1.5-12 cells (None:
     #   timm's last three)
     pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
+    init_backbone: str = ""  # safetensors of the same timm model (classifier.py's best.safetensors, DINO's
+    #   teacher_backbone.safetensors) for the backbone; the neck and heads stay new
     neck_channels: int = 128  # widest neck level (YOLOv3: 512); the others are 1/2 and 1/4
     anchors: list[list[float]] = field(default_factory=list)  # anchor boxes: 3 x A [w, h] pairs in px, small to
     #   large; empty: k-means on the training boxes
@@ -310,6 +313,8 @@ def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
 
 def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor) -> YOLOv3:
     backbone = create_timm_model(cfg.model, features_only=True, pretrained=cfg.pretrained, **cfg.model_kwargs)
+    if cfg.init_backbone:
+        load_backbone(backbone, cfg.init_backbone)
     if len(backbone.feature_info.channels()) < 3:
         raise UserError(f"model '{cfg.model}' gives fewer than 3 feature levels; YOLO needs three (strides 8, 16, 32)")
     return YOLOv3(backbone, num_classes, anchors, cfg.neck_channels)
@@ -371,7 +376,7 @@ def trained_model(cfg: Config, data: Any = None) -> tuple[YOLOv3, dict[str, Any]
     state, meta = load_weights(cfg.weights, "YOLO", tensors=["anchors"])
     check_classes(cfg.weights, meta, data)
     anchors = state["anchors"].flip(0).reshape(-1, 2)  # stored large-stride level first; create_model takes small first
-    model = create_model(dataclasses.replace(cfg, pretrained=False), len(meta["classes"]), anchors)
+    model = create_model(dataclasses.replace(cfg, pretrained=False, init_backbone=""), len(meta["classes"]), anchors)
     return load_state(model, state, cfg.weights, meta["recipe"]).eval(), meta
 
 

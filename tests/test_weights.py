@@ -107,3 +107,36 @@ def test_another_recipes_weights_through_main_are_one_error_line(tmp_path, capsy
     )
     assert line == f"error: weights '{path}' were saved by dino.py and do not fit classifier.py, which needs its own"
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("detector", ["yolo", "detr", "faster_rcnn"])
+def test_each_detector_starts_from_a_dino_or_classifier_backbone(detector, tmp_path):
+    """--init_backbone: a DINO teacher backbone (no head) or a classifier (with one) of the detector's own
+    timm model gives every backbone tensor; the detector's own layers stay new; another model's backbone
+    is one line naming the first difference."""
+    from common.config import parse_config
+
+    module = recipe(detector)
+    default = module.Config()
+    for kind, classes in (("dino", 0), ("classifier", 10)):
+        torch.manual_seed(1)
+        source = timm.create_model(default.model, num_classes=classes, **default.model_kwargs)
+        path = tmp_path / f"{kind}.safetensors"
+        saved_cfg = recipe(kind).Config(model=default.model, model_kwargs=default.model_kwargs)
+        save_weights(source.state_dict(), path, saved_cfg, recipe=kind)
+        cfg = parse_config(module.Config, ["--init_backbone", str(path)])
+        anchors = torch.tensor([[8.0, 8.0]] * 9)
+        model = module.create_model(cfg, 3, anchors) if detector == "yolo" else module.create_model(cfg, 3)
+        body = {"yolo": lambda m: m.backbone, "detr": lambda m: m.backbone, "faster_rcnn": lambda m: m.backbone.body}
+        loaded = body[detector](model).state_dict()
+        expected = source.state_dict()
+        named = {k: k if k in expected else k.replace("_", ".", 1) for k in loaded}  # features_only's flat names
+        assert loaded and all(torch.equal(v, expected[named[k]]) for k, v in loaded.items()), kind
+    other = timm.create_model("test_vit" if detector == "yolo" else "resnet10t", num_classes=0)  # another model
+    save_weights(other.state_dict(), tmp_path / "other.safetensors", default, recipe="dino")
+    cfg = parse_config(module.Config, ["--init_backbone", str(tmp_path / "other.safetensors")])
+    with pytest.raises(UserError) as e:
+        module.create_model(cfg, 3, torch.tensor([[8.0, 8.0]] * 9)) if detector == "yolo" else module.create_model(
+            cfg, 3
+        )
+    assert "\n" not in str(e.value) and "does not fit the backbone: " in str(e.value)
