@@ -254,3 +254,37 @@ class ClassificationDataset(torch.utils.data.Dataset):
                 index = replacement(self.seed, epoch, index, len(self), attempt, e, self.replaced)
         with seeded(sample_seed(self.seed, epoch, index, repeat)):  # label -1: a dataset without labels
             return self.transform(image), int(row[self.label_column]) if self.label_column else -1
+
+
+def label_fraction(table: Any, fraction: float, seed: int, label_column: str = "") -> Any:
+    """A seeded ``fraction`` of a training split, the rest unused (the semi-supervised protocol: 1 % or
+    10 % of the labels): with ``label_column`` (a classification split) ``round(fraction x n_c)`` images of
+    each class ``c``, at least one; without (a detection split) ``round(fraction x n)`` images, at least
+    one. The same seed gives the same images, so a resumed run trains on the same ones."""
+    if fraction >= 1.0:
+        return table
+    rng = np.random.default_rng([seed, 7411])  # its own stream: the subset does not move the run's other draws
+    if not label_column:
+        count = max(1, round(fraction * len(table)))
+        return table.select(sorted(rng.permutation(len(table))[:count].tolist()))
+    labels = np.asarray(table[label_column])
+    keep = []
+    for c in np.unique(labels):
+        rows = np.flatnonzero(labels == c)
+        keep += rng.permutation(rows)[: max(1, round(fraction * len(rows)))].tolist()
+    return table.select(sorted(keep))
+
+
+def with_label_fraction(run: Any, data: Any, label_column: str = "") -> Any:
+    """``data`` with its training split cut to ``run.cfg.train_fraction`` (:func:`common.data.label_fraction`:
+    stratified by ``label_column`` where given), and a line under the banner saying how many images train."""
+    fraction = run.cfg.train_fraction
+    if fraction >= 1.0 or run.cfg.eval_only:
+        return data
+    train = label_fraction(data.train, fraction, run.cfg.seed, label_column)
+    how = "stratified by class" if label_column else "images drawn"
+    run.notes.append(
+        f"  labels    train_fraction {fraction:g}: {len(train):,} of {len(data.train):,} training images "
+        f"({how} from seed {run.cfg.seed}; the rest unused)"
+    )
+    return dataclasses.replace(data, train=train)

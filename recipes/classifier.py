@@ -45,7 +45,7 @@ from timm.optim import create_optimizer_v2
 from common import UserError
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optimizers, to_dict
 from common.console import cli_main
-from common.data import ClassificationDataset, load_classification
+from common.data import ClassificationDataset, load_classification, with_label_fraction
 from common.ema import ModelEma
 from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
@@ -77,6 +77,7 @@ from common.weights import (
 class Config(RunConfig):
     # data
     data: str = "digits"  # built-in name, local folder (imagefolder / saved dataset) or hub name
+    train_fraction: float = 1.0  # a seeded fraction of the training images, stratified by class (the rest unused)
     image_column: str = ""  # the column holding the images; empty: detected (the first Image column)
     label_column: str = ""  # the column holding the class labels; empty: detected (a ClassLabel, or label)
     img_size: int = 32  # training and evaluation resolution (pixels)
@@ -163,6 +164,7 @@ class Config(RunConfig):
 
     # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones')
     ranges: ClassVar[dict[str, str]] = {
+        "(0, 1]; 1 trains on every image": "train_fraction",
         f"[8, {MAX_SIDE}]": "img_size",
         "(0, 1]": "crop_pct scale",
         "(0, inf)": "ratio std",
@@ -478,6 +480,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
     # every image checked once before the first step: unreadable ones are left out and listed (common/scan.py)
     data = without_unreadable(run, data, data.image_column, train=not cfg.eval_only)
+    data = with_label_fraction(run, data, data.label_column)  # --train_fraction: a seeded share of the labels
     num_classes = len(data.classes)
 
     # ---- model -----------------------------------------------------------------------------

@@ -70,6 +70,7 @@ from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
 from common.console import cli_main, own_files
+from common.data import with_label_fraction
 from common.detection import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -116,6 +117,7 @@ LOSS_TERMS = ("loss_ce", "loss_bbox", "loss_giou")
 class Config(RunConfig):
     # data
     data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
+    train_fraction: float = 1.0  # a seeded fraction of the training images (the rest unused)
     scales: list[int] = field(default_factory=lambda: [96])  # shorter side, px: one drawn per training image;
     #   eval at the last (DETR: 480..800 step 32)
     max_size: int = 96  # longer side at most, px (DETR: 1333)
@@ -199,6 +201,7 @@ class Config(RunConfig):
     # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones'; loss_weights
     # and matcher_costs are checked with d_model's multiple in check_config)
     ranges: ClassVar[dict[str, str]] = {
+        "(0, 1]; 1 trains on every image": "train_fraction",
         f"[1, {MAX_SIDE}]": "scales max_size crop_resize crop_size",
         f"[8, {MAX_SIDE}]": "pretrain_crops_size",
         "[0, 1]": "crop hflip pretrain_crops_shift eos_coef predict_score",
@@ -466,6 +469,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
     data = without_unreadable(run, data, "image", train=not cfg.eval_only)
+    data = with_label_fraction(run, data)  # --train_fraction: a seeded share of the labelled images
     # what every weights file records: classes, the dataset's ids, the input normalisation (common/weights.py)
     saved_as = {"classes": data.classes, "recipe": run.recipe, "category_ids": data.category_ids}
     saved_as["normalization"] = (IMAGENET_MEAN, IMAGENET_STD)

@@ -68,6 +68,7 @@ from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
 from common.console import cli_main
+from common.data import with_label_fraction
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
@@ -135,6 +136,7 @@ LOSS_NAMES = {
 class Config(RunConfig):
     # data
     data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
+    train_fraction: float = 1.0  # a seeded fraction of the training images (the rest unused)
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     color_jitter: bool = False  # torchvision's photometric distortion (SSD), p = 0.5
     num_workers: int = 1  # DataLoader worker processes per training process (0: load in the main process)
@@ -212,6 +214,7 @@ class Config(RunConfig):
     # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones'; loss_weights
     # is checked in check_config)
     ranges: ClassVar[dict[str, str]] = {
+        "(0, 1]; 1 trains on every image": "train_fraction",
         "[0, 1]": "hflip box_score_thresh box_nms_thresh predict_score warmup_factor decay_rate",
         "[-1, 16]": "aspect_ratio_group_factor",
         "[0, 8]": "out_indices freeze_at",
@@ -684,6 +687,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
     data = without_unreadable(run, data, "image", train=not cfg.eval_only)
+    data = with_label_fraction(run, data)  # --train_fraction: a seeded share of the labelled images
     # what every weights file records: classes, the dataset's ids, the input normalisation (common/weights.py)
     saved_as = {"classes": data.classes, "recipe": run.recipe, "category_ids": data.category_ids}
     saved_as["normalization"] = (IMAGENET_MEAN, IMAGENET_STD)

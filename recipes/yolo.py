@@ -60,6 +60,7 @@ from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
 from common.console import cli_main, own_files
+from common.data import with_label_fraction
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.ema import ModelEma
@@ -95,6 +96,7 @@ with own_files("yolo_"):  # YOLO's own files, beside this one: copy them with it
 class Config(RunConfig):
     # data
     data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
+    train_fraction: float = 1.0  # a seeded fraction of the training images (the rest unused)
     img_size: int = 96  # training (before multi-scale) and evaluation size, pixels; a multiple of 32
     multiscale: list[int] = field(default_factory=list)  # training sizes, px, one drawn every multiscale_every steps,
     #   e.g. [320, 352, ..., 608]; multiples of 32 (empty: img_size only); every image of a batch is transformed
@@ -162,6 +164,7 @@ class Config(RunConfig):
 
     # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones')
     ranges: ClassVar[dict[str, str]] = {
+        "(0, 1]; 1 trains on every image": "train_fraction",
         f"[32, {MAX_SIDE}]": "img_size multiscale",
         "[1, inf)": "multiscale_every",
         "(0, inf)": "scale_range anchors",
@@ -427,6 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
     data = without_unreadable(run, data, "image", train=not cfg.eval_only)
+    data = with_label_fraction(run, data)  # --train_fraction: a seeded share of the labelled images
     # what every weights file records: classes, the dataset's ids, the input normalisation (common/weights.py)
     saved_as = {"classes": data.classes, "recipe": run.recipe, "category_ids": data.category_ids}
     saved_as["normalization"] = (IMAGENET_MEAN, IMAGENET_STD)

@@ -220,3 +220,29 @@ def test_every_recipe_runs_to_its_end_past_broken_files(recipe, photos, tmp_path
     out = " ".join(capsys.readouterr().out.split())
     assert ("2 of 10 training images (with 3 boxes)" if recipe != "dino" else "4 of 28 training images") in out
     assert out.endswith(f"output: {run}") and (run / "bad_images.txt").is_file()
+
+
+def test_train_fraction_gives_the_stated_seeded_stratified_counts(tmp_path, capsys):
+    """--train_fraction (the semi-supervised protocol): per class round(f x n_c) images, at least one; the
+    same seed the same images, another seed others; a detection split by images; the banner says how many
+    train, and a resumed run may not change it."""
+    import datasets
+
+    from common.data import label_fraction
+
+    labels = [0] * 50 + [1] * 30 + [2] * 3
+    table = datasets.Dataset.from_dict({"label": labels, "x": list(range(len(labels)))})
+    part = label_fraction(table, 0.1, seed=0, label_column="label")
+    assert np.bincount(part["label"]).tolist() == [5, 3, 1]  # the rarest class keeps one
+    assert part["x"] == label_fraction(table, 0.1, 0, "label")["x"] != label_fraction(table, 0.1, 1, "label")["x"]
+    assert len(label_fraction(table, 0.25, seed=0)) == 21 and label_fraction(table, 1.0, 0) is table
+
+    classifier = load_recipe("classifier")
+    run = tmp_path / "run"
+    args = TINY_CLASSIFIER + ["--report_to", "none", "--train_fraction", "0.1", "--max_steps", "2"]
+    classifier.main(args + ["--output_dir", str(run)])
+    out = capsys.readouterr().out
+    assert "train_fraction 0.1: 142 of 1,437 training images (stratified by class from seed 0" in out
+    assert "data      142 training images" in out  # per class round(0.1 x n_c)
+    with pytest.raises(UserError, match=r"other values of train_fraction 0.1 -> 0.2"):
+        classifier.main(args + ["--output_dir", str(run), "--resume", "auto", "--train_fraction", "0.2"])
