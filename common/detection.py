@@ -29,7 +29,7 @@ from torchvision.transforms.v2 import functional as F
 
 from common import UserError
 from common.builtin import DETECTION
-from common.data import EVAL_SPLITS, load_saved_or_hub, same_split
+from common.data import EVAL_SPLITS, ClassificationData, load_saved_or_hub, same_split
 from common.detection_sources import coco_splits, image_table, load_coco_split, normalise
 from common.images import decode_sized, image_files, readable_images
 from common.loaders import REPLACEMENT_TRIES, eval_loader_for, replacement, sample_seed, seeded, shared_count
@@ -77,6 +77,17 @@ def _sources(data: str) -> tuple[dict[str, Callable[[], tuple[Any, list[str] | N
         table = {"train": table}
     # no ids: a ClassLabel's index is its id (load_detection's default)
     return {split: (lambda split=split: (*normalise(table[split], data, split), None)) for split in table}, f"'{data}'"
+
+
+def detection_images(data: str, train_split: str = "train", seed: int = 0) -> ClassificationData | None:
+    """The training images of a built-in detection set or a COCO-json folder as unlabelled data (the boxes
+    unused), for self-supervised training; None when ``data`` names neither (a hub dataset with an
+    ``objects`` column reads as unlabelled images through :func:`common.data.load_classification`)."""
+    path = Path(DETECTION[data]()) if data in DETECTION else Path(data)
+    if not (path.is_dir() and ((path / "annotations").is_dir() or any(path.glob("*/_annotations.coco.json")))):
+        return None
+    train = load_detection(data, train_split, seed=seed).train
+    return ClassificationData(train.select_columns(["image"]), None, "image", "", [])
 
 
 def load_detection(

@@ -51,6 +51,7 @@ from common import UserError
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
 from common.console import cli_main
 from common.data import ClassificationData, ClassificationDataset, load_classification
+from common.detection import detection_images
 from common.ema import ema_update_
 from common.export import export_model, export_run, export_saved
 from common.feature_figures import attention_overlay, neighbour_grid
@@ -604,7 +605,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- data: unlabelled images train; a labelled set (data itself, or knn_data) evaluates ---------
     with accelerator.main_process_first():
-        data = load_classification(
+        # a detection set's images (built-in or COCO-json folder) train as unlabelled images, boxes unused
+        data = detection_images(cfg.data, cfg.train_split, cfg.seed) or load_classification(
             cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed, labels=False
         )
         knn_set = load_classification(cfg.knn_data, seed=cfg.seed) if cfg.knn_data else data

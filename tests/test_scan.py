@@ -246,3 +246,15 @@ def test_train_fraction_gives_the_stated_seeded_stratified_counts(tmp_path, caps
     assert "data      142 training images" in out  # per class round(0.1 x n_c)
     with pytest.raises(UserError, match=r"other values of train_fraction 0.1 -> 0.2"):
         classifier.main(args + ["--output_dir", str(run), "--resume", "auto", "--train_fraction", "0.2"])
+
+
+def test_dino_trains_on_a_coco_folders_images(tmp_path, capsys):
+    """DINO on a detection dataset: its training images, boxes unused (broken ones left out); the kNN
+    evaluation then needs --knn_data, and says so."""
+    coco = _detection_folder(tmp_path / "coco")
+    run = tmp_path / "run"
+    args = ["--data", str(coco), "--report_to", "none", "--num_workers", "0", "--batch_size", "4", "--max_steps", "2"]
+    load_recipe("dino").main(args + ["--output_dir", str(run)])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "data 8 training images" in out and "2 of 10 training images cannot be read and are skipped" in out
+    assert "no kNN evaluation:" in out and (run / "teacher_backbone.safetensors").is_file()
