@@ -13,6 +13,7 @@ batches, crops and flips the uninterrupted run would have seen.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -20,11 +21,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from common import UserError
 from common.builtin import CLASSIFICATION
-from common.images import decode_image
-from common.loaders import REPLACEMENT_TRIES, replacement, sample_seed, seeded, shared_count
+from common.images import decode_sized
+from common.loaders import replacement, sample_seed, seeded, shared_count
 
 EVAL_SPLITS = ("validation", "val", "valid", "test")
 
@@ -215,22 +217,20 @@ def load_classification(
 # --------------------------------------------------------------------------------------------
 # Datasets
 # --------------------------------------------------------------------------------------------
-class ClassificationDataset(torch.utils.data.Dataset):
-    """``(image tensor, label)`` pairs from a hub-style dataset, transformed reproducibly.
+class ImageRows(torch.utils.data.Dataset):
+    """What the image datasets share: the rows of ``ds``, whose ``image_column`` holds undecoded images.
 
-    ``shorter`` > 0: JPEGs larger than the transform needs are decoded reduced (:func:`common.images.decode_image`).
-    Indexed by ``(epoch, index)`` or ``(epoch, index, repeat)`` (what :class:`common.loaders.EpochBatchSampler`
-    yields) or by a plain index (epoch 0, for evaluation).
+    :meth:`read` gives a row with its image decoded: reduced where ``shorter`` > 0 (large JPEGs, to that
+    shorter side: :func:`common.images.decode_sized`), from ``cache`` where one is set (an
+    :class:`common.image_cache.ImageCache`, ``--cache_images``), and, for an image that became unreadable
+    after the start's scan, another row drawn from the seed (:func:`common.loaders.replacement`), counted
+    in ``replaced`` (shared with the DataLoader workers forked from this process).
     """
 
-    def __init__(
-        self, ds: Any, image_column: str, label_column: str, transform: Callable, seed: int = 0, shorter: int = 0
-    ) -> None:
-        self.ds, self.image_column, self.label_column = ds, image_column, label_column
-        self.transform, self.seed = transform, seed
-        self.shorter = shorter  # > 0: large JPEGs decoded reduced to this shorter side (common.images.decode_image)
-        self.cache: Any = None  # an ImageCache (common/image_cache.py, --cache_images): decoded once
-        self.replaced = shared_count()  # samples whose image broke during the run (common.loaders.replacement)
+    def __init__(self, ds: Any, image_column: str, seed: int = 0, shorter: int = 0) -> None:
+        self.ds, self.image_column, self.seed, self.shorter = ds, image_column, seed, shorter
+        self.cache: Any = None
+        self.replaced = shared_count()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "replaced": None}  # a shared counter only passes to forked workers
@@ -238,20 +238,41 @@ class ClassificationDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.ds)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
-        epoch, index, repeat = (tuple(key) + (0,))[:3] if isinstance(key, tuple) else (0, key, 0)
-        for attempt in range(REPLACEMENT_TRIES + 1):  # an image unreadable since the start's scan is replaced
+    def row_name(self, row: dict[str, Any], index: int) -> str:
+        """How an error names the row."""
+        return f"row {index} of column '{self.image_column}'"
+
+    def read(self, epoch: int, index: int) -> tuple[dict[str, Any], int, Image.Image, tuple[int, int]]:
+        """Row ``index`` (or the row that replaces it: the index returned is the one read), its RGB image
+        and the file's own ``(width, height)``."""
+        for attempt in itertools.count():
             row = self.ds[int(index)]
             if self.cache is not None:
-                image = self.cache.get(int(index))[0]
-                break
+                return row, index, *self.cache.get(int(index))
             try:
-                image = decode_image(
-                    row[self.image_column], f"row {index} of column '{self.image_column}'", self.shorter
-                )
-                break
-            except UserError as e:
+                return row, index, *decode_sized(row[self.image_column], self.row_name(row, index), self.shorter)
+            except UserError as e:  # after REPLACEMENT_TRIES draws, replacement raises the error
                 index = replacement(self.seed, epoch, index, len(self), attempt, e, self.replaced)
+        raise AssertionError("unreachable")
+
+
+class ClassificationDataset(ImageRows):
+    """``(image tensor, label)`` pairs from a hub-style dataset, transformed reproducibly.
+
+    ``shorter`` > 0: JPEGs larger than the transform needs are decoded reduced (:class:`ImageRows`).
+    Indexed by ``(epoch, index)`` or ``(epoch, index, repeat)`` (what :class:`common.loaders.EpochBatchSampler`
+    yields) or by a plain index (epoch 0, for evaluation).
+    """
+
+    def __init__(
+        self, ds: Any, image_column: str, label_column: str, transform: Callable, seed: int = 0, shorter: int = 0
+    ) -> None:
+        super().__init__(ds, image_column, seed, shorter)
+        self.label_column, self.transform = label_column, transform
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index, repeat = (tuple(key) + (0,))[:3] if isinstance(key, tuple) else (0, key, 0)
+        row, index, image, _ = self.read(epoch, index)
         with seeded(sample_seed(self.seed, epoch, index, repeat)):  # label -1: a dataset without labels
             return self.transform(image), int(row[self.label_column]) if self.label_column else -1
 

@@ -29,10 +29,10 @@ from torchvision.transforms.v2 import functional as F
 
 from common import UserError
 from common.builtin import DETECTION
-from common.data import EVAL_SPLITS, ClassificationData, load_saved_or_hub, same_split
+from common.data import EVAL_SPLITS, ClassificationData, ImageRows, load_saved_or_hub, same_split
 from common.detection_sources import coco_splits, image_table, load_coco_split, normalise
-from common.images import decode_sized, image_files, readable_images
-from common.loaders import REPLACEMENT_TRIES, eval_loader_for, replacement, sample_seed, seeded, shared_count
+from common.images import image_files, readable_images
+from common.loaders import eval_loader_for, sample_seed, seeded
 
 # Per-channel RGB mean and std (0..1) that ImageNet-pretrained backbones expect; the detection
 # recipes normalise with them, and plots undo it.
@@ -151,7 +151,7 @@ def load_detection(
 # --------------------------------------------------------------------------------------------
 # Dataset and collate
 # --------------------------------------------------------------------------------------------
-class DetectionDataset(torch.utils.data.Dataset):
+class DetectionDataset(ImageRows):
     """``(image, target)`` pairs from a normalised detection dataset, transformed reproducibly.
 
     Indexed by ``(epoch, index)`` (what :class:`common.loaders.EpochBatchSampler` yields) or a plain
@@ -164,34 +164,17 @@ class DetectionDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, ds: Any, transform: Callable, seed: int = 0, shorter: int = 0) -> None:
-        self.ds, self.transform, self.seed = ds, transform, seed
-        # > 0: large JPEGs decoded reduced to this shorter side, boxes scaled with them; ``orig_size``
-        # stays the file's own (common.images.decode_sized)
-        self.shorter = shorter
-        self.image_column = "image"
-        self.cache: Any = None  # an ImageCache (common/image_cache.py, --cache_images): decoded once
-        self.replaced = shared_count()  # samples whose image broke during the run (common.loaders.replacement)
+        # shorter > 0: large JPEGs decoded reduced (common.data.ImageRows), the boxes scaled with them;
+        # ``orig_size`` stays the file's own
+        super().__init__(ds, "image", seed, shorter)
+        self.transform = transform
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "replaced": None}  # a shared counter only passes to forked workers
-
-    def __len__(self) -> int:
-        return len(self.ds)
+    def row_name(self, row: dict[str, Any], index: int) -> str:
+        return f"row {index} (image_id {row['image_id']})"
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, dict[str, Any]]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        for attempt in range(REPLACEMENT_TRIES + 1):  # an image unreadable since the start's scan is replaced
-            row = self.ds[int(index)]
-            if self.cache is not None:
-                image, (width, height) = self.cache.get(int(index))
-                break
-            try:
-                image, (width, height) = decode_sized(
-                    row["image"], f"row {index} (image_id {row['image_id']})", self.shorter
-                )
-                break
-            except UserError as e:
-                index = replacement(self.seed, epoch, index, len(self), attempt, e, self.replaced)
+        row, index, image, (width, height) = self.read(epoch, index)
         objects = row["objects"]
         keep = [i for i, crowd in enumerate(objects["iscrowd"]) if not crowd]
         xywh = torch.tensor([objects["bbox"][i] for i in keep], dtype=torch.float32).reshape(-1, 4)

@@ -52,12 +52,12 @@ def available_memory() -> int:
 
 
 class ImageCache:
-    """The decoded images of ``table``'s ``column`` at ``shorter`` (see the module docstring); ``get(i)``
-    gives row ``i``'s RGB image and the file's own (width, height)."""
+    """The decoded images of ``table``'s ``column`` at ``shorter`` (see the module docstring), in RAM, or as
+    ``.npy`` files in ``folder`` where one is given; ``get(i)`` gives row ``i``'s RGB image and the file's
+    own (width, height)."""
 
-    def __init__(self, table: Any, column: str, shorter: int, where: str, folder: Path | None = None) -> None:
-        self.table, self.column, self.shorter, self.where = table, column, shorter, where
-        self.folder = folder
+    def __init__(self, table: Any, column: str, shorter: int, folder: Path | None = None) -> None:
+        self.table, self.column, self.shorter, self.folder = table, column, shorter, folder
         self.images: list[np.ndarray | None] = [None] * len(table)
         self.sizes: list[tuple[int, int]] = [(0, 0)] * len(table)
 
@@ -110,7 +110,7 @@ def cache_images(run: Any, *datasets: Any) -> None:
         folder = None
         if where == "disk":
             folder = cache_root() / "images" / f"{ds.ds._fingerprint}-{ds.image_column}-{ds.shorter}"
-        caches.append(ImageCache(ds.ds, ds.image_column, ds.shorter, where, folder))
+        caches.append(ImageCache(ds.ds, ds.image_column, ds.shorter, folder))
     need = sum(c.estimate() for c in caches)
     if where == "ram":
         need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # every training process on this machine holds one

@@ -103,10 +103,15 @@ def readable_images(files: Sequence[Path], what: str = "images") -> tuple[list[P
     reasons = {f: unreadable(f) for f in files}
     good = [f for f, why in reasons.items() if not why]
     bad = [(f, why) for f, why in reasons.items() if why]
-    listed = ", ".join(f"{f.name} ({why})" for f, why in bad[:5]) + (
-        f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-    )
+    listed = listing(bad, 5)
     if not good:
         raise UserError(f"none of the {len(files)} {what} can be read: {listed}")
     line = f"{len(bad)} of {len(files)} {what} cannot be read and are skipped: {listed}" if bad else ""
     return good, line
+
+
+def listing(found: Sequence[tuple[Any, ...]], limit: int = 3) -> str:
+    """``a.jpg (reason), b.png (reason), ... and N more``: the unreadable files ``found``, each a tuple that
+    ends with its path and the reason (``(path, why)``, or ``(row, path, why)``), named without folders."""
+    shown = ", ".join(f"{Path(entry[-2]).name} ({entry[-1]})" for entry in found[:limit])
+    return shown + (f" and {len(found) - limit} more" if len(found) > limit else "")

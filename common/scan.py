@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from common import UserError
-from common.images import unreadable
+from common.images import listing, unreadable
 
 #: The checker's version, part of every cache file's name: a change to what is checked starts afresh.
 VERSION = "v1"
@@ -94,19 +94,18 @@ def scan_files(paths: Sequence[str], workers: int = 0) -> tuple[dict[str, str], 
     return {p: known[p][2] for p in paths if known[p][2]}, not todo
 
 
-def _rows(table: Any, column: str) -> list[dict[str, Any]]:
-    """The undecoded image values of ``table``'s ``column`` as ``{"path", "bytes": whether it holds bytes}``,
-    row by row as the dataset orders them (a split's index mapping included), read in batches so that
-    images stored inside the dataset are never all in memory."""
+def _rows(table: Any, column: str) -> tuple[list[str | None], list[bool]]:
+    """Per row of ``table``'s undecoded image ``column``, as the dataset orders them (a split's index mapping
+    included): its path, and whether it holds the image's bytes; read in batches, so that images stored
+    inside the dataset are never all in memory."""
     import pyarrow.compute as pc
 
-    rows = []
+    paths, inside = [], []
     for batch in table.select_columns([column]).with_format("arrow").iter(batch_size=1000):
         values = batch.column(column)
-        paths = pc.struct_field(values, "path").to_pylist()
-        inside = pc.invert(pc.is_null(pc.struct_field(values, "bytes"))).to_pylist()
-        rows += [{"path": p, "bytes": b} for p, b in zip(paths, inside)]
-    return rows
+        paths += pc.struct_field(values, "path").to_pylist()
+        inside += pc.invert(pc.is_null(pc.struct_field(values, "bytes"))).to_pylist()
+    return paths, inside
 
 
 def scan_table(
@@ -115,13 +114,13 @@ def scan_table(
     """The unreadable images of a ``datasets.Dataset`` whose ``column`` holds undecoded images, as
     ``(row, name, reason)``, and whether the files' answers all came from the cache. ``share``: (this
     process, processes): only the rows ``row % processes == this process`` are checked."""
-    rows = _rows(table, column)
-    mine = [i for i in range(len(rows)) if i % share[1] == share[0]]
-    files = [i for i in mine if not rows[i]["bytes"] and rows[i]["path"]]
-    bad, cached = scan_files([rows[i]["path"] for i in files], workers) if files else ({}, True)
-    found = [(i, rows[i]["path"], bad[rows[i]["path"]]) for i in files if rows[i]["path"] in bad]
-    found += [(i, f"row {i}", "no image") for i in mine if not rows[i]["bytes"] and not rows[i]["path"]]
-    inside = [i for i in mine if rows[i]["bytes"]]
+    paths, has_bytes = _rows(table, column)
+    mine = [i for i in range(len(paths)) if i % share[1] == share[0]]
+    files = [i for i in mine if not has_bytes[i] and paths[i]]
+    bad, cached = scan_files([paths[i] for i in files], workers) if files else ({}, True)
+    found = [(i, paths[i], bad[paths[i]]) for i in files if paths[i] in bad]
+    found += [(i, f"row {i}", "no image") for i in mine if not has_bytes[i] and not paths[i]]
+    inside = [i for i in mine if has_bytes[i]]
     # images inside the dataset: cached by the dataset's fingerprint where its table is on disk (a hub or
     # saved dataset, whose fingerprint names its files), else read again
     cache = None
@@ -148,12 +147,6 @@ def scan_table(
         except OSError:
             pass
     return sorted(found + inner), cached and not inside
-
-
-def listing(found: Sequence[tuple[int, str, str]], limit: int = 3) -> str:
-    """``a.jpg (reason), b.png (reason), ... and N more`` (file names without their folders)."""
-    shown = ", ".join(f"{Path(name).name} ({why})" for _, name, why in found[:limit])
-    return shown + (f" and {len(found) - limit} more" if len(found) > limit else "")
 
 
 def bad_images_policy(

@@ -522,16 +522,16 @@ def test_gluoncv_preset_boxes_follow_the_pixels():
 def test_mosaic_decodes_each_piece_once_and_counts_each_dropped_box_once(monkeypatch, mixup):
     import collections
 
-    import common.detection
+    import common.data
 
     decoded = collections.Counter()
-    real_decode = common.detection.decode_sized
+    real_decode = common.data.decode_sized
 
     def counting_decode(value, name, shorter=0):
         decoded[int(re.match(r"row (\d+) ", name).group(1))] += 1
         return real_decode(value, name, shorter)
 
-    monkeypatch.setattr(common.detection, "decode_sized", counting_decode)
+    monkeypatch.setattr(common.data, "decode_sized", counting_decode)
     rows = load_detection("digits_det").train.select(range(64))
     boxes_in_row = [sum(not crowd for crowd in o["iscrowd"]) for o in rows["objects"]]
     # zoomed in 1.5-2.5x: the crop loses boxes in most pieces
