@@ -94,6 +94,10 @@ class Config(RunConfig):
     #   range (reference: 0.05, 0.4)
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     blur_radius: list[float] = field(default_factory=lambda: [0.1, 0.6])  # PIL Gaussian radius, px ([0.1, 2] at 224)
+    color_jitter: list[float] = field(default_factory=lambda: [0.4, 0.4, 0.2, 0.1])  # brightness, contrast, saturation,
+    #   hue of the colour jitter applied with probability 0.8 (reference); where colour tells images apart, raise the
+    #   last two so that views must match by shape
+    grayscale: float = 0.2  # probability that a crop is turned grey (reference: 0.2)
     # model
     model: str = "resnet10t"  # any timm model (convnet or ViT); the demo: half width (model_kwargs), 1.2 M parameters
     model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256]})  # extra timm.create_model
@@ -149,7 +153,7 @@ class Config(RunConfig):
         "[0, 64]": "local_crops plot_images",
         "(0, 1]": "global_scale local_scale",
         "[0, inf)": "blur_radius min_lr weight_decay_end knn_train_limit knn_pixel_limit",
-        "[0, 1]": "hflip center_momentum momentum_teacher",
+        "[0, 1]": "hflip grayscale color_jitter center_momentum momentum_teacher",
         "[0, 1)": "drop_path_rate",
         f"[1, {MAX_COUNT}]": "out_dim head_hidden_dim head_bottleneck_dim knn_k",
         "(0, inf)": "warmup_teacher_temp teacher_temp student_temp knn_temperature",
@@ -189,8 +193,8 @@ class MultiCrop:
         flip_color = T.Compose(
             [
                 T.RandomHorizontalFlip(p=cfg.hflip),
-                T.RandomApply([T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)], p=0.8),
-                T.RandomGrayscale(p=0.2),
+                T.RandomApply([T.ColorJitter(*cfg.color_jitter)], p=0.8),
+                T.RandomGrayscale(p=cfg.grayscale),
             ]
         )
         normalize = T.Compose([T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
@@ -587,6 +591,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = config_with_weights(Config, argv, MODEL_FIELDS)
     if cfg.global_size < cfg.local_size:  # each number's own range was checked while parsing (Config.ranges)
         raise UserError("need global_size >= local_size")
+    if len(cfg.color_jitter) != 4 or cfg.color_jitter[3] > 0.5:
+        raise UserError(
+            f"color_jitter needs brightness, contrast, saturation, hue (hue <= 0.5), got {cfg.color_jitter}"
+        )
     if not cfg.knn_k:
         raise UserError(f"knn_k needs one or more neighbour counts >= 1, got {cfg.knn_k}")
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)

@@ -393,3 +393,26 @@ def test_sharded_strategies_are_refused_before_anything_is_written(monkeypatch, 
     monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.FSDP))
     line = error_line(capsys, dino.main, FAST + ["--output_dir", str(tmp_path / "run")])
     assert "FSDP" in line and not (tmp_path / "run").exists()
+
+
+def test_colour_jitter_and_grayscale_are_the_configs_and_a_bad_hue_is_one_line(capsys, tmp_path):
+    """The colour augmentation follows ``color_jitter`` and ``grayscale`` (configs/dino/digits_det.yaml
+    raises them: its scenes differ by colour); a hue above half the circle is refused before a run folder."""
+    from PIL import Image
+
+    from conftest import error_line
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 255, (48, 48, 3), dtype=np.uint8))
+    grey = dino.MultiCrop(parse_config(dino.Config, ["--grayscale", "1", "--local_crops", "2"]))
+    colour = dino.MultiCrop(parse_config(dino.Config, ["--grayscale", "0", "--color_jitter", "0", "0", "0", "0"]))
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    for crops, is_grey in ((grey(image), True), (colour(image), False)):
+        for crop in crops:  # undo the normalisation: a grey crop has three equal channels
+            pixels = crop * std[:, None, None] + mean[:, None, None]
+            equal = torch.allclose(pixels[0], pixels[1], atol=1e-5) and torch.allclose(pixels[1], pixels[2], atol=1e-5)
+            assert equal == is_grey
+    line = error_line(
+        capsys, dino.main, FAST + ["--color_jitter", "0.4", "0.4", "0.2", "0.6", "--output_dir", str(tmp_path / "r")]
+    )
+    assert "hue <= 0.5" in line and not (tmp_path / "r").exists()
