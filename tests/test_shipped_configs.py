@@ -191,11 +191,13 @@ def stand_in(data: str, root: Path) -> tuple[str, list[str]]:
 
 
 def weights_stand_in(model: str, model_kwargs: dict, path: Path) -> str:
-    """A safetensors file of timm ``model`` with a 10-class head: what a classifier run writes."""
+    """A safetensors file of timm ``model`` with a 10-class head: what a classifier run writes. A detector's
+    ``out_indices`` (which levels its ``features_only`` backbone returns) is not the plain model's argument."""
     import safetensors.torch
     import timm
 
-    net = timm.create_model(model, num_classes=10, **model_kwargs)
+    kwargs = {k: v for k, v in model_kwargs.items() if k != "out_indices"}
+    net = timm.create_model(model, num_classes=10, **kwargs)
     safetensors.torch.save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
     return str(path)
 
