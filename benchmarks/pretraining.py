@@ -10,7 +10,10 @@ fraction (``--train_fraction``), held-out mAP@0.5 of
 - ``crops`` (DETR only): DETR's own pre-training on the labelled boxes' crops (the fraction's boxes
   only), then ``F`` steps: under the budget by the DINO time it does not spend;
 - ``scratch_F`` (Faster R-CNN, YOLO): random weights, ``F`` steps, the pre-training not counted (how
-  much of ``dino``'s result is the pre-trained weights rather than the budget).
+  much of ``dino``'s result is the pre-trained weights rather than the budget);
+- ``dino_long`` (Faster R-CNN, YOLO; not by default: ``--starts``): the DINO backbone trained for scratch's
+  steps, the pre-training not counted (whether the pre-trained weights still help once scratch has the
+  time, as when one pre-training serves many runs).
 
 The budget is counted in one-thread CPU time: every process runs with one compute thread and one
 loader worker, ``--jobs`` of them side by side (2 on a 2-core machine), so the DINO run, the
@@ -23,7 +26,8 @@ each, kept: a run whose ``study.json`` exists is not run again), the table in ``
 plot in ``--plot``.
 
     python benchmarks/pretraining.py [--out runs/pretraining_study] [--fractions 0.1 0.25 1]
-        [--seeds 0] [--seed_fractions 0.1] [--jobs 2] [--plot docs/pretraining.png]
+        [--seeds 0] [--seed_fractions 0.1] [--detectors faster_rcnn yolo detr] [--jobs 2]
+        [--plot docs/pretraining.png] [--report_only]
 """
 
 from __future__ import annotations
@@ -54,15 +58,17 @@ DETECTORS: dict[str, dict] = {
     },
     "detr": {"steps": 750, "batch": 16, "warmup": 1.0, "args": []},
 }
-STARTS = {"faster_rcnn": ["scratch", "dino", "scratch_F"], "yolo": ["scratch", "dino", "scratch_F"]}
+STARTS = {d: ["scratch", "dino", "scratch_F", "dino_long"] for d in ("faster_rcnn", "yolo")}
 STARTS["detr"] = ["scratch", "dino", "crops"]
 LABELS = {
     "scratch": "from scratch (whole budget)",
     "dino": "DINO backbone (pre-training counted)",
     "crops": "box-crop pre-training (DETR's own)",
     "scratch_F": "from scratch, fine-tuning steps only",
+    "dino_long": "DINO backbone, scratch's steps (pre-training not counted)",
 }
 COLOURS = {"scratch": "tab:blue", "dino": "tab:orange", "crops": "tab:green", "scratch_F": "tab:gray"}
+COLOURS["dino_long"] = "tab:red"
 TITLES = {"faster_rcnn": "Faster R-CNN", "yolo": "YOLO", "detr": "DETR"}
 
 
@@ -139,17 +145,28 @@ def budgets(out: Path, jobs: int) -> dict:
     return budget
 
 
-def study_runs(out: Path, budget: dict, fractions: list[float], seeds: list[int], seed_fractions: list[float]) -> list:
-    """(name, detector, start, fraction, seed, steps, args) for every run, the cheaper starts first."""
+def study_runs(
+    out: Path,
+    budget: dict,
+    fractions: list[float],
+    seeds: list[int],
+    seed_fractions: list[float],
+    detectors: list[str],
+    starts: list[str],
+) -> list:
+    """(name, detector, start, fraction, seed, steps, args) for every run: every fraction at the first seed,
+    ``seed_fractions`` at the others."""
     backbone = str(out / "dino" / "teacher_backbone.safetensors")
     runs = []
     for seed in seeds:
         for fraction in fractions if seed == seeds[0] else [f for f in fractions if f in seed_fractions]:
-            for detector, spec in DETECTORS.items():
-                for start in STARTS[detector]:
-                    steps = spec["steps"] + (budget["extra_steps"][detector] if start == "scratch" else 0)
+            for detector in detectors:
+                spec = DETECTORS[detector]
+                for start in [s for s in STARTS[detector] if s in starts]:
+                    longer = start in ("scratch", "dino_long")
+                    steps = spec["steps"] + (budget["extra_steps"][detector] if longer else 0)
                     args = detector_args(detector, fraction, steps, seed)
-                    if start == "dino":
+                    if start.startswith("dino"):
                         args += ["--init_backbone", backbone]
                     if detector == "detr" and start != "crops":
                         args += ["--pretrain_crops_epochs", "0"]
@@ -189,6 +206,8 @@ def report(out: Path, results: list[dict], budget: dict, plot: Path) -> str:
                 spread = f" ({min(values):.3f}-{max(values):.3f}, {len(values)} seeds)" if len(values) > 1 else ""
                 row.append(f"{mean:.3f}{spread}")
                 xs.append(f), ys.append(mean), lows.append(mean - min(values)), highs.append(max(values) - mean)
+            if not xs:  # a start not run (dino_long unless asked for)
+                continue
             lines.append(f"| {detector} | {LABELS[start]} | {steps} | " + " | ".join(row) + " |")
             style = "--" if start == "scratch_F" else "-"
             ax.errorbar(
@@ -204,7 +223,9 @@ def report(out: Path, results: list[dict], budget: dict, plot: Path) -> str:
         ax.set_xscale("log")
         ax.set_xticks(fractions, [f"{f:.0%}" for f in fractions])
         ax.minorticks_off()
-        ax.set_title(TITLES[detector])
+        scratch = DETECTORS[detector]["steps"] + budget["extra_steps"][detector]
+        steps = f"{scratch:,} steps from scratch, {DETECTORS[detector]['steps']:,} after a pre-training"
+        ax.set_title(f"{TITLES[detector]}\n{steps}", fontsize=10)
         ax.set_xlabel("training images with labels (of 2,000)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out mAP@0.5")
@@ -229,13 +250,15 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 1.0, 0.25, 0.02])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--seed_fractions", type=float, nargs="+", default=[0.1], help="fractions run at every seed")
+    parser.add_argument("--detectors", nargs="+", default=list(DETECTORS), choices=list(DETECTORS))
+    parser.add_argument("--starts", nargs="+", default=["scratch", "dino", "crops", "scratch_F"], choices=list(LABELS))
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one compute thread each")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "pretraining.png")
     parser.add_argument("--report_only", action="store_true", help="table and plot from the runs done so far")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     budget = budgets(args.out, args.jobs)
-    runs = study_runs(args.out, budget, args.fractions, args.seeds, args.seed_fractions)
+    runs = study_runs(args.out, budget, args.fractions, args.seeds, args.seed_fractions, args.detectors, args.starts)
     results = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = {}
