@@ -190,7 +190,7 @@ def report(out: Path, results: list[dict], budget: dict, plot: Path) -> str:
         "| detector | start | steps | " + " | ".join(f"{f:.0%} labels" for f in fractions) + " |",
         "|---|---|---|" + "---|" * len(fractions),
     ]
-    figure, axes = plt.subplots(1, len(DETECTORS), figsize=(5 * len(DETECTORS), 4.2), sharey=True)
+    figure, axes = plt.subplots(1, len(DETECTORS), figsize=(5 * len(DETECTORS), 4.8), sharey=True)
     for ax, detector in zip(axes, DETECTORS):
         for start in STARTS[detector]:
             row, xs, ys, lows, highs = [], [], [], [], []
@@ -231,12 +231,12 @@ def report(out: Path, results: list[dict], budget: dict, plot: Path) -> str:
     axes[0].set_ylabel("held-out mAP@0.5")
     axes[0].set_ylim(0, 1)
     handles = {h.get_label(): h for ax in axes for h in ax.get_legend_handles_labels()[0]}
-    figure.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, frameon=False)
+    figure.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, frameon=False)
     minutes = budget["dino_wall_s"] / 60
     figure.suptitle(
         f"digits_det, half-width resnet10t; equal one-thread CPU budget (DINO pre-training: {minutes:.1f} min)"
     )
-    figure.tight_layout(rect=(0, 0.08, 1, 0.95))
+    figure.tight_layout(rect=(0, 0.13, 1, 0.95))
     plot.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(plot, dpi=120)
     table = "\n".join(lines)
