@@ -14,7 +14,6 @@ cache: an image is stored at the size the reduced decoding gives.
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -25,19 +24,14 @@ import numpy as np
 from PIL import Image
 
 from common import UserError
-from common.images import decode_sized
+from common.images import decode_sized, open_reduced
 
 
 def _stored_size(value: dict[str, Any], shorter: int) -> tuple[int, int]:
     """The (width, height) an image is kept at: what :func:`decode_sized` gives, from its header alone."""
-    with Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as image:
-        w, h = image.size
-        if not (shorter and image.format == "JPEG" and min(w, h) > shorter):
-            return w, h
-    scale = 1
-    while scale < 8 and min(w, h) // (scale * 2) >= shorter:  # the JPEG decoder's reductions: 1/2, 1/4, 1/8
-        scale *= 2
-    return -(-w // scale), -(-h // scale)
+    image, _ = open_reduced(value, shorter)
+    with image:
+        return image.size
 
 
 def available_memory() -> int:
@@ -71,8 +65,8 @@ class ImageCache:
         file = self.folder / f"{index}.npy" if self.folder is not None else None
         if file is not None and file.is_file():
             array = np.load(file, mmap_mode="r")
-            with Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as im:
-                return array, im.size
+            with open_reduced(value)[0] as image:  # the header only: the file's own size
+                return array, image.size
         image, size = decode_sized(value, f"row {index}", self.shorter)
         array = np.asarray(image)
         if file is not None:

@@ -51,15 +51,23 @@ def decode_sized(
         return value.convert("RGB"), value.size
     path = value.get("path") or name
     try:
-        image = Image.open(io.BytesIO(value["bytes"])) if value.get("bytes") else Image.open(value["path"])
-        size = image.size
-        if shorter and image.format == "JPEG" and min(image.size) > shorter:
-            k = shorter / min(image.size)  # PIL picks the largest reduction that keeps at least this size
-            image.draft(image.mode, (math.ceil(image.width * k), math.ceil(image.height * k)))
+        image, size = open_reduced(value, shorter)
         image.load()
         return image.convert("RGB"), size
     except Exception as e:
         raise UserError(f"cannot read image '{path}': {type(e).__name__}: {e}") from None
+
+
+def open_reduced(value: dict[str, Any], shorter: int = 0) -> tuple[Image.Image, tuple[int, int]]:
+    """A ``datasets.Image(decode=False)`` value opened (its header read, nothing decoded) with the JPEG
+    reduction of :func:`decode_sized` asked for, so that its ``size`` is already the decoded size; and the
+    file's own ``(width, height)``. Errors are PIL's."""
+    image = Image.open(io.BytesIO(value["bytes"])) if value.get("bytes") else Image.open(value["path"])
+    size = image.size
+    if shorter and image.format == "JPEG" and min(size) > shorter:
+        k = shorter / min(size)  # PIL picks the largest reduction that keeps at least this size
+        image.draft(image.mode, (math.ceil(image.width * k), math.ceil(image.height * k)))
+    return image, size
 
 
 def needed_side(size: int, scale: float = 1.0, ratio: Sequence[float] = (1.0, 1.0), crop_pct: float = 1.0) -> int:
