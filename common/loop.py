@@ -222,8 +222,7 @@ class Loop:
         means = self.meters.summary(self.accelerator, steps_left=self.total_steps - self.step)
         self.run.guard.check(self.accelerator, self.run.last_checkpoint)
         means.update({k: float(v) for k, v in values.items()})
-        dataset = getattr(self.train_loader.dataset, "base", self.train_loader.dataset)  # YOLO's wraps one
-        replaced = getattr(getattr(dataset, "replaced", None), "value", 0)
+        replaced = getattr(getattr(self.train_loader.dataset, "replaced", None), "value", 0)  # common.data.ImageRows
         if replaced:  # images that broke during the run, replaced (this process's count, since the start)
             means["replaced_images"] = float(replaced)
         self.run.log({**prefixed(means, "train"), "epoch": self.epoch}, self.step, echo=False)

@@ -213,6 +213,11 @@ class YoloTrainSet(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.base)
 
+    @property
+    def replaced(self) -> Any:
+        """The images replaced during the run (common.data.ImageRows): the base's count, for every size."""
+        return self.base.replaced
+
     def _item(self, epoch: int, index: int, size: int):
         """One image decoded and transformed at ``size``: image, boxes, labels, weights (1), dropped."""
         if size not in self._at_size:

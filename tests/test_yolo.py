@@ -551,3 +551,26 @@ def test_mosaic_decodes_each_piece_once_and_counts_each_dropped_box_once(monkeyp
             assert len(target["boxes"]) + target["dropped"] == sum(n * boxes_in_row[i] for i, n in decoded.items())
         first_piece_dropped += base[(0, index)][1]["dropped"]
     assert first_piece_dropped > 0  # the case the double count got wrong
+
+
+def test_an_image_broken_at_another_input_size_is_counted_where_the_loop_reads(monkeypatch):
+    """Multi-scale training reads through a dataset per input size; an image replaced there is counted in
+    the one count the training set exposes as ``replaced`` (what common.loop logs as train/replaced_images)."""
+    import common.data
+
+    real_decode = common.data.decode_sized
+
+    def broken_row_3(value, name, shorter=0):
+        if name.startswith("row 3 "):
+            raise UserError(f"cannot read image '{name}': deleted during the run")
+        return real_decode(value, name, shorter)
+
+    monkeypatch.setattr(common.data, "decode_sized", broken_row_3)
+
+    def transform_at(size: int):
+        return yolo.detection_transforms(True, size, scale_range=(1.0, 1.0), hflip=0.0)
+
+    base = DetectionDataset(load_detection("digits_det").train.select(range(8)), transform_at(96), seed=0)
+    train_set = yolo.YoloTrainSet(base, 96, mosaic=0.0, mixup=0.0, aug_epochs=1, seed=0, transform_at=transform_at)
+    image = train_set[(0, 3, 64)][0]
+    assert image.shape[-2:] == (64, 64) and train_set.replaced.value >= 1  # a draw may land on row 3 again
