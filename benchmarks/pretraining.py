@@ -224,9 +224,9 @@ def report(out: Path, results: list[dict], budget: dict, plot: Path) -> str:
         ax.set_xticks(fractions, [f"{f:.0%}" for f in fractions])
         ax.minorticks_off()
         scratch = DETECTORS[detector]["steps"] + budget["extra_steps"][detector]
-        steps = f"{scratch:,} steps from scratch, {DETECTORS[detector]['steps']:,} after a pre-training"
-        ax.set_title(f"{TITLES[detector]}\n{steps}", fontsize=10)
-        ax.set_xlabel("training images with labels (of 2,000)")
+        plan = f"{scratch:,} steps from scratch, {DETECTORS[detector]['steps']:,} after a pre-training"
+        ax.set_title(f"{TITLES[detector]}\n{plan}", fontsize=10)
+        ax.set_xlabel(f"training images with labels (of {TRAIN_IMAGES:,})")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out mAP@0.5")
     axes[0].set_ylim(0, 1)
