@@ -317,9 +317,9 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, base: dict[str
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        from common.config_help import usage  # reads the recipe's source: only for --help
+        from common.config_help import print_usage  # reads the recipe's source: only for --help
 
-        print(usage(cls))
+        print_usage(cls)
         raise SystemExit(0)
     every_hint = typing.get_type_hints(cls)
     hints = {f.name: every_hint[f.name] for f in dataclasses.fields(cls)}  # the fields: not the ClassVar ranges

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import os
 import sys
 import textwrap
 import tokenize
@@ -171,6 +172,14 @@ def field_choices(f: dataclasses.Field, hint: Any) -> str:
         doc = (inspect.getdoc(choices) or "").split("\n")[0].rstrip(".")
         return doc or f"the names {getattr(choices, '__name__', 'its choices')}() lists"
     return ", ".join(show(a) for a in choices) if choices is not None else ""
+
+
+def print_usage(cls: type) -> None:
+    """Print :func:`usage`; a reader that closed the pipe early (``--help | head``) ends it quietly."""
+    try:
+        print(usage(cls), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
 
 
 def usage(cls: type) -> str:

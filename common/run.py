@@ -44,7 +44,14 @@ from common import RunStopped, UserError
 from common.config import RunConfig, save_config, to_dict
 from common.guard import NonFiniteGuard
 from common.model_folder import check_hub_push, push_folder
-from common.run_folder import check_resume, choose_output_dir, complete_checkpoints, drop_metrics_after, is_checkpoint
+from common.run_folder import (
+    check_resume,
+    choose_output_dir,
+    complete_checkpoints,
+    drop_metrics_after,
+    flag_value,
+    is_checkpoint,
+)
 from common.trackers import init_trackers, log_images, log_weights
 
 
@@ -136,8 +143,10 @@ class Run:
         acc, cfg = self.accelerator, self.cfg
         if acc.is_main_process:
             self.dir.mkdir(parents=True, exist_ok=True)  # checkpoints/ and plots/ appear with their first file
-            # ``resume`` is an action, not a setting: `--config <run>/config.yaml` alone starts a new run
-            save_config(dataclasses.replace(cfg, resume=""), self.dir / "config.yaml")
+            # ``resume`` is an action, not a setting: `--config <run>/config.yaml` alone starts a new run. A
+            # resumed run keeps the config it was started with; what the resume changed goes to resumes.jsonl.
+            if self.resume_checkpoint() is None or not (self.dir / "config.yaml").is_file():
+                save_config(dataclasses.replace(cfg, resume=""), self.dir / "config.yaml")
             for name, text in self.files.items():
                 (self.dir / name).write_text(text)
         acc.wait_for_everyone()
@@ -271,6 +280,10 @@ class Run:
         self.last_checkpoint = str(path)
         if self.accelerator.is_main_process:
             drop_metrics_after(self.dir / "metrics.jsonl", state.step)
+            record = {"step": state.step, "checkpoint": path.name}
+            record["changed"] = {k: [a, b] for k, (a, b) in self.resume_changes.items()}
+            with open(self.dir / "resumes.jsonl", "a") as f:  # one line per resume, with what it changed
+                f.write(json.dumps(record, default=str) + "\n")
         self.accelerator.wait_for_everyone()
         self.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batches_in_epoch})")
         return state
@@ -332,11 +345,12 @@ class Run:
 
     def continue_command(self) -> str:
         """The command that continues this run where its newest checkpoint left off: its own saved config
-        (every flag it was started with) and ``--resume auto``."""
+        (every flag it was started with), the flags a resume changed, and ``--resume auto``."""
         script = Path(sys.argv[0]) if Path(sys.argv[0]).stem == self.recipe else Path(f"recipes/{self.recipe}.py")
         if script.is_absolute() and script.is_relative_to(Path.cwd()):
             script = script.relative_to(Path.cwd())
-        return f"accelerate launch {script} --config {self.dir / 'config.yaml'} --resume auto"
+        changed = "".join(f" --{k} {flag_value(new)}" for k, (_, new) in self.resume_changes.items())
+        return f"accelerate launch {script} --config {self.dir / 'config.yaml'}{changed} --resume auto"
 
     def finish(self, weights: Sequence[Path] = ()) -> None:
         """End the run: with ``cfg.log_weights``, ``weights`` (files in the run folder) and the model folder

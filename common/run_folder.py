@@ -162,6 +162,17 @@ def check_resume(cfg: RunConfig, folder: Path) -> dict[str, tuple[Any, Any]]:
     return {k: v for k, v in changed.items() if k not in ("config", "output_dir", "resume")}
 
 
+def flag_value(value: Any) -> str:
+    """``value`` as the command line writes it after ``--field`` (YAML flow style, shell-quoted where needed):
+    ``20``, ``true``, ``'[640, 800]'``."""
+    import shlex
+
+    if value == "":
+        return "''"
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip().removesuffix("...").strip()
+    return shlex.quote(text)
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."

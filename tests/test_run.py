@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -305,3 +306,38 @@ def test_tf32_and_cudnn_benchmark_follow_the_field(tmp_path):
             run.finish()
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved
+
+
+def test_the_continue_command_carries_what_a_resume_changed(tmp_path):
+    """A resumed run keeps its original config.yaml; the command that continues it adds the flags the resume
+    changed, written so that the recipe parses them back to the same values."""
+    from types import SimpleNamespace
+
+    from common.config import parse_config
+    from common.run import Run
+
+    classifier = load_recipe("classifier")
+    changes = {"max_steps": (4, 6), "scale": ([0.6, 1.0], [0.5, 1.0]), "report_to": ("none", "tensorboard")}
+    fake = SimpleNamespace(recipe="classifier", dir=tmp_path / "run", resume_changes=changes)
+    command = Run.continue_command(fake)
+    assert command.startswith(f"accelerate launch recipes/classifier.py --config {tmp_path / 'run' / 'config.yaml'} ")
+    assert command.endswith(" --resume auto")
+    flags = shlex.split(command)[5:-2]
+    assert flags == ["--max_steps", "6", "--scale", "[0.5, 1.0]", "--report_to", "tensorboard"]
+    cfg = parse_config(classifier.Config, flags)
+    assert (cfg.max_steps, cfg.scale, cfg.report_to) == (6, [0.5, 1.0], "tensorboard")
+
+
+def test_help_into_a_closed_pipe_ends_quietly():
+    """`recipes/x.py --help | head -3`: the reader closes the pipe after three lines; no traceback, exit 0."""
+    with subprocess.Popen(
+        [sys.executable, str(ROOT / "recipes" / "yolo.py"), "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        bufsize=0,
+    ) as proc:
+        proc.stdout.read(50)
+        proc.stdout.close()  # what `head` does once it has its lines
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 0 and err == "", err

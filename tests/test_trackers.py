@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from conftest import ROOT, load_recipe
 from conftest import TINY_CLASSIFIER as TINY
@@ -63,6 +65,10 @@ def test_wandb_run_id_is_kept_across_resume(wandb_run, capsys):
     )
     out = capsys.readouterr().out
     assert "resume with changed max_steps 4 -> 6" in out and "resumed from" in out
+    # the run keeps the config it was started with; the resume's change is recorded beside it
+    assert yaml.safe_load((copy / "config.yaml").read_text())["max_steps"] == 4
+    (resumed,) = [json.loads(line) for line in (copy / "resumes.jsonl").read_text().splitlines()]
+    assert resumed["changed"]["max_steps"] == [4, 6] and resumed["step"] == 4, resumed
     assert (copy / "wandb_run_id.txt").read_text().strip() == run_id
     sessions = sorted(p.name for p in (copy / "wandb").glob("offline-run-*"))
     assert len(sessions) == 2 and all(name.endswith(run_id) for name in sessions), sessions
