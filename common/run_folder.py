@@ -89,14 +89,27 @@ def saved_run_folder(cfg: RunConfig) -> Path | None:
 def default_name(cfg: RunConfig) -> str:
     """The folder name of a run given no ``output_dir``: the config file's name (``default`` without one);
     for ``--eval_only`` / ``--predict`` / ``--export --weights``, ``eval-`` / ``predict-`` / ``export-`` and
-    the run folder of the weights."""
+    the weights' source (:func:`weights_source`)."""
     mode = "eval" if cfg.eval_only else "predict" if getattr(cfg, "predict", "") else "export" if cfg.weights else ""
     if mode:  # DINO has no predict; weights without either mode are the export's
-        weights = Path(cfg.weights)
-        folder = weights.parent if weights.suffix else weights  # a file in a run folder, or a folder
-        folder = folder.parent if folder.name in ("model", "export") else folder  # <run>/model, <run>/export
-        return f"{mode}-{folder.name or 'weights'}"
+        return f"{mode}-{weights_source(cfg.weights)}"
     return Path(cfg.config or "default").stem
+
+
+def weights_source(weights: str) -> str:
+    """What a weights path is called in the names of the folders made from it: the run it belongs to (a file
+    in a run folder, or in its ``model/`` or ``export/``), else the file's own name without its suffix (a
+    folder's name); an ONNX file adds ``-onnx``, so its predictions stand apart from its weights'
+    (``predict-default-onnx``; from a loose file's export, ``predict-mine-onnx`` rather than
+    ``predict-export-mine-onnx``)."""
+    path = Path(weights)
+    folder = path.parent if path.suffix else path
+    if folder.name in ("model", "export") and has_run(folder.parent):
+        folder = folder.parent
+    name = folder.name if has_run(folder) or not path.suffix else path.stem
+    if path.suffix == ".onnx":
+        name = re.sub(r"^export-", "", name) + "-onnx"
+    return name or "weights"
 
 
 def choose_output_dir(cfg: RunConfig, recipe: str) -> tuple[Path, str]:

@@ -98,6 +98,7 @@ def test_eval_and_predict_folders_are_named_and_nothing_is_written_over(wandb_ru
     weights = tmp_path / "runs" / "classifier" / "exp" / "best.safetensors"
     weights.parent.mkdir(parents=True)
     shutil.copy(folder / "best.safetensors", weights)
+    shutil.copy(folder / "config.yaml", weights.parent / "config.yaml")  # a run folder: its name names the outputs
     images = tmp_path / "images"
     images.mkdir()
     from PIL import Image
@@ -341,3 +342,25 @@ def test_help_into_a_closed_pipe_ends_quietly():
         proc.stdout.close()  # what `head` does once it has its lines
         err = proc.stderr.read().decode()
         assert proc.wait(timeout=60) == 0 and err == "", err
+
+
+def test_folders_made_from_weights_say_their_source(tmp_path):
+    """A file in a run folder (or in its model/ or export/) is named by its run; a loose file by its own name;
+    an ONNX file adds -onnx, so its predictions never look like a second run of the safetensors' ones."""
+    from common.run_folder import weights_source
+
+    run = tmp_path / "runs" / "yolo" / "default"
+    (run / "export").mkdir(parents=True)
+    (run / "config.yaml").write_text("lr: 1\n")
+    loose_export = tmp_path / "runs" / "yolo" / "export-mine"
+    loose_export.mkdir()
+    (loose_export / "config.yaml").write_text("lr: 1\n")
+    cases = {
+        run / "best.safetensors": "default",
+        run / "model": "default",
+        run / "export" / "model.onnx": "default-onnx",
+        tmp_path / "downloads" / "mine.safetensors": "mine",
+        Path("mine.safetensors"): "mine",
+        loose_export / "model.onnx": "mine-onnx",
+    }
+    assert {str(k): weights_source(str(k)) for k in cases} == {str(k): v for k, v in cases.items()}
