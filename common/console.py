@@ -22,6 +22,12 @@ def _fit(text: str, width: int = WIDTH) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``n`` and ``noun``, singular for one: ``counted(1, "class", "classes")`` is ``'1 class'``, ``counted(1200,
+    "image")`` ``'1,200 images'`` (``plural`` defaults to ``noun + 's'``)."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def _names(classes: Sequence[str], room: int) -> str:
     """``'cat, dog, ... (1000)'`` within ``room`` characters."""
     shown = ""
@@ -61,11 +67,11 @@ def banner(
 ) -> str:
     """The run at a glance, before its first step: where it writes, on what it runs, on what data, for
     how long, and where to watch it."""
-    data = f"{train_images:,} training image{'s' * (train_images != 1)}"
+    data = counted(train_images, "training image")
     if eval_images is not None:
-        data += f", {eval_images:,} evaluation image{'s' * (eval_images != 1)}"
+        data += ", " + counted(eval_images, "evaluation image")
     if classes:
-        data += f", {len(classes)} classes: "
+        data += f", {counted(len(classes), 'class', 'classes')}: "
         data += _names(list(classes), WIDTH - 13 - len(data))
     steps = f"{total_steps:,} optimizer steps: {epochs} epochs x {steps_per_epoch:,}"
     if total_steps < epochs * steps_per_epoch:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from common.console import counted
 from common.figures import new_figure, save_figure
 
 # Matplotlib's "tab10": ten colours told apart by most readers, colour-blind ones included.
@@ -343,7 +344,7 @@ def plot_pr_curves(precision: Any, classes: Sequence[str], ap50: Any, path: Path
     ax.set(xlim=(0, 1), ylim=(0, 1.02), xlabel="recall", ylabel="precision")
     missing = len(classes) - len(shown)
     ax.set_title(
-        f"precision-recall at IoU 0.5, {len(shown)} classes"
+        f"precision-recall at IoU 0.5, {counted(len(shown), 'class', 'classes')}"
         + (" (grey: each class)" if not legend and len(shown) else "")
         + (f"; {missing} without ground truth" if missing else ""),
         fontsize=11,

@@ -18,6 +18,7 @@ import numpy as np
 from PIL import Image
 
 from common import UserError
+from common.console import counted
 from common.detection_figures import draw_detections, plot_pr_curves, save_detections
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.images import decode_image
@@ -158,6 +159,7 @@ def save_predictions(
     meta: Mapping[str, Any],
     score_threshold: float,
     root: str | Path,
+    model_threshold: tuple[str, float] | None = None,
 ) -> dict[str, float]:
     """``--predict``: the detections of ``batches`` (the recipe's detection pass over ``table``,
     :func:`common.detection.prediction_batches`: per image ``image_id``, ``boxes`` XYXY in original pixels, ``scores``,
@@ -167,7 +169,8 @@ def save_predictions(
     image's pixels, most confident first) and are drawn on each image under ``predictions/``, at the
     image's path relative to ``root`` (the ``--predict`` folder) as PNG. Every process detects its share;
     each batch's detections are gathered to the main process, which writes them (an image repeated by
-    the padding once). Returns the number of images and of detections."""
+    the padding once). ``model_threshold``: the field and value below which the model itself drops detections
+    (YOLO's ``conf_threshold``), named in the counts. Returns the number of images and of detections."""
     from accelerate.utils import gather_object
 
     run.begin()
@@ -221,18 +224,30 @@ def save_predictions(
     if accelerator.is_main_process:
         entries.sort(key=lambda e: e["file"])
         write_json(entries, run.dir / DETECTIONS)
-        run.print(
-            f"{len(entries)} images, {int(totals['detections'])} detections scoring \u2265 {score_threshold}: "
-            f"{run.dir / DETECTIONS}, pictures in {folder}"
-        )
+        field, floor = model_threshold or ("", 0.0)
+        scoring = f"scoring \u2265 {max(score_threshold, floor)}"
+        if floor > score_threshold:  # --predict_score cannot show what the model already dropped
+            scoring += f" ({field}: the model drops lower scores; --predict_score {score_threshold} is below it)"
+        elif floor > 0:
+            scoring += f" (predict_score; the model drops scores below {floor}, {field})"
+        found = counted(int(totals["detections"]), "detection")
+        run.print(f"{counted(len(entries), 'image')}, {found} {scoring}: {run.dir / DETECTIONS}, pictures in {folder}")
         below = np.concatenate(lower) if lower else np.zeros(0)
         if len(below):  # a young model's detections may all score below the threshold: say they exist
-            run.print(
-                f"{len(below)} more detections score below {score_threshold} (the best {below.max():.3g}); "
-                "--predict_score lower shows them"
-            )
+            between = f"between {floor} and {score_threshold}" if floor > 0 else f"below {score_threshold}"
+            best = _below(float(below.max()), score_threshold)
+            more = counted(len(below), "more detection")
+            run.print(f"{more} score {between} (the best {best}); --predict_score lower shows them")
     run.finish()
     return totals
+
+
+def _below(value: float, threshold: float) -> str:
+    """``value`` (< ``threshold``) with the digits that show it below: ``0.2996``, not ``0.3``, under 0.3."""
+    for digits in (3, 4, 6, 9):
+        if float(text := f"{value:.{digits}g}") < threshold:
+            return text
+    return repr(value)
 
 
 def check_classes(weights: str, meta: Mapping[str, Any], data: Any) -> None:

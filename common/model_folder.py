@@ -16,6 +16,7 @@ import yaml
 from torch import nn
 
 from common import UserError
+from common.console import counted
 
 #: The keys of a timm data config that describe an evaluation's input.
 DATA_KEYS = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std")
@@ -153,7 +154,7 @@ def model_card(
         "backbone": f"A `{architecture}` backbone, self-supervised without labels (DINO),",
         "detector": f"An object detector on a `{architecture}` backbone",
     }[task]
-    labelled = f", {len(classes)} classes ({shown})" if classes else ""
+    labelled = f", {counted(len(classes), 'class', 'classes')} ({shown})" if classes else ""
     tag = {"classifier": "image-classification", "backbone": "image-feature-extraction"}.get(task, "object-detection")
     return f"""---
 library_name: {library}

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from common import UserError
+from common.console import counted
 from common.images import listing, unreadable
 
 #: The checker's version, part of every cache file's name: a change to what is checked starts afresh.
@@ -160,7 +161,7 @@ def bad_images_policy(
         if len(bad) == sizes[split]:
             raise UserError(f"none of the {sizes[split]} {split} images can be read: {listing(bad)}")
         if bad:
-            lost = f" (with {boxes[split]} boxes)" if boxes.get(split) else ""
+            lost = f" (with {counted(boxes[split], 'box', 'boxes')})" if boxes.get(split) else ""
             skipped = " and are skipped" if policy == "skip" else ""
             parts.append(f"{len(bad)} of {sizes[split]} {split} images{lost} cannot be read{skipped}: {listing(bad)}")
     if parts and policy == "error":

@@ -624,7 +624,10 @@ def predict(cfg: Config, run: Run) -> dict[str, float]:
     table, batches = prediction_batches(
         run, cfg.predict, data_transforms(False, 0.0, False), list_collate, 1, cfg.num_workers
     )
-    return save_predictions(run, detect(model, batches, run.accelerator), table, meta, cfg.predict_score, cfg.predict)
+    found = detect(model, batches, run.accelerator)
+    return save_predictions(
+        run, found, table, meta, cfg.predict_score, cfg.predict, ("box_score_thresh", cfg.box_score_thresh)
+    )
 
 
 def export_files(

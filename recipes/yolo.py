@@ -398,7 +398,9 @@ def predict(cfg: Config, run: Run) -> dict[str, float]:
     transform = detection_transforms(False, cfg.img_size, preset=cfg.augment)  # as the evaluation saw images
     table, batches = prediction_batches(run, cfg.predict, transform, collate, 2 * cfg.batch_size, cfg.num_workers)
     found = detect(model, batches, run.accelerator, cfg)
-    return save_predictions(run, found, table, meta, cfg.predict_score, cfg.predict)
+    return save_predictions(
+        run, found, table, meta, cfg.predict_score, cfg.predict, ("conf_threshold", cfg.conf_threshold)
+    )
 
 
 def export_files(model: YOLOv3, cfg: Config, meta: dict[str, Any], folder: Path, recipe: str) -> dict[str, float]:

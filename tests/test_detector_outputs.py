@@ -238,7 +238,9 @@ def test_predict_writes_detections_in_original_pixels_and_the_users_ids(frcnn_ru
         for r in json.loads((run / "predictions.json").read_text())
         if r["image_id"] == first["id"] and r["score"] < 0.3
     ]
-    said = re.search(r"(\d+) more detections score below 0.3 \(the best (0\.\d+)\)", proc.stdout)
+    # every threshold applied is named: the model's own (box_score_thresh) and --predict_score
+    assert "scoring \u2265 0.3 (predict_score; the model drops scores below 0.05, box_score_thresh)" in proc.stdout
+    said = re.search(r"(\d+) more detections? score between 0.05 and 0.3 \(the best (0\.\d+)\)", proc.stdout)
     assert said and int(said[1]) >= len(low) and float(said[2]) < 0.3, proc.stdout[-2000:]
     for d, r in zip(plain, sorted(evaluated, key=lambda r: -r["score"])):
         x, y, w, h = r["bbox"]
