@@ -19,11 +19,21 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-def create_timm_model(name: str, optional: dict[str, Any] | None = None, also: str = "", **kwargs: Any) -> nn.Module:
+def create_timm_model(
+    name: str, optional: dict[str, Any] | None = None, also: str = "", notes: list[str] | None = None, **kwargs: Any
+) -> nn.Module:
     """``timm.create_model(name, **optional, **kwargs)``; where the model family does not take the
     ``optional`` arguments (``img_size`` for a convnet, say), again without them. An unknown name is
     one :class:`UserError` line instead of timm's traceback (``also`` names what else the recipe
-    accepts)."""
+    accepts). With ``pretrained=True``, a line naming the weights goes to ``notes`` (the start banner's)."""
+    model = _create_timm_model(name, optional, also, **kwargs)
+    if kwargs.get("pretrained") and notes is not None:
+        source = getattr(model, "pretrained_cfg", {}).get("hf_hub_id") or "timm's hub"
+        notes.append(f"pretrained: timm's weights for '{name}' ({source}); a layer they do not hold starts new")
+    return model
+
+
+def _create_timm_model(name: str, optional: dict[str, Any] | None, also: str, **kwargs: Any) -> nn.Module:
     import timm
 
     try:

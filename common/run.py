@@ -53,6 +53,7 @@ from common.run_folder import (
     is_checkpoint,
 )
 from common.trackers import init_trackers, log_images, log_weights
+from common.weights import weights_line
 
 
 @dataclasses.dataclass
@@ -152,6 +153,8 @@ class Run:
         acc.wait_for_everyone()
         if cfg.report_to != "none":
             init_trackers(acc, cfg, self.recipe, self.dir, to_dict(cfg), self.print)
+        if cfg.weights:  # --eval_only, --predict, --export: the file the model comes from
+            self.print(weights_line(cfg.weights))
         if self.resume_changes:
             self.print(
                 "resume with changed " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.resume_changes.items())

@@ -24,6 +24,7 @@ from torch import nn
 from common import UserError
 from common.config import RunConfig, parse_config, to_dict
 from common.config_help import recipe_file, show
+from common.console import counted
 from common.guard import NonFiniteLoss
 
 C = TypeVar("C", bound=RunConfig)
@@ -217,14 +218,14 @@ def load_state(model: nn.Module, state: dict[str, torch.Tensor], path: str | Pat
     return model
 
 
-def load_backbone(backbone: nn.Module, path: str | Path) -> None:
+def load_backbone(backbone: nn.Module, path: str | Path) -> str:
     """``--init_backbone``: a detector's timm ``features_only`` backbone from a safetensors file of the same
     timm model (the classifier's ``best.safetensors``, DINO's ``teacher_backbone.safetensors``, one saved
     from ``timm.create_model``): every tensor the backbone has must be there with its shape, or one
     :class:`UserError` names the first that is not; the rest (a classifier head, stages the detector does
     not read) is ignored. Keys under ``backbone.`` (a detector's own file) or ``model.`` / ``module.`` (a
     wrapped model's) are found too, and so are the plain model's names of the modules a ``features_only``
-    model flattens. The detector's own layers stay as they were made."""
+    model flattens. The detector's own layers stay as they were made. Returns the start banner's line."""
     import safetensors.torch
 
     if not Path(path).is_file():
@@ -241,3 +242,25 @@ def load_backbone(backbone: nn.Module, path: str | Path) -> None:
     if problem:
         raise UserError(f"init_backbone '{path}'{saved_by(path)} does not fit the backbone: {problem}")
     backbone.load_state_dict(state)
+    return loaded_line("init_backbone", path, len(state), 0, "") + "; the detector's own layers start new"
+
+
+def weights_line(path: str | Path) -> str:
+    """The line that names the weights ``--eval_only``, ``--predict`` or ``--export`` run: the file, who saved
+    it, and its tensor count (all of them load, or the model refuses the file)."""
+    import safetensors
+
+    from common.export import is_onnx
+
+    path = weights_file(path)
+    if is_onnx(path):
+        return f"weights '{path}'{saved_by(path)}: an ONNX file, run by ONNX Runtime"
+    with safetensors.safe_open(str(path), "pt") as f:
+        return loaded_line("weights", path, len(list(f.keys())), 0, "")
+
+
+def loaded_line(field: str, path: str | Path, loaded: int, new: int, what_new: str) -> str:
+    """The start banner's line for a weights file a run starts from: the flag, the file and who saved it,
+    the model's tensors it filled and how many start new (``what_new`` names them)."""
+    line = f"{field} '{path}'{saved_by(path)}: {counted(loaded, 'tensor')} loaded"
+    return line + (f", {new} new ({what_new})" if new else "")

@@ -62,6 +62,7 @@ from common.weights import (
     config_with_weights,
     load_state,
     load_weights,
+    loaded_line,
     mismatch,
     read_metadata,
     save_weights,
@@ -213,7 +214,9 @@ class BlockProbe(torch.nn.Module):
         return self.head(torch.cat(features, dim=-1))  # [B, D x (blocks + avgpool)] -> [B, K]
 
 
-def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
+def create_model(cfg: Config, num_classes: int, notes: list[str] | None = None) -> torch.nn.Module:
+    """The run's timm model; the weights it starts from (pretrained, init_weights) are named in ``notes``."""
+    notes = [] if notes is None else notes
     if cfg.probe_blocks > 0 and not cfg.linear_probe:
         raise UserError("probe_blocks is DINO's linear evaluation: it needs --linear_probe")
     # transformers build their position embeddings for img_size; convnets take no such argument
@@ -224,10 +227,11 @@ def create_model(cfg: Config, num_classes: int) -> torch.nn.Module:
         num_classes=0 if cfg.probe_blocks else num_classes,
         drop_rate=cfg.drop_rate,
         drop_path_rate=cfg.drop_path_rate,
+        notes=notes,
         **cfg.model_kwargs,
     )
     if cfg.init_weights:
-        load_init_weights(model, cfg.init_weights)
+        notes.append(load_init_weights(model, cfg.init_weights))
     if cfg.probe_blocks > 0:
         model = BlockProbe(model, cfg.probe_blocks, cfg.probe_avgpool, num_classes)
     if cfg.bn_momentum > 0:
@@ -297,13 +301,13 @@ def create_transforms(cfg: Config, model: torch.nn.Module) -> tuple[Callable, Ca
     return train_tf, create_transform(**data_cfg, is_training=False)
 
 
-def load_init_weights(model: torch.nn.Module, path: str) -> None:
+def load_init_weights(model: torch.nn.Module, path: str) -> str:
     """Start from a safetensors file (e.g. a DINO teacher backbone); classifier head may differ.
 
     The model family's own checkpoint filter (timm's ``checkpoint_filter_fn``, which resizes ViT
     position embeddings) runs first. Head tensors are dropped where their shape differs or the file
     has none; any other difference (a tensor of another shape: a backbone of another size) is one
-    error naming the first.
+    error naming the first. Returns the start banner's line.
     """
     if not Path(path).is_file():
         raise UserError(f"init_weights '{path}' does not exist")
@@ -327,6 +331,10 @@ def load_init_weights(model: torch.nn.Module, path: str) -> None:
         name = model.pretrained_cfg.get("architecture") or type(model).__name__
         raise UserError(f"init_weights '{path}'{saved_by(path)} does not fit model '{name}': {problem}")
     model.load_state_dict(state, strict=False)
+    new = [k for k in own if k not in state]
+    return loaded_line(
+        "init_weights", path, len(state), len(new), ", ".join(sorted({k.rsplit(".", 1)[0] for k in new}))
+    )
 
 
 def set_bn_momentum(model: torch.nn.Module, momentum: float) -> None:
@@ -492,7 +500,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 f"({len(trained_classes)}); '{cfg.data}' has {data.classes[:5]}... ({num_classes})"
             )
     else:
-        model = create_model(cfg, num_classes)
+        model = create_model(cfg, num_classes, run.notes)
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator)
     if cfg.channels_last:

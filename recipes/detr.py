@@ -310,19 +310,25 @@ def create_model(cfg: Config, num_classes: int, backbone: nn.Module | None = Non
     )
 
 
-def create_backbone(cfg: Config) -> nn.Module:
+def create_backbone(cfg: Config, notes: list[str] | None = None) -> nn.Module:
     """The timm ``features_only`` backbone giving the one level DETR reads, with the weights that
-    ``pretrained`` or ``init_backbone`` name (random otherwise)."""
+    ``pretrained`` or ``init_backbone`` name (random otherwise; named in ``notes``)."""
+    notes = [] if notes is None else notes
     try:
         backbone = create_timm_model(
-            cfg.model, features_only=True, out_indices=(cfg.out_index,), pretrained=cfg.pretrained, **cfg.model_kwargs
+            cfg.model,
+            features_only=True,
+            out_indices=(cfg.out_index,),
+            pretrained=cfg.pretrained,
+            notes=notes,
+            **cfg.model_kwargs,
         )
     except (IndexError, TypeError) as e:
         raise UserError(
             f"model '{cfg.model}' does not take out_index {cfg.out_index} and model_kwargs {cfg.model_kwargs}: {e}"
         ) from None
     if cfg.init_backbone:
-        load_backbone(backbone, cfg.init_backbone)
+        notes.append(load_backbone(backbone, cfg.init_backbone))
     return backbone
 
 
@@ -489,7 +495,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     # ---- model and loss (the backbone pre-trained on the box crops first, unless its weights come from elsewhere) ----
-    backbone = create_backbone(cfg)
+    backbone = create_backbone(cfg, run.notes)
     if cfg.pretrain_crops_epochs > 0:
         reason = (
             "pretrained"
@@ -513,7 +519,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             return {}
     model = create_model(cfg, num_classes, backbone)
     if cfg.init_weights:  # the whole detector from a DETR checkpoint (a resumed run's checkpoint overrides it)
-        run.print(load_init_weights(model, cfg.init_weights, data.classes, data.category_ids))
+        run.notes.append(load_init_weights(model, cfg.init_weights, data.classes, data.category_ids))
     criterion = create_criterion(cfg, num_classes).to(accelerator.device)
     weight_dict = criterion.weight_dict  # the total loss: sum of weight x term (auxiliary layers' terms too)
     model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch

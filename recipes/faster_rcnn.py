@@ -411,7 +411,7 @@ def budgets(cfg: Config, own: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def preset_model(cfg: Config, num_classes: int) -> TwoStageDetector:
+def preset_model(cfg: Config, num_classes: int, notes: list[str]) -> TwoStageDetector:
     """A torchvision preset (``cfg.model`` in PRESETS): its own backbone + FPN, heads sized as torchvision
     sizes them, for ``num_classes`` object classes (background is one more)."""
     box_kwargs = dict(
@@ -468,6 +468,9 @@ def preset_model(cfg: Config, num_classes: int) -> TwoStageDetector:
         per_position = m.rpn.anchor_generator.num_anchors_per_location()[0]
         if m.rpn.head.cls_logits.out_channels != per_position:
             m.rpn.head = RPNHead(m.backbone.out_channels, per_position)
+    for weights in downloads:  # named in the start banner
+        which = "--pretrained" if cfg.pretrained and weights == downloads[0] else "--pretrained_backbone"
+        notes.append(f"{which.lstrip('-')}: torchvision's {weights} ({Path(weights.url).name})")
     if cfg.pretrained:  # COCO's 91-way predictor -> ours
         m.roi_heads.box_predictor = FastRCNNPredictor(m.roi_heads.box_predictor.cls_score.in_features, num_classes + 1)
     if cfg.frozen_bn:  # the presets freeze it themselves whenever they load weights
@@ -475,7 +478,7 @@ def preset_model(cfg: Config, num_classes: int) -> TwoStageDetector:
     return TwoStageDetector(m.transform, m.backbone, m.rpn, m.roi_heads)
 
 
-def timm_model(cfg: Config, num_classes: int) -> TwoStageDetector:
+def timm_model(cfg: Config, num_classes: int, notes: list[str]) -> TwoStageDetector:
     """A timm ``features_only`` backbone under TimmFPN, with this recipe's RPN and RoI heads, for
     ``num_classes`` object classes (background is one more)."""
     try:
@@ -485,6 +488,7 @@ def timm_model(cfg: Config, num_classes: int) -> TwoStageDetector:
             features_only=True,
             out_indices=tuple(cfg.out_indices),
             pretrained=cfg.pretrained,
+            notes=notes,
             **cfg.model_kwargs,
         )
     except (IndexError, TypeError) as e:
@@ -492,7 +496,7 @@ def timm_model(cfg: Config, num_classes: int) -> TwoStageDetector:
             f"model '{cfg.model}' does not take out_indices {cfg.out_indices} and model_kwargs {cfg.model_kwargs}: {e}"
         ) from None
     if cfg.init_backbone:  # before freezing: frozen batch norm takes the loaded statistics
-        load_backbone(body, cfg.init_backbone)
+        notes.append(load_backbone(body, cfg.init_backbone))
     freeze_stages(body, cfg.freeze_at)
     if cfg.frozen_bn:
         body = timm.layers.freeze_batch_norm_2d(body)  # BatchNorm2d -> FrozenBatchNorm2d
@@ -536,11 +540,13 @@ def timm_model(cfg: Config, num_classes: int) -> TwoStageDetector:
     return TwoStageDetector(transform, backbone, rpn, roi_heads)
 
 
-def create_model(cfg: Config, num_classes: int) -> TwoStageDetector:
-    """The detector for ``num_classes`` object classes (background is one more)."""
+def create_model(cfg: Config, num_classes: int, notes: list[str] | None = None) -> TwoStageDetector:
+    """The detector for ``num_classes`` object classes (background is one more); the weights it starts from
+    (pretrained, pretrained_backbone, init_backbone) are named in ``notes``."""
+    notes = [] if notes is None else notes
     if cfg.model in PRESETS:
-        return preset_model(cfg, num_classes)
-    return timm_model(cfg, num_classes)
+        return preset_model(cfg, num_classes, notes)
+    return timm_model(cfg, num_classes, notes)
 
 
 # ============================================================================================
@@ -729,7 +735,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     # ---- model -------------------------------------------------------------------------------
-    model = create_model(cfg, num_classes)
+    model = create_model(cfg, num_classes, run.notes)
     model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch
     weight_dict = dict(zip(LOSS_NAMES.values(), cfg.loss_weights))  # the total loss: sum of weight x term
 

@@ -319,10 +319,14 @@ def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
     )
 
 
-def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor) -> YOLOv3:
-    backbone = create_timm_model(cfg.model, features_only=True, pretrained=cfg.pretrained, **cfg.model_kwargs)
+def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor, notes: list[str] | None = None) -> YOLOv3:
+    """The detector; the weights its backbone starts from (pretrained, init_backbone) are named in ``notes``."""
+    notes = [] if notes is None else notes
+    backbone = create_timm_model(
+        cfg.model, features_only=True, pretrained=cfg.pretrained, notes=notes, **cfg.model_kwargs
+    )
     if cfg.init_backbone:
-        load_backbone(backbone, cfg.init_backbone)
+        notes.append(load_backbone(backbone, cfg.init_backbone))
     if len(backbone.feature_info.channels()) < 3:
         raise UserError(f"model '{cfg.model}' gives fewer than 3 feature levels; YOLO needs three (strides 8, 16, 32)")
     return YOLOv3(backbone, num_classes, anchors, cfg.neck_channels)
@@ -494,7 +498,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "anchors (k-means on the training boxes, px at img_size): "
             + " ".join(f"{w:.0f}x{h:.0f}" for w, h in anchors.tolist())
         )
-    model = create_model(cfg, num_classes, anchors)
+    model = create_model(cfg, num_classes, anchors, run.notes)
     model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch
 
     # ---- optimizer and schedules (no weight decay on biases and norms) --------------------------

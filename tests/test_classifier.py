@@ -491,7 +491,13 @@ def test_a_backbone_files_normalisation_reaches_the_probe_and_fine_tuning(tmp_pa
     run = tmp_path / "probe"
     probe = ["--batch_size", "16", "--max_steps", "1", "--linear_probe", "--init_weights", str(backbone)]
     main(TINY + probe + ["--output_dir", str(run)])
-    assert "inputs normalised as init_weights was trained: mean [0.485, 0.456, 0.406]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "inputs normalised as init_weights was trained: mean [0.485, 0.456, 0.406]" in out
+    # the start banner names the file and what it filled: every backbone tensor, a new head
+    loaded = len(donor.state_dict())
+    assert (
+        f"init_weights '{backbone}' (saved by dino.py for model test_vit): {loaded} tensors loaded, 2 new (head)" in out
+    )
     assert [read_metadata(run / "final.safetensors")[k] for k in ("mean", "std")] == list(imagenet)
     restored = config_with_weights(
         classifier.Config, ["--eval_only", "--weights", str(run / "final.safetensors")], classifier.MODEL_FIELDS

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from conftest import ROOT, error_line, load_recipe
@@ -118,7 +119,10 @@ def test_eval_and_predict_folders_are_named_and_nothing_is_written_over(wandb_ru
         for name, snapshot in snapshots.items():
             assert files(runs / name) == snapshot, name
         snapshots[expected] = files(runs / expected)
-    assert capsys.readouterr().out.rstrip().splitlines()[-1].endswith(str(Path("runs/classifier/eval-exp")))
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].endswith(str(Path("runs/classifier/eval-exp")))
+    loaded = len(safetensors.torch.load_file(str(weights)))  # every tensor of the file: --weights loads strictly
+    assert f"weights '{weights}' (saved by classifier.py for model test_vit): {loaded} tensors loaded\n" in out
     # a training run given the predict folder's config (and so its folder) goes to a new sibling
     main(["--config", str(runs / "predict-exp" / "config.yaml"), "--predict", "", "--weights", ""] + TINY[-4:])
     assert (runs / "predict-exp-3" / "final.safetensors").is_file()

@@ -8,6 +8,7 @@ import timm
 import torch
 
 from common import UserError
+from common.config_help import show
 from common.weights import config_with_weights, load_state, mismatch, save_weights
 
 _loaded: dict = {}
@@ -125,13 +126,21 @@ def test_each_detector_starts_from_a_dino_or_classifier_backbone(detector, tmp_p
         saved_cfg = recipe(kind).Config(model=default.model, model_kwargs=default.model_kwargs)
         save_weights(source.state_dict(), path, saved_cfg, recipe=kind)
         cfg = parse_config(module.Config, ["--init_backbone", str(path)])
-        anchors = torch.tensor([[8.0, 8.0]] * 9)
-        model = module.create_model(cfg, 3, anchors) if detector == "yolo" else module.create_model(cfg, 3)
+        anchors, notes = torch.tensor([[8.0, 8.0]] * 9), []
+        if detector == "detr":
+            model = module.create_model(cfg, 3, module.create_backbone(cfg, notes))
+        else:
+            model = module.create_model(cfg, 3, *([anchors] if detector == "yolo" else []), notes)
         body = {"yolo": lambda m: m.backbone, "detr": lambda m: m.backbone, "faster_rcnn": lambda m: m.backbone.body}
         loaded = body[detector](model).state_dict()
         expected = source.state_dict()
         named = {k: k if k in expected else k.replace("_", ".", 1) for k in loaded}  # features_only's flat names
         assert loaded and all(torch.equal(v, expected[named[k]]) for k, v in loaded.items()), kind
+        assert notes == [  # the start banner's line: the file, who saved it, what it filled
+            f"init_backbone '{path}' (saved by {kind}.py for model {default.model}"
+            f"{' ' + show(default.model_kwargs) if default.model_kwargs else ''}): {len(loaded)} tensors loaded; "
+            "the detector's own layers start new"
+        ], notes
     other = timm.create_model("test_vit" if detector == "yolo" else "resnet10t", num_classes=0)  # another model
     save_weights(other.state_dict(), tmp_path / "other.safetensors", default, recipe="dino")
     cfg = parse_config(module.Config, ["--init_backbone", str(tmp_path / "other.safetensors")])
