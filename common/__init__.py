@@ -26,3 +26,9 @@ class UserError(Exception):
 class RunStopped(Exception):
     """A stop signal after the training loop (during the last saves or the export): the run ends at
     once, everything already written stays, and the message says how to finish it (exit status 0)."""
+
+
+class StepsFailed(Exception):
+    """Steps after the weights were saved that failed (model folder, export, hub push, W&B artifacts): each was
+    told in one ``error:`` line with the command that redoes it, after the end summary; the weights and the rest
+    of the run stay (exit status 1)."""

@@ -1,6 +1,7 @@
 """What a run prints at its start and at its end: the banner and the summary, each line within 120
 columns (pure functions of host values; :class:`common.loop.Loop` prints them on the main process),
-and :func:`cli_main`, the recipes' entry point that turns a mistake into one ``error:`` line."""
+and :func:`cli_main`, the recipes' entry point that turns a mistake into one ``error:`` line; a step after the
+weights that fails is one such line too (:func:`recorded_failure`), with the command that redoes it."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from common import RunStopped, UserError
+from common import RunStopped, StepsFailed, UserError
 from common.guard import NonFiniteLoss
 from common.meters import format_seconds
 
@@ -112,6 +114,31 @@ def summary(
     return "\n".join(_fit(line) for line in lines)
 
 
+def launch_command(recipe: str) -> str:
+    """``accelerate launch <script>``: the recipe file as this process was started (relative to the working
+    directory where it lies under it), else ``recipes/<recipe>.py``."""
+    script = Path(sys.argv[0]) if Path(sys.argv[0]).stem == recipe else Path(f"recipes/{recipe}.py")
+    if script.is_absolute() and script.is_relative_to(Path.cwd()):
+        script = script.relative_to(Path.cwd())
+    return f"accelerate launch {script}"
+
+
+@contextlib.contextmanager
+def recorded_failure(failed: list[str], what: str, redo: str) -> Iterator[None]:
+    """Around one step after the weights are saved (the model folder, the export, a hub push): an exception
+    there is appended to ``failed`` as one line naming ``what``, the error's first line and ``redo`` (the command
+    that redoes the step), and the run goes on. A :class:`UserError` is its message alone. A stop signal
+    (:class:`RunStopped`, ``KeyboardInterrupt``) still ends the run at once."""
+    try:
+        yield
+    except RunStopped:
+        raise
+    except Exception as e:
+        cause = (str(e).strip().splitlines() or [""])[0]  # compilers' and exporters' messages run to pages
+        cause = cause if isinstance(e, UserError) else f"{type(e).__name__}: {cause}" if cause else type(e).__name__
+        failed.append(f"{what} failed ({_fit(cause, 2 * WIDTH)}); redo it with: {redo}")
+
+
 def _close_bars() -> None:
     from tqdm.auto import tqdm
 
@@ -140,11 +167,13 @@ def own_files(prefix: str) -> Iterator[None]:
 
 
 def cli_main(main: Callable[[], Any]) -> None:
-    """Run a recipe's ``main``; bad input and a diverged loss become one ``error:`` line and exit 2 / 1; a
-    stop signal after the training loop its two lines (what stopped, how to finish) and exit 0; a second
-    Ctrl-C one line and exit 130."""
+    """Run a recipe's ``main``; bad input and a diverged loss become one ``error:`` line and exit 2 / 1; steps
+    that failed after the weights were saved (their lines already told) exit 1; a stop signal after the
+    training loop its two lines (what stopped, how to finish) and exit 0; a second Ctrl-C one line and exit 130."""
     try:
         main()
+    except StepsFailed:
+        raise SystemExit(1) from None
     except UserError as e:
         message = str(e)
         if "Original Traceback" in message:  # re-raised from a DataLoader worker: keep the cause

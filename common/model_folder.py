@@ -113,19 +113,18 @@ def check_hub_push(repo: str) -> None:
 
 def push_folder(folder: Path, repo: str, api: Any = None) -> str:
     """Upload the model ``folder`` to the hub model repository ``repo`` (created if new; ``api``: a
-    :class:`huggingface_hub.HfApi`, default a new one) and say where it went; a failed upload is told in the
-    returned line with the command that retries it, and never ends the run (the folder stays)."""
+    :class:`huggingface_hub.HfApi`, default a new one) and say where it went. A failed upload raises: the run
+    (:meth:`common.run.Run.finish`) tells it in one line with the command that retries it, and the folder stays.
+    No folder (the model folder failed, or the run writes none) is a line saying so: the model folder's own
+    failure names the command that redoes it and the push."""
     if not Path(folder).is_dir():
         return f"push_to_hub: nothing to upload, {folder} was not written"
-    try:
-        if api is None:
-            from huggingface_hub import HfApi
+    if api is None:
+        from huggingface_hub import HfApi
 
-            api = HfApi()
-        api.create_repo(repo, repo_type="model", exist_ok=True)
-        info = api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model", commit_message="cv-recipes")
-    except Exception as e:
-        return f"push_to_hub {repo} failed ({type(e).__name__}: {e}); retry with: hf upload {repo} {folder} ."
+        api = HfApi()
+    api.create_repo(repo, repo_type="model", exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model", commit_message="cv-recipes")
     return f"push_to_hub: {folder} uploaded to {getattr(info, 'commit_url', None) or repo}"
 
 

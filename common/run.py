@@ -25,6 +25,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,9 @@ from accelerate.utils import (
 )
 from PIL import Image
 
-from common import RunStopped, UserError
+from common import RunStopped, StepsFailed, UserError
 from common.config import RunConfig, save_config, to_dict
+from common.console import launch_command, recorded_failure
 from common.guard import NonFiniteGuard
 from common.model_folder import check_hub_push, push_folder
 from common.run_folder import (
@@ -122,6 +124,7 @@ class Run:
         self.begun = False
         self.guard = NonFiniteGuard(self.accelerator.device)
         self.last_checkpoint = ""
+        self.failed: list[str] = []  # steps after the weights that failed, one line each (guarded)
         self._stop_signal: int | None = None
         self._loop_done = False  # after the training loop a stop signal ends the run at once (RunStopped)
         self._stop_group = None
@@ -348,29 +351,45 @@ class Run:
 
     def continue_command(self) -> str:
         """The command that continues this run where its newest checkpoint left off: its own saved config
-        (every flag it was started with), the flags a resume changed, and ``--resume auto``."""
-        script = Path(sys.argv[0]) if Path(sys.argv[0]).stem == self.recipe else Path(f"recipes/{self.recipe}.py")
-        if script.is_absolute() and script.is_relative_to(Path.cwd()):
-            script = script.relative_to(Path.cwd())
+        (every flag it was started with), the flags a resume changed, and ``--resume auto``. After the end of
+        training it redoes what follows the final checkpoint (final weights, model folder, export, hub push)."""
         changed = "".join(f" --{k} {flag_value(new)}" for k, (_, new) in self.resume_changes.items())
-        return f"accelerate launch {script} --config {self.dir / 'config.yaml'}{changed} --resume auto"
+        return f"{launch_command(self.recipe)} --config {self.dir / 'config.yaml'}{changed} --resume auto"
+
+    def export_command(self, weights: Path) -> str:
+        """The command that exports ``weights`` (a file this recipe saved) as the run's ``--export`` does."""
+        return f"{launch_command(self.recipe)} --export --weights {weights}"
+
+    def guarded(self, what: str, redo: str = "") -> AbstractContextManager[None]:
+        """Around a step after the weights are saved: a failure is one line (``what``, its error, ``redo``, by
+        default :meth:`continue_command`) that :meth:`finish` tells; the run goes on (``recorded_failure``)."""
+        return recorded_failure(self.failed, what, redo or self.continue_command())
 
     def finish(self, weights: Sequence[Path] = ()) -> None:
         """End the run: with ``cfg.log_weights``, ``weights`` (files in the run folder) and the model folder
         and ONNX file where the run wrote them become W&B artifacts; with ``cfg.push_to_hub``, the model
-        folder goes to the hub; the tracker is closed and the signal handlers handed back."""
+        folder goes to the hub; the tracker is closed and the signal handlers handed back. Steps that failed
+        (:meth:`guarded`, these two included) are told last, one ``error:`` line each, and end the run with
+        :class:`StepsFailed` (exit status 1)."""
         model_out = [p for p in (self.dir / "model", self.dir / "export" / "model.onnx") if p.exists()]
         if self.cfg.log_weights and weights:
             paths = [Path(w) for w in weights if Path(w).exists()] + model_out
-            log_weights(self.accelerator, self.cfg.report_to, paths, f"{self.recipe}-{self.dir.name}")
+            with self.guarded("W&B artifacts"):
+                log_weights(self.accelerator, self.cfg.report_to, paths, f"{self.recipe}-{self.dir.name}")
         if self.cfg.push_to_hub and self.accelerator.is_main_process:
-            self.print(push_folder(self.dir / "model", self.cfg.push_to_hub))
+            folder, repo = self.dir / "model", self.cfg.push_to_hub
+            with self.guarded("push_to_hub", f"hf upload {repo} {folder} ."):
+                self.print(push_folder(folder, repo))
         if self._pending is not None:  # collect the last stop-flag reduction before shutting down
             self._pending[0].wait()
             self._pending = None
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
+        for line in self.failed:  # after the summary, beside the run folder's line
+            print(f"error: {line}", file=sys.stderr, flush=True)
         if self._stop_signal is None:  # a stopped run's last line is the command that continues it
             self.print(f"output: {self.dir}")
         for sig, handler in self._handlers.items():  # a run inside a longer program hands the signals back
             signal.signal(sig, handler)
+        if self.failed:
+            raise StepsFailed("\n".join(self.failed))

@@ -60,6 +60,7 @@ from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values
 from common.weights import (
     config_with_weights,
+    kept_weights,
     load_state,
     load_weights,
     loaded_line,
@@ -701,24 +702,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if ema is not None:
             weights.append(run.dir / "final_ema.safetensors")
             save_weights(ema.module.state_dict(), weights[2], cfg, **saved_as)
-        # what leaves the project is the best (evaluated) weights: a timm folder and the exports
-        best = safetensors.torch.load_file(str(weights[0])) if weights[0].is_file() else final
+        # what leaves the project is the best (evaluated) weights: a timm folder and the exports. A step that
+        # fails is one line after the summary with the command that redoes it; the steps after it still run.
+        kept = kept_weights(run.dir)
         shared = create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), num_classes)
-        shared.load_state_dict(best)
+        shared.load_state_dict(safetensors.torch.load_file(str(kept)))
         if not cfg.probe_blocks:  # a probe on blocks is not a timm model
-            sizes = (len(train_set), len(eval_set))
-            card = model_card(
-                run.recipe, cfg.model, to_dict(cfg), data.classes, sizes, loop.best_for_card("top1", " (%)"), data_cfg
-            )
-            write_timm_folder(
-                shared, run.dir / "model", data.classes, data_cfg, card, weights_metadata(cfg, **saved_as)
-            )
-            run.print(
-                "model/: the best weights as a timm folder, timm.create_model('local-dir:<run>/model', pretrained=True)"
-            )
+            with run.guarded("model folder"):
+                sizes = (len(train_set), len(eval_set))
+                best = loop.best_for_card("top1", " (%)")
+                card = model_card(run.recipe, cfg.model, to_dict(cfg), data.classes, sizes, best, data_cfg)
+                meta = weights_metadata(cfg, **saved_as)
+                write_timm_folder(shared, run.dir / "model", data.classes, data_cfg, card, meta)
+                use = "timm.create_model('local-dir:<run>/model', pretrained=True)"
+                run.print(f"model/: the best weights as a timm folder, {use}")
         if cfg.export:
-            write = lambda folder: export_files(shared, cfg, data.classes, folder, run.recipe)  # noqa: E731
-            results.update(export_run(run, run.dir / "export", write, loop.step))
+            with run.guarded("export", run.export_command(kept)):
+                write = lambda folder: export_files(shared, cfg, data.classes, folder, run.recipe)  # noqa: E731
+                results.update(export_run(run, run.dir / "export", write, loop.step))
     loop.finish(results, weights)  # the summary; the weights as W&B artifacts with --log_weights
     return results
 

@@ -718,7 +718,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             run.log(baseline, 0)
             run.log_plots(0, **pictures)
         loop.extra["baseline"] = baseline
-    results: dict[str, float] = dict(loop.extra["baseline"])
+    results: dict[str, float] = dict(loop.extra.get("results", loop.extra["baseline"]))
 
     # ---- training loop ---------------------------------------------------------------------------
     teacher.train()
@@ -764,7 +764,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             knn, pictures = evaluate(
                 teacher.backbone, bank_set, query_set, bank_loader, query_loader, knn_set.classes, cfg, run
             )
-            results = {**loop.extra["baseline"], **knn}
+            # kept in the checkpoint: a run resumed at its end (a model folder redone) writes its card from them
+            results = loop.extra["results"] = {**loop.extra["baseline"], **knn}
             run.log({**results, "epoch": epoch}, loop.step)
             run.log_plots(loop.step, **pictures)  # and the training curves
     if loop.stopped:
@@ -775,17 +776,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if accelerator.is_main_process:
         saved_as = {"recipe": run.recipe, "normalization": (IMAGENET_MEAN, IMAGENET_STD)}
         save_weights(teacher.backbone.state_dict(), path, cfg, **saved_as)
-        data_cfg = backbone_data_config(cfg)
-        sizes = (len(train_set), len(query_set) if knn_set is not None else 0)
-        card = model_card(run.recipe, cfg.model, to_dict(cfg), [], sizes, results, data_cfg, "backbone")
-        backbone = copy.deepcopy(teacher.backbone)
-        write_timm_folder(backbone, run.dir / "model", [], data_cfg, card, weights_metadata(cfg, **saved_as))
-        run.print(
-            "model/: the teacher backbone as a timm folder, timm.create_model('local-dir:<run>/model', pretrained=True)"
-        )
+        # a step that fails is one line after the summary with the command that redoes it; the next still runs
+        with run.guarded("model folder"):
+            data_cfg = backbone_data_config(cfg)
+            sizes = (len(train_set), len(query_set) if knn_set is not None else 0)
+            card = model_card(run.recipe, cfg.model, to_dict(cfg), [], sizes, results, data_cfg, "backbone")
+            backbone = copy.deepcopy(teacher.backbone)
+            write_timm_folder(backbone, run.dir / "model", [], data_cfg, card, weights_metadata(cfg, **saved_as))
+            use = "timm.create_model('local-dir:<run>/model', pretrained=True)"
+            run.print(f"model/: the teacher backbone as a timm folder, {use}")
         if cfg.export:
-            write = lambda folder: export_files(teacher.backbone, cfg, folder, run.recipe)  # noqa: E731
-            results.update(export_run(run, run.dir / "export", write, loop.step))
+            with run.guarded("export", run.export_command(path)):
+                write = lambda folder: export_files(teacher.backbone, cfg, folder, run.recipe)  # noqa: E731
+                results.update(export_run(run, run.dir / "export", write, loop.step))
     loop.finish(results, [path])  # the summary; the weights as a W&B artifact with --log_weights
     return results
 

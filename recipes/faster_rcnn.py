@@ -817,11 +817,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if accelerator.is_main_process:  # the last weights; what leaves the project: the best (evaluated) ones
         save_weights(weights, run.dir / "final.safetensors", cfg, **saved_as)
         sizes = (len(train_set), len(eval_set))
-        write_detector_folder(run, to_dict(cfg), data.classes, sizes, loop.best_for_card(cfg.best_metric))
+        # a step that fails is one line after the summary with the command that redoes it; the next still runs
+        with run.guarded("model folder"):
+            write_detector_folder(run, to_dict(cfg), data.classes, sizes, loop.best_for_card(cfg.best_metric))
     if cfg.export and accelerator.is_main_process:
-        kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
-        write = lambda folder: export_files(kept, cfg, meta, folder, run.recipe, eval_set[0][0])  # noqa: E731
-        results.update(export_run(run, run.dir / "export", write, loop.step))
+        with run.guarded("export", run.export_command(kept_weights(run.dir))):
+            kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
+            write = lambda folder: export_files(kept, cfg, meta, folder, run.recipe, eval_set[0][0])  # noqa: E731
+            results.update(export_run(run, run.dir / "export", write, loop.step))
     if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
         run.print(per_class_text(details))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary

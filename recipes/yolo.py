@@ -587,13 +587,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     final = ema.module if ema is not None else unwrapped
     if accelerator.is_main_process:
         save_weights(final.state_dict(), run.dir / "final.safetensors", cfg, **saved_as)
-        # what leaves the project is the best (evaluated) weights
-        sizes = (len(train_set), len(eval_set))
-        write_detector_folder(run, to_dict(cfg), data.classes, sizes, loop.best_for_card(cfg.best_metric))
+        # what leaves the project is the best (evaluated) weights. A step that fails is one line after the
+        # summary with the command that redoes it; the steps after it still run.
+        sizes, kept = (len(train_set), len(eval_set)), kept_weights(run.dir)
+        with run.guarded("model folder"):
+            write_detector_folder(run, to_dict(cfg), data.classes, sizes, loop.best_for_card(cfg.best_metric))
         if cfg.export:
-            model_kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
-            write = lambda folder: export_files(model_kept, cfg, meta, folder, run.recipe)  # noqa: E731
-            results.update(export_run(run, run.dir / "export", write, loop.step))
+            with run.guarded("export", run.export_command(kept)):
+                model_kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept)))
+                write = lambda folder: export_files(model_kept, cfg, meta, folder, run.recipe)  # noqa: E731
+                results.update(export_run(run, run.dir / "export", write, loop.step))
     if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
         run.print(per_class_text(details))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary
