@@ -223,6 +223,30 @@ def test_every_shipped_config_fits_its_recipe():
     assert checked >= 5
 
 
+def test_own_photos_cpu_commands_parse():
+    """The CPU command in each own_photos.yaml header (`python recipes/<recipe>.py ...`, continued by
+    backslashes) names fields of its recipe with values they take, and changes what it says it changes."""
+    import shlex
+
+    from conftest import ROOT
+
+    paths = sorted((ROOT / "configs").glob("*/own_photos.yaml"))
+    assert {p.parent.name for p in paths} == {"classifier", "dino", "yolo", "detr", "faster_rcnn"}
+    for path in paths:
+        comments = [line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")]
+        first = next(i for i, line in enumerate(comments) if line.startswith(f"python recipes/{path.parent.name}.py"))
+        command = comments[first]
+        for line in comments[first + 1 :]:
+            if not command.endswith("\\"):
+                break
+            command = command[:-1] + " " + line
+        args = shlex.split(command)[2:]
+        assert args[:2] == ["--config", f"configs/{path.parent.name}/own_photos.yaml"], command
+        shipped = parse_config(recipe(path.parent.name).Config, ["--config", str(path)])
+        on_cpu = parse_config(recipe(path.parent.name).Config, ["--config", str(path), *args[2:]])
+        assert on_cpu.batch_size < shipped.batch_size and on_cpu.num_workers < shipped.num_workers, command
+
+
 # ---- fixed sets of values ---------------------------------------------------------------------
 def test_literal_fields_take_their_values(tmp_path):
     cfg = parse_config(Cfg, ["--sched", "step", "--precision", ""])
