@@ -37,6 +37,16 @@ from accelerate.utils import set_seed
 from common.meters import Meters, format_seconds, prefixed
 from common.run import Run, TrainState
 
+#: The longest a run without a progress bar goes without a step line, in seconds.
+SILENCE_S = 60.0
+
+
+def rate(means: Mapping[str, float]) -> str:
+    """A step line's speed: images/s, or seconds per step where that is below one image a second."""
+    if means.get("images_per_s", 0.0) >= 1 or "s_per_step" not in means:
+        return f"{means.get('images_per_s', 0.0):.0f} img/s"
+    return f"{means['s_per_step']:.1f} s/step"
+
 
 def steps_total(epochs: int, steps_per_epoch: Any, max_steps: int = 0) -> int:
     """Optimizer steps in the whole run: ``steps_per_epoch`` (an int, or a function of the epoch)
@@ -78,6 +88,7 @@ class Loop:
         self.extra: dict[str, Any] = dict(self.start.extra)
         self.stopped = False
         self.meters = Meters(self.accelerator.device)
+        self._last_line = time.monotonic()  # the last step line, for a run without a progress bar
         self._epoch_done = False
         self._stepped = False
         from tqdm.auto import tqdm
@@ -184,7 +195,7 @@ class Loop:
             if not self._stepped:
                 continue
             last_batch = self.batches_done == length
-            stopping = self.run.should_stop()
+            stopping = self.run.should_stop(log_wanted=self._silent_too_long())
             # An epoch's last batch is checkpointed by epochs(), after the evaluation.
             if stopping or (self.step % self.cfg.checkpoint_every == 0 and not last_batch):
                 self.run.save_checkpoint(self.state())
@@ -207,13 +218,32 @@ class Loop:
         self.step += 1
         self.meters.step()
         self.progress.update(1)
+        if self.step == self.start.step + 1:  # the session's first step: one line, no meters read (no sync)
+            took = time.perf_counter() - self.run.started
+            self.run.print(
+                f"epoch {self.epoch} step {self.step}/{self.total_steps}  first step {took:.1f} s after the start"
+            )
+            self._last_line = time.monotonic()
         return True
 
     # -- logging and the best metric ---------------------------------------------------------------
     def log_due(self) -> bool:
         """Whether this optimizer step logs the training meters: every ``log_every`` steps, and the last
-        step, so a run shorter than ``log_every`` still has its training loss."""
-        return self.step % self.cfg.log_every == 0 or self.step == self.total_steps
+        step, so a run shorter than ``log_every`` still has its training loss; and without a progress bar (a
+        log file, a cluster job), when ``log_every`` steps take longer, a step at least every :data:`SILENCE_S`
+        seconds: a slow run is never silent."""
+        return self.step % self.cfg.log_every == 0 or self.step == self.total_steps or self.run.log_requested
+
+    def _silent_too_long(self) -> bool:
+        """The main process's wish for a step line: no progress bar and nothing logged for SILENCE_S seconds
+        (agreed across processes through :meth:`common.run.Run.should_stop`, so all of them log at one step,
+        one or two steps later; the wish counts as the line, so it is made once)."""
+        if not self.accelerator.is_main_process or not self.progress.disable:
+            return False
+        if time.monotonic() - self._last_line < SILENCE_S:
+            return False
+        self._last_line = time.monotonic()
+        return True
 
     def log_train(self, **values: float) -> dict[str, float]:
         """The interval's meter means (one all-reduce, one host sync) and ``values`` (host floats such
@@ -226,10 +256,11 @@ class Loop:
         if replaced:  # images that broke during the run, replaced (this process's count, since the start)
             means["replaced_images"] = float(replaced)
         self.run.log({**prefixed(means, "train"), "epoch": self.epoch}, self.step, echo=False)
+        self._last_line = time.monotonic()
         self.run.print(
             f"epoch {self.epoch} step {self.step}/{self.total_steps}  loss {means.get('loss', math.nan):.4g}"
             + (f"  lr {means['lr']:.3g}" if "lr" in means else "")
-            + f"  {means['images_per_s']:.0f} img/s  eta {format_seconds(means.get('eta_s', 0.0))}"
+            + f"  {rate(means)}  eta {format_seconds(means.get('eta_s', 0.0))}"
         )
         return means
 

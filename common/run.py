@@ -73,6 +73,31 @@ class TrainState:
     finished: bool = False  # the end of training: ``--resume auto`` alone looks for runs without it
 
 
+def native_bf16() -> bool | None:
+    """Whether this CPU computes in bf16 natively (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``, from
+    Linux's ``/proc/cpuinfo``); None where that cannot be told."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = {f for line in text.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
+    if not flags:
+        return None
+    return not flags.isdisjoint({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def emulated_bf16_note(accelerator: Accelerator) -> str:
+    """A warning line for the start banner when the run autocasts to bf16 on a CPU that lacks native bf16
+    (:func:`native_bf16`): PyTorch then emulates each bf16 operation in fp32 with conversions, many times
+    slower than fp32 itself, as when a GPU config is started on a laptop. '' otherwise."""
+    if accelerator.mixed_precision != "bf16" or accelerator.device.type != "cpu" or native_bf16() is not False:
+        return ""
+    return (
+        "warning: bf16 on a CPU without native bf16 (avx512_bf16, amx_bf16) is emulated, many times slower: "
+        "pass --mixed_precision no"
+    )
+
+
 class Run:
     """Everything around the training loop that is the same for every recipe (the module docstring)."""
 
@@ -115,6 +140,7 @@ class Run:
             dataloader_config=DataLoaderConfiguration(non_blocking=True),
         )
         set_seed(cfg.seed)  # the same on every process: model initialisation agrees before prepare()
+        self.notes += filter(None, [emulated_bf16_note(self.accelerator)])  # a GPU config started on a CPU
         # CUDA: TF32 tensor-core matmuls and convolutions, and cuDNN's autotuned convolution algorithms
         # (fixed input sizes); cfg.tf32 false: full fp32 precision and a fixed algorithm choice. The
         # flags change nothing on a CPU.
@@ -129,6 +155,7 @@ class Run:
         self._loop_done = False  # after the training loop a stop signal ends the run at once (RunStopped)
         self._stop_group = None
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self.log_requested = False  # agreed by should_stop(): every process logs the next step
         if self.accelerator.num_processes > 1 and dist.is_initialized():
             # Stop requests are agreed on over gloo (CPU) so that checking every step never
             # waits on the GPU stream.
@@ -323,8 +350,10 @@ class Run:
             f"finish it with: {self.continue_command()}"
         )
 
-    def should_stop(self) -> bool:
-        """True on every process once any process got SIGTERM/SIGINT; call once per step.
+    def should_stop(self, log_wanted: bool = False) -> bool:
+        """True on every process once any process got SIGTERM/SIGINT; call once per step. ``log_wanted`` (the
+        main process's wish for a step line, :class:`common.loop.Loop`'s) is agreed on the same way and read
+        back as ``log_requested``, so every process logs at the same step.
 
         With several processes the flags are combined by an asynchronous all-reduce over gloo
         (CPU): each call collects the reduction started by the previous call and starts the next,
@@ -332,13 +361,14 @@ class Run:
         (one step after the signal).
         """
         if self._stop_group is None:
+            self.log_requested = log_wanted
             return self._stop_signal is not None
-        stop = False
+        stop, self.log_requested = False, False
         if self._pending is not None:
             work, flag = self._pending
             work.wait()
-            stop = bool(flag.item())  # a CPU tensor: no device synchronisation
-        flag = torch.tensor([0 if self._stop_signal is None else 1])
+            stop, self.log_requested = (bool(v) for v in flag.tolist())  # a CPU tensor: no device sync
+        flag = torch.tensor([0 if self._stop_signal is None else 1, int(log_wanted)])
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group, async_op=True), flag)
         return stop
 

@@ -121,3 +121,73 @@ def test_processes_share_the_initialisation_seed_then_draw_their_own(tmp_path):
     draws = [json.loads((tmp_path / "run" / f"draws_{rank}.json").read_text()) for rank in (0, 1)]
     assert draws[0]["init"] == draws[1]["init"]
     assert draws[0]["step"] != draws[1]["step"]
+
+
+SILENT = textwrap.dedent("""
+    import sys, time, torch
+    sys.path[:0] = [sys.argv[1], sys.argv[3]]
+    import common.loop
+    from common.config import RunConfig
+    from common.loaders import train_loader_for
+    from common.loop import Loop
+    from common.run import Run
+
+    common.loop.SILENCE_S = float(sys.argv[4])  # every step counts as a silent minute
+    cfg = RunConfig(report_to="none", output_dir=sys.argv[2], num_workers=0, batch_size=2, log_every=1000, epochs=2)
+    run = Run(cfg, "silent")
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    class Zeros(torch.utils.data.Dataset):  # keyed by (epoch, index), as common.loaders' sampler gives them
+        def __len__(self):
+            return 24
+
+        def __getitem__(self, key):
+            return torch.zeros(1)
+
+    loader = train_loader_for(Zeros(), 2, 0, 0, run.accelerator.num_processes)
+    model, optimizer, loader = run.accelerator.prepare(model, optimizer, loader)
+    loop = Loop(run, loader, 2 * len(loader))
+    for _ in loop.epochs():
+        for x in loop.batches():
+            if run.accelerator.process_index == 1:
+                time.sleep(0.01)  # the processes' clocks drift apart: the agreed step must not
+            loss = model(x).sum()
+            run.accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            loop.meters.update(loss=loss)
+            loop.meters.images(len(x))
+            if loop.optimizer_stepped() and loop.log_due():
+                loop.log_train()
+    run.finish()
+""")
+
+
+def _silent_run(tmp_path: Path, nproc: int, silence: float) -> tuple[str, list[int]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "silent.py"
+    script.write_text(SILENT)
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run"]
+    launch += [f"--nproc_per_node={nproc}", f"--master_port={free_port()}"] if nproc > 1 else []
+    args = [str(script), str(ROOT / "tests"), str(tmp_path / "run"), str(ROOT), str(silence)]
+    proc = subprocess.run(launch + args, cwd=ROOT, env=recipe_env(nproc), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return proc.stdout, logged
+
+
+def test_a_run_in_a_log_file_is_never_silent(tmp_path):
+    """No progress bar (output to a file): the first step is told at once, and a step line comes at least every
+    SILENCE_S seconds even when log_every is far away; with the usual SILENCE_S, only the last step logs."""
+    out, logged = _silent_run(tmp_path / "slow", 1, 0.0)
+    assert "epoch 0 step 1/24  first step " in out and " s after the start" in out, out
+    assert len(logged) >= 12 and logged[-1] == 24, logged  # a line every step or two instead of one at the end
+    out, logged = _silent_run(tmp_path / "fast", 1, 60.0)
+    assert logged == [24] and "first step" in out
+
+
+def test_processes_agree_on_the_step_a_silent_minute_logs(tmp_path):
+    """With 2 processes the line is agreed on (each log is an all-reduce): a process that logged alone would
+    wait for the other forever. The run ends, and the main process logged more than the last step."""
+    _, logged = _silent_run(tmp_path, 2, 0.0)
+    assert len(logged) >= 6 and logged[-1] == 12, logged  # 2 epochs of 24 items / (2 processes x 2)
