@@ -86,7 +86,7 @@ from common.image_cache import cache_images
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.model_folder import write_detector_folder
-from common.models import create_timm_model, freeze_stages, sync_batchnorm
+from common.models import average_bn_statistics, create_timm_model, freeze_stages, sync_batchnorm
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values
@@ -375,6 +375,7 @@ def evaluate(
     predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training
     model.eval()
+    average_bn_statistics(model, accelerator)  # each process's BN statistics saw its own batches: their mean
     results = evaluator.evaluate(detect(model, eval_loader, accelerator), accelerator, details=True)
     model.train(was_training)
     return results

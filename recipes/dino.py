@@ -61,7 +61,7 @@ from common.knn import extract, knn_accuracy, knn_predict, shard
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.model_folder import model_card, write_timm_folder
-from common.models import create_timm_model, sync_batchnorm
+from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
@@ -553,6 +553,7 @@ def evaluate(
     saved under run.plots_dir. The sets are whole, the loaders this process's shards (knn_loaders)."""
     accelerator = run.accelerator
     backbone.eval()
+    average_bn_statistics(backbone, accelerator)  # each process's BN statistics saw its own batches: their mean
     result, bank_f = knn_metrics(backbone, "teacher", bank_loader, query_loader, len(classes), cfg, run)
     pictures = {}
     if cfg.plot_images > 0:  # every process searches its bank shard for the first queries' neighbours

@@ -76,7 +76,7 @@ from common.image_cache import cache_images
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.model_folder import write_detector_folder
-from common.models import create_timm_model, freeze_stages, hub_offline, sync_batchnorm
+from common.models import average_bn_statistics, create_timm_model, freeze_stages, hub_offline, sync_batchnorm
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
@@ -366,6 +366,8 @@ class TwoStageDetector(nn.Module):
         # 2 px from 256, 4 px from 512 and 8 px from 1024 (so bf16 evaluation would round every box).
         for head in (rpn.head, roi_heads.box_predictor):
             head.register_forward_hook(_float_outputs)
+        # Anchors in fp32 whatever the autocast: torchvision's AnchorGenerator builds them in the features' dtype
+        rpn.anchor_generator.register_forward_pre_hook(_fp32_grid)
 
     def forward(self, images: list[torch.Tensor], targets: list[dict] | None = None):
         original_sizes = [tuple(image.shape[-2:]) for image in images]
@@ -391,6 +393,13 @@ class Exported(nn.Module):
     def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         found = self.model([image])[0]
         return found["boxes"], found["scores"], found["labels"] - 1
+
+
+def _fp32_grid(module: nn.Module, inputs: tuple[Any, list[torch.Tensor]]) -> tuple[Any, list[torch.Tensor]]:
+    """Forward pre-hook of the AnchorGenerator: each feature map [B, F, h, w] handed over as an fp32 view of
+    one zero of that shape (no copy), since the generator reads only the maps' shapes, dtype and device."""
+    image_list, features = inputs
+    return image_list, [f.new_zeros((), dtype=torch.float32).expand(f.shape) for f in features]
 
 
 def _float_outputs(module: nn.Module, inputs: Any, output: Any) -> Any:
@@ -580,6 +589,7 @@ def evaluate(
     predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training
     model.eval()
+    average_bn_statistics(model, accelerator)  # each process's BN statistics saw its own batches: their mean
     results = evaluator.evaluate(detect(model, eval_loader, accelerator), accelerator, details=True)
     model.train(was_training)
     return results

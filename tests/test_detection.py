@@ -820,3 +820,26 @@ def test_save_detections_writes_one_png_and_logs_plain_images_with_boxes(tmp_pat
     assert first.image.size == (80, 60)  # the plain image at its own size: boxes in its pixels
     # wandb keeps the box list in a private attribute; the positions are the target's, unscaled
     assert first._boxes["ground_truth"]._val[0]["position"] == {"minX": 20.0, "minY": 10.0, "maxX": 45.0, "maxY": 30.0}
+
+
+@pytest.mark.parametrize("recipe", ["yolo", "detr", "faster_rcnn"])
+def test_each_detector_evaluates_the_mean_of_the_processes_bn_statistics(recipe):
+    """A detector's evaluate(), with 2 processes, detects with every BatchNorm's running statistics averaged
+    over the processes (each process's saw only its own batches), so 2 processes score as 1 on the same
+    weights. Here the other process holds statistics 2 above this one's: the evaluation must see 1 above."""
+    module = load_recipe(recipe)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4)).train()
+    model[1].running_mean.fill_(3.0)
+    model[1].running_var.fill_(5.0)
+    accelerator = SimpleNamespace(num_processes=2, reduce=lambda t, reduction: t + 1 if reduction == "mean" else None)
+    seen = {}
+
+    class Evaluator:  # what evaluate() hands the detections to: here, where the statistics stand then
+        def evaluate(self, detections, accelerator, details):
+            seen.update(mean=model[1].running_mean.clone(), var=model[1].running_var.clone(), eval=not model.training)
+            return {}, None
+
+    args = (model, [], Evaluator(), accelerator) + ((SimpleNamespace(),) if recipe == "yolo" else ())
+    module.evaluate(*args)
+    assert seen["eval"] and model.training  # back to training after
+    assert torch.equal(seen["mean"], torch.full((4,), 4.0)) and torch.equal(seen["var"], torch.full((4,), 6.0))

@@ -26,7 +26,7 @@ from conftest import (
     run_recipe,
     scene_files,
 )
-from detr_model import HungarianMatcher, SetCriterion, postprocess, sine_position_encoding  # beside the recipe
+from detr_model import HungarianMatcher, SetCriterion, detections, postprocess, sine_position_encoding  # the recipe's
 from detr_pretrain import BoxCropDataset, CropClassifier
 
 detr = load_recipe("detr")
@@ -514,3 +514,33 @@ def test_max_steps_caps_the_backbone_pretraining_and_its_errors_name_its_flag(tm
     )
     assert "boxes to pre-train the backbone on" in line and "lower --pretrain_crops_batch_size" in line
     assert not (tmp_path / "big").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_positions_costs_and_detections_are_fp32_under_autocast(dtype):
+    """Inside autocast, with the model's outputs in bf16 or fp16 as autocast hands them over: the sine
+    position encoding of an 800x1216 image's stride-32 map (padded at the right and bottom), the Hungarian
+    matcher's costs (and so its pairs) and the detections in pixels equal their fp32 values on the same
+    outputs (a bf16 box corner near 1216 px is a multiple of 8 px; a bf16 cost is rounded at 1/128 of it)."""
+    mask = torch.zeros(2, 25, 38, dtype=torch.bool)
+    mask[1, 20:], mask[1, :, 30:] = True, True
+    g = torch.Generator().manual_seed(0)
+    outputs = {"pred_logits": torch.randn(2, 100, 6, generator=g), "pred_boxes": torch.rand(2, 100, 4, generator=g)}
+    outputs["pred_boxes"] = outputs["pred_boxes"] * 0.5 + 0.25  # cx, cy, w, h: inside the image
+    low = {k: v.to(dtype) for k, v in outputs.items()}
+    wide = {k: v.float() for k, v in low.items()}  # the same values in fp32
+    targets = [
+        {"labels": torch.randint(0, 5, (n,), generator=g), "boxes": torch.rand(n, 4, generator=g) * 0.5 + 0.25}
+        for n in (7, 3)
+    ]
+    matcher, sizes = HungarianMatcher(1.0, 5.0, 2.0), torch.tensor([[800, 1216], [640, 960]])
+    want = (sine_position_encoding(mask, 256), matcher.cost(wide, targets), *detections(wide, sizes))
+    want_pairs = matcher(wide, targets)
+    with torch.autocast("cpu", dtype=dtype):
+        got = (sine_position_encoding(mask, 256), matcher.cost(low, targets), *detections(low, sizes))
+        pairs = matcher(low, targets)
+    for name, a, b in zip(["positions", "costs", "boxes", "scores", "labels"], got, want):
+        assert a.dtype == b.dtype and a.dtype in (torch.float32, torch.int64), name
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
+    assert float(want[2].max()) > 1000  # boxes in the pixels of the 1216 px wide image
+    assert all(torch.equal(a, b) for p, q in zip(pairs, want_pairs) for a, b in zip(p, q))

@@ -317,6 +317,25 @@ def test_two_processes_match_one_process(one_process, tmp_path):
     assert m1[-1]["knn/teacher_top1"] == pytest.approx(m2[-1]["knn/teacher_top1"])
 
 
+# The demo's ResNet (batch norm), its weights held still (teacher momentum 1): only the teacher's BN
+# statistics move, each process's from its own half of the global batch.
+BN_STILL = FAST[: FAST.index("--model")] + ["--max_steps", "2", "--warmup_epochs", "0", "--momentum_teacher", "1"]
+
+
+@pytest.mark.slow
+def test_two_processes_read_the_knn_of_one_process(tmp_path):
+    """2 gloo processes x 16 and 1 process x 32 with the same teacher weights: the kNN reads the same, the
+    bank's shards extracted with the BN statistics averaged over the processes (each process alone has
+    seen half the batches; the mean of the halves' means is the whole batch's mean)."""
+    dino.main(BN_STILL + ["--batch_size", "32", "--output_dir", str(tmp_path / "one")])
+    check(run_recipe("dino", BN_STILL + ["--batch_size", "16", "--output_dir", str(tmp_path / "two")], nproc=2))
+    one, two = (
+        [json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in ("one", "two")
+    )
+    knn = [[m["knn/teacher_top1"] for m in run if "knn/teacher_top1" in m] for run in (one, two)]
+    assert len(knn[0]) == len(knn[1]) >= 1 and knn[0][-1] == pytest.approx(knn[1][-1], abs=0.5), knn
+
+
 def test_knn_over_shards_equals_the_whole_bank():
     """common.knn: the top k of a bank scored in query chunks equals a plain top k; the votes for several
     k come from one search."""

@@ -211,6 +211,28 @@ def test_proposals_and_boxes_stay_fp32_under_bf16_autocast():
     assert len(large) == 0 or bool((large % 4 != 0).any())
 
 
+@pytest.mark.parametrize("model", ["default", "fasterrcnn_resnet50_fpn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_anchors_are_fp32_under_autocast(model, dtype):
+    """The RPN's anchors at 800x1216 (every level of the model: strides 4, 8, ...) are their fp32 values
+    when the FPN features come in bf16 or fp16 from an autocast forward: torchvision builds them in the
+    features' dtype: in bf16 a coordinate near 1216 px is a multiple of 8 px; fp16 holds these integral
+    anchors (up to 2048 px) but hands them on in fp16, in which the decoded boxes would be rounded."""
+    from torchvision.models.detection.image_list import ImageList
+
+    args = [] if model == "default" else ["--model", model, "--model_kwargs", "{}", "--anchor_sizes", "[]"]
+    generator = frcnn.create_model(parse_config(frcnn.Config, args), num_classes=10).rpn.anchor_generator
+    batch = ImageList(torch.zeros(2, 3, 800, 1216), [(800, 1216), (780, 1200)])
+    shapes = [(2, 8, 800 // 2**i, 1216 // 2**i) for i in range(2, 2 + len(generator.sizes))]
+    reference = generator(batch, [torch.zeros(s) for s in shapes])
+    with torch.autocast("cpu", dtype=dtype):
+        anchors = generator(batch, [torch.zeros(s, dtype=dtype) for s in shapes])
+    assert len(anchors) == 2 and anchors[0].shape == reference[0].shape and anchors[0].shape[0] > 100_000
+    for got, want in zip(anchors, reference):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
 # ---- torchvision's reference: aspect-ratio groups, images without boxes, budgets, backbone weights ----------
 def test_sampler_groups_ratios_into_torchvisions_bins():
     """torchvision's create_aspect_ratio_groups(k=3): edges 2 ** linspace(-1, 1, 7), 8 groups, quantised by

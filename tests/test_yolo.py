@@ -574,3 +574,29 @@ def test_an_image_broken_at_another_input_size_is_counted_where_the_loop_reads(m
     train_set = yolo.YoloTrainSet(base, 96, mosaic=0.0, mixup=0.0, aug_epochs=1, seed=0, transform_at=transform_at)
     image = train_set[(0, 3, 64)][0]
     assert image.shape[-2:] == (64, 64) and train_set.replaced.value >= 1  # a draw may land on row 3 again
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grids_decoding_and_assignment_are_fp32_under_autocast(dtype):
+    """At 640 px, the head's raw outputs as autocast hands them over (bf16 or fp16): the decoded boxes and
+    the target assignment inside autocast are the fp32 ones of the same values (a bf16 coordinate near
+    640 px is a multiple of 4 px, an fp16 one of 0.5 px; a wrong cell or anchor moves a target)."""
+    model = _model()
+    n = sum(h * w * model.num_anchors for h, w in model.level_shapes(640, 640))
+    g = torch.Generator().manual_seed(0)
+    raw = (torch.randn(2, n, 15, generator=g) * 2).to(dtype)
+    centre, size = torch.rand(2, 6, 2, generator=g) * 600 + 20, torch.rand(2, 6, 2, generator=g) * 300 + 4
+    gt = torch.cat([centre - size / 2, centre + size / 2], -1)
+    labels, weights = torch.randint(0, 10, (2, 6), generator=g), torch.ones(2, 6)
+    want_boxes, want_scores = model.decode(raw.float(), 640, 640)
+    want = assign_targets(model, gt, labels, weights, 640, 640)
+    with torch.autocast("cpu", dtype=dtype):
+        boxes, scores = model.decode(raw, 640, 640)
+        got = assign_targets(model, gt, labels, weights, 640, 640)
+    assert boxes.dtype == torch.float32 and float(want_boxes.abs().max()) > 600
+    torch.testing.assert_close(boxes, want_boxes, rtol=0, atol=1e-3)
+    torch.testing.assert_close(scores, want_scores, rtol=0, atol=1e-6)
+    assert set(got) == set(want) and int((want["obj"] > 0).sum()) > 6
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5)
