@@ -43,13 +43,10 @@ def write_timm_folder(
 
     folder = Path(folder)
     data = {k: (list(v) if isinstance(v, tuple) else v) for k, v in data_config.items() if k in DATA_KEYS}
-    save_for_hf(
-        model, str(folder), model_config={"label_names": list(classes)}, safe_serialization=True, data_config=data
-    )
-    # timm copies the architecture's default pretrained entry (tag, license, paper...): not these weights'
+    # save_for_hf's data_config keyword exists only from timm 1.0.31: the preprocessing goes in below instead
+    save_for_hf(model, str(folder), model_config={"label_names": list(classes)}, safe_serialization=True)
     config = json.loads((folder / "config.json").read_text())
-    for key in SOURCE_KEYS:
-        config["pretrained_cfg"].pop(key, None)
+    config["pretrained_cfg"] = with_preprocessing(config["pretrained_cfg"], data)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if metadata:
         weights = folder / "model.safetensors"
@@ -57,6 +54,26 @@ def write_timm_folder(
         safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt", **metadata})
     (folder / "README.md").write_text(card)
     return folder
+
+
+def with_preprocessing(pretrained_cfg: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
+    """``pretrained_cfg`` (a timm ``config.json``'s entry) describing these weights: ``data`` (timm data-config
+    keys, :data:`DATA_KEYS`) as its preprocessing, the test-time size and crop the architecture's default
+    entry recommends dropped (the weights were evaluated as ``data`` says), its pooling size dropped when the
+    input size differs from the default's, and the default entry's source keys (tag, licence, paper...)
+    dropped: they describe other weights. The keys and values are those timm's own writer gives from 1.0.31
+    (``save_for_hf(..., data_config=...)``)."""
+    cfg = {k: v for k, v in pretrained_cfg.items() if k not in SOURCE_KEYS}
+    default_size = list(cfg.get("input_size") or [])
+    cfg.update(data)
+    if "input_size" in data:
+        for key in ("test_input_size", "test_pool_size"):
+            cfg.pop(key, None)
+        if list(data["input_size"])[1:] != default_size[1:]:
+            cfg["pool_size"] = None
+    if "crop_pct" in data:
+        cfg.pop("test_crop_pct", None)
+    return cfg
 
 
 def write_detector_folder(
