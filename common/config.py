@@ -72,7 +72,8 @@ class RunConfig:
     data: str = ""  # the dataset: a built-in name, a local folder or a hub dataset name
     train_split: str = "train"  # the split to train on
     eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
-    num_workers: int = 2  # DataLoader worker processes per training process (0: load in the main process)
+    num_workers: int = -1  # DataLoader worker processes per training process; -1: the cores available to the
+    #   process / training processes on the machine, at most 8 (the banner says the number); 0: load in the main process
     bad_images: Literal["skip", "error"] = "skip"  # unreadable images found before training: left out, or refused
     cache_images: Literal["", "ram", "disk"] = ""  # each image decoded once, kept in ram or on disk
     epochs: int = 1  # training epochs
@@ -110,7 +111,7 @@ class RunConfig:
     # "(" and ")" do not; an optional note after ";") -> the fields it bounds, every item of a list field. A
     # recipe's Config adds its own fields' the same way; a field named in a subclass takes the subclass's range
     ranges: ClassVar[dict[str, str]] = {
-        "[0, 1024]": "num_workers",
+        "[-1, 1024]": "num_workers",
         f"[1, {MAX_EPOCHS}]; evaluating saved weights without training is --eval_only --weights W": "epochs",
         "[0, inf)": "max_steps lr warmup_epochs weight_decay clip_grad",
         f"[1, {MAX_COUNT}]": "batch_size grad_accum_steps",

@@ -27,7 +27,7 @@ DPI = 100  # figure inches * DPI = PNG pixels
 # counter, throughput and timing (images_per_s, data_wait, s_per_step, eta_s) and per-image data counts.
 _SKIP = re.compile(
     r"^(best|best_step)/|(^|/)(epoch|step)$|per_s$|data_wait|data_time|s_per_step|(^|/)eta(_s)?$"
-    r"|_per_image$"
+    r"|_per_image$|^time/|max_memory_gib$"
 )
 _LINES_PER_PANEL = 6  # more lines than this in one panel and its legend hides the curves
 
@@ -56,24 +56,60 @@ def save_figure(figure: Any, path: Path) -> Image.Image:
 # --------------------------------------------------------------------------------------------
 # Training curves
 # --------------------------------------------------------------------------------------------
+class MetricsReader:
+    """A run's ``metrics.jsonl`` read as it grows: each :meth:`read` parses only the complete lines added
+    since the last one, so a long run's epoch-end curves do not re-read its whole history. A file that no
+    longer starts with what was read (rewritten by a resume that dropped lines past its checkpoint, or
+    replaced) is read again from its start."""
+
+    def __init__(self, metrics_jsonl: Path) -> None:
+        self.path = Path(metrics_jsonl)
+        self.offset = 0  # bytes parsed: the end of the last complete line
+        self._last = b""  # the last complete line read, with its newline: checks the file kept it
+        self._series: dict[str, list[tuple[float, float]]] = {}
+
+    def _unchanged(self, f: Any) -> bool:
+        if not self.offset:
+            return True
+        f.seek(self.offset - len(self._last))
+        return f.read(len(self._last)) == self._last
+
+    def read(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Key -> (steps, values) float64 arrays, in file order (see :func:`read_metrics`)."""
+        if not self.path.is_file():
+            self.offset, self._last, self._series = 0, b"", {}
+        else:
+            with open(self.path, "rb") as f:
+                if not self._unchanged(f):
+                    self.offset, self._last, self._series = 0, b"", {}
+                f.seek(self.offset)
+                new = f.read()
+            complete = new[: new.rfind(b"\n") + 1]  # a line still being written waits for the next read
+            for line in complete.splitlines():
+                self._parse(line)
+            if complete:
+                self.offset += len(complete)
+                self._last = complete[complete.rfind(b"\n", 0, len(complete) - 1) + 1 :]
+        return {k: (np.array([s for s, _ in v]), np.array([x for _, x in v])) for k, v in self._series.items()}
+
+    def _parse(self, line: bytes) -> None:
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, (int, float)) or isinstance(step, bool):
+            return
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._series.setdefault(key, []).append((float(step), float(value)))
+
+
 def read_metrics(metrics_jsonl: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Key -> (steps, values) float64 arrays, in file order, from a run's ``metrics.jsonl`` (one JSON
     object per line with a ``step``). Non-numeric values are left out; NaN and inf are kept. A line
     that is not valid JSON (a run killed while writing) is skipped."""
-    series: dict[str, list[tuple[float, float]]] = {}
-    path = Path(metrics_jsonl)
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        step = record.get("step") if isinstance(record, dict) else None
-        if not isinstance(step, (int, float)) or isinstance(step, bool):
-            continue
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                series.setdefault(key, []).append((float(step), float(value)))
-    return {k: (np.array([s for s, _ in v]), np.array([x for _, x in v])) for k, v in series.items()}
+    return MetricsReader(metrics_jsonl).read()
 
 
 def _base(key: str) -> str:
@@ -135,7 +171,7 @@ def _x(series: Mapping[str, tuple[np.ndarray, np.ndarray]], key: str) -> tuple[n
     return steps, "step"
 
 
-def plot_curves(metrics_jsonl: Path, path: Path) -> Image.Image | None:
+def plot_curves(metrics_jsonl: Path | MetricsReader, path: Path) -> Image.Image | None:
     """Training curves of a run, as one PNG at ``path``: training losses (every ``train/loss*``),
     learning rate, each evaluation metric (``eval/*``, ``eval_ema/*``, ``knn/*``) against the step with
     markers (evaluations are sparse), and any other training value (``train/grad_norm``).
@@ -144,17 +180,19 @@ def plot_curves(metrics_jsonl: Path, path: Path) -> Image.Image | None:
     curves get a smoothed line over the raw one; a y axis spanning more than a decade of positive
     values is logarithmic; non-finite values leave a gap and a dotted red line at their step; a
     series that is -1 throughout (COCO's "no ground truth of this size") is left out. Returns None
-    when there is nothing to plot."""
+    when there is nothing to plot. ``metrics_jsonl``: the file, or a :class:`MetricsReader` kept between calls
+    (:meth:`common.run.Run.log_plots`), which reads only the lines added since its last call."""
     from matplotlib.ticker import FuncFormatter
 
-    series = {k: v for k, v in read_metrics(metrics_jsonl).items() if not np.all(v[1] == -1)}
+    reader = metrics_jsonl if isinstance(metrics_jsonl, MetricsReader) else MetricsReader(metrics_jsonl)
+    series = {k: v for k, v in reader.read().items() if not np.all(v[1] == -1)}
     panels = _panels(list(series))
     if not panels:
         return None
     columns = 1 if len(panels) == 1 else 2 if len(panels) <= 4 else 3 if len(panels) <= 9 else 4
     rows = -(-len(panels) // columns)
     figure = new_figure(4.8 * columns, 3.2 * rows + 0.3)
-    figure.suptitle(f"training curves: {Path(metrics_jsonl).parent.name}", fontsize=12)
+    figure.suptitle(f"training curves: {reader.path.parent.name}", fontsize=12)
     for index, (title, keys, evaluation) in enumerate(panels):
         ax = figure.add_subplot(rows, columns, index + 1)
         finite_values, bad_steps = [], set()

@@ -9,6 +9,7 @@ exactly the batches, crops and flips the uninterrupted run would have seen.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -149,16 +150,33 @@ class EpochBatchSampler(torch.utils.data.Sampler):
             yield stream[j * self.batch_size : (j + 1) * self.batch_size]
 
 
-def loader_kwargs(num_workers: int) -> dict[str, Any]:
-    """DataLoader settings of the performance contract: workers, pinned memory, persistent workers,
-    and a private generator so creating an iterator never draws from the global torch RNG."""
+#: The most loader workers ``num_workers -1`` gives a process: beyond it start-up grows and throughput does not.
+MAX_AUTO_WORKERS = 8
+
+
+def auto_workers(requested: int, local_processes: int | None = None) -> int:
+    """``num_workers``: ``requested`` when >= 0; for -1, the cores this process may run on
+    (``os.sched_getaffinity``) shared by the training processes on this machine (``LOCAL_WORLD_SIZE``, set
+    by torchrun and accelerate launch), at most :data:`MAX_AUTO_WORKERS`, as timm and DINO size theirs."""
+    if requested >= 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(min(cores // max(local, 1), MAX_AUTO_WORKERS), 0)
+
+
+def loader_kwargs(num_workers: int, persistent: bool = True) -> dict[str, Any]:
+    """DataLoader settings of the performance contract: workers, pinned memory, persistent workers
+    (``persistent``: the training loader; an evaluation loader's workers end with each pass, so a
+    loader not in use holds no processes or memory), and a private generator so creating an
+    iterator never draws from the global torch RNG."""
     kwargs: dict[str, Any] = {
         "num_workers": num_workers,
         "pin_memory": torch.cuda.is_available(),
         "generator": torch.Generator(),
     }
     if num_workers > 0:
-        kwargs.update(persistent_workers=True, prefetch_factor=4)
+        kwargs.update(persistent_workers=persistent, prefetch_factor=4)
     return kwargs
 
 
@@ -183,12 +201,13 @@ def train_loader_for(
 def eval_loader_for(
     dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int, collate_fn: Callable | None = None
 ):
-    """A sequential evaluation DataLoader; Accelerate pads the last round, ``gather_for_metrics`` un-pads."""
+    """A sequential evaluation DataLoader, its workers started for each pass only; Accelerate pads the last
+    round, ``gather_for_metrics`` un-pads."""
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=False,
         drop_last=False,
         collate_fn=collate_fn,
-        **loader_kwargs(num_workers),
+        **loader_kwargs(num_workers, persistent=False),
     )

@@ -32,6 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate.utils import set_seed
 
 from common.meters import Meters, format_seconds, prefixed
@@ -88,6 +89,9 @@ class Loop:
         self.extra: dict[str, Any] = dict(self.start.extra)
         self.stopped = False
         self.meters = Meters(self.accelerator.device)
+        self.meters.pause()  # the clock of img/s runs inside the epochs' steps (batches()) only
+        self._tail_s: float | None = None  # the last epoch's final loader call (it found no batch), seconds
+        self._loop_end: float | None = None  # perf_counter() when the epochs ended, for time/save_s
         self._last_line = time.monotonic()  # the last step line, for a run without a progress bar
         self._epoch_done = False
         self._stepped = False
@@ -157,6 +161,7 @@ class Loop:
                 self.run.save_checkpoint(TrainState(self.step, epoch + 1, 0, dict(self.extra), self.last_epoch))
             elif self.last_epoch:
                 self.run.save_checkpoint(dataclasses.replace(self.state(), finished=True))
+        self._loop_end = time.perf_counter()
         self.progress.close()
         self.run.loop_done()
 
@@ -168,10 +173,12 @@ class Loop:
         """Whether the epoch just trained is evaluated: every ``eval_every`` epochs and after the last
         (never after a stop request: the run ends at once). Before an evaluation, a loss that went
         non-finite since the last check stops the run (one host sync): diverged weights are never
-        evaluated, nor saved as the best or the final ones."""
+        evaluated, nor saved as the best or the final ones. A due evaluation starts its clock
+        (:meth:`common.run.Run.evaluation_started`)."""
         due = not self.stopped and ((self.epoch + 1) % self.cfg.eval_every == 0 or self.last_epoch)
         if due:
             self.run.guard.check(self.accelerator, self.run.last_checkpoint)
+            self.run.evaluation_started()  # its metrics' record gets time/eval_s
         return due
 
     # -- batches ---------------------------------------------------------------------------------
@@ -181,14 +188,25 @@ class Loop:
         skip = self.batches_done
         loader = self.accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
         length = len(self.train_loader)
+        restart = time.perf_counter()
         iterator = iter(loader)
+        first = True
         while True:
             tick = time.perf_counter()
             batch = next(iterator, None)
             if batch is None:
+                self._tail_s = time.perf_counter() - tick
+                self.meters.pause()  # evaluation, plots and checkpoints between epochs: not a step
                 self._epoch_done = True
                 return
-            self.meters.data_time(time.perf_counter() - tick)
+            if first:  # the loader's (re)start: time/epoch_boundary_s, outside the steps' clock
+                first = False
+                if self._tail_s is not None:  # not the session's first epoch (that one is in time/first_step_s)
+                    boundary = self._tail_s + time.perf_counter() - restart
+                    self.run.log({"time/epoch_boundary_s": boundary}, self.step, echo=False)
+                self.meters.resume()
+            else:
+                self.meters.data_time(time.perf_counter() - tick)
             self._stepped = False
             yield batch
             self.batches_done += 1
@@ -198,7 +216,9 @@ class Loop:
             stopping = self.run.should_stop(log_wanted=self._silent_too_long())
             # An epoch's last batch is checkpointed by epochs(), after the evaluation.
             if stopping or (self.step % self.cfg.checkpoint_every == 0 and not last_batch):
+                self.meters.pause()  # time/checkpoint_s, not a step
                 self.run.save_checkpoint(self.state())
+                self.meters.resume()
             if stopping:
                 self.stopped = True
                 self.progress.close()
@@ -220,6 +240,7 @@ class Loop:
         self.progress.update(1)
         if self.step == self.start.step + 1:  # the session's first step: one line, no meters read (no sync)
             took = time.perf_counter() - self.run.started
+            self.run.log({"time/first_step_s": took}, self.step, echo=False)
             self.run.print(
                 f"epoch {self.epoch} step {self.step}/{self.total_steps}  first step {took:.1f} s after the start"
             )
@@ -255,6 +276,8 @@ class Loop:
         replaced = getattr(getattr(self.train_loader.dataset, "replaced", None), "value", 0)  # common.data.ImageRows
         if replaced:  # images that broke during the run, replaced (this process's count, since the start)
             means["replaced_images"] = float(replaced)
+        if self.accelerator.device.type == "cuda":  # this process's peak since the start, GiB
+            means["max_memory_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
         self.run.log({**prefixed(means, "train"), "epoch": self.epoch}, self.step, echo=False)
         self._last_line = time.monotonic()
         self.run.print(
@@ -288,6 +311,8 @@ class Loop:
         files, wall time), then ``run.finish`` (weights as W&B artifacts with ``log_weights``)."""
         from common.console import summary
 
+        if self._loop_end is not None:  # the final weights, model folder and exports (time/save_s)
+            self.run.log({"time/save_s": time.perf_counter() - self._loop_end}, self.step, echo=False)
         weights = [Path(w) for w in weights if Path(w).is_file()]  # best.safetensors: only once one improved
         bests = {k.removeprefix("best/"): v for k, v in self.extra.items() if k.startswith("best/")}
         best = {m: (v, self.extra.get(f"best_step/{m}", self.step)) for m, v in bests.items()}

@@ -4,7 +4,10 @@ Loss terms, gradient norms and the like are added into running sums that stay on
 (``update`` queues an add, nothing more). At a log interval ``summary`` stacks every sum and
 count into one tensor, reduces it across processes with a single all-reduce and reads it with a
 single ``.tolist()``: one host-device synchronisation per interval instead of one per step and
-value. Throughput and the share of time spent waiting for data are measured on the host.
+value. Throughput and the share of time spent waiting for data are measured on the host, over the
+time the meters run: :meth:`Meters.pause` stops their clock for what is not a training step (an
+evaluation, plots, a checkpoint, the loader's restart between epochs), so images/s and s/step count
+the steps alone.
 """
 
 from __future__ import annotations
@@ -35,6 +38,19 @@ class Meters:
         self._data_seconds = 0.0
         self._started = time.perf_counter()
         self._steps = 0
+        self._paused_at: float | None = None  # perf_counter() when the clock stopped; None while it runs
+        self._paused_s = 0.0  # seconds paused in this interval
+
+    def pause(self) -> None:
+        """Stop the clock of images/s and s/step (time outside the training steps); idempotent."""
+        if self._paused_at is None:
+            self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        """Restart the clock stopped by :meth:`pause`; idempotent."""
+        if self._paused_at is not None:
+            self._paused_s += time.perf_counter() - self._paused_at
+            self._paused_at = None
 
     def update(self, n: int = 1, **values: torch.Tensor | float) -> None:
         """Add ``value * n`` to each named sum and ``n`` to its count (``n`` = samples the value averages)."""
@@ -74,7 +90,9 @@ class Meters:
 
             names = sorted(set(gather_object(names)))
             hosts = sorted(set(gather_object(hosts)))
-        elapsed = max(time.perf_counter() - self._started, 1e-9)
+        now = time.perf_counter()
+        paused = self._paused_s + (now - self._paused_at if self._paused_at is not None else 0.0)
+        elapsed = max(now - self._started - paused, 1e-9)  # seconds the clock ran: the steps alone
         zero = torch.zeros((), device=self.device)
         packed = torch.stack(
             [self._sums.get(k, zero) for k in names]
@@ -106,6 +124,9 @@ class Meters:
         self._data_seconds = 0.0
         self._steps = 0
         self._started = time.perf_counter()
+        self._paused_s = 0.0
+        if self._paused_at is not None:  # still paused: the pause goes on from here
+            self._paused_at = self._started
 
 
 def format_seconds(seconds: float) -> str:

@@ -105,6 +105,9 @@ class Run:
         self.cfg = cfg
         self.recipe = recipe  # the recipe file's name: runs/<recipe>/, the tracker project, the progress bar
         self.started = time.perf_counter()
+        self._eval_from: float | None = None  # an evaluation's start (:meth:`evaluation_started`)
+        self._plots_from: float | None = None  # its metrics' record: what follows until log_plots() is plots
+        self._metrics: Any = None  # common.figures.MetricsReader of metrics.jsonl, made at the first curves
         # report_to and mixed_precision were checked against their choices when the config was parsed
         mixed = cfg.mixed_precision or None  # empty: whatever `accelerate launch` set
 
@@ -125,6 +128,11 @@ class Run:
         self.checkpoint_dir = self.dir / "checkpoints"
         self.plots_dir = self.dir / "plots"
         cfg.output_dir = str(self.dir)
+        if cfg.num_workers < 0:  # -1: what this machine has per process (common.loaders.auto_workers)
+            cfg.num_workers = auto_workers(cfg.num_workers)
+            self.notes.append(
+                f"  workers   {cfg.num_workers} loader workers per process (num_workers -1: the cores, at most 8)"
+            )
         self.resume_changes: dict[str, tuple[Any, Any]] = {}
         if cfg.resume:  # the checkpoint's own run folder holds the config it was trained with
             origin = self.dir if cfg.resume == "auto" else Path(cfg.resume).resolve().parent.parent
@@ -210,8 +218,18 @@ class Run:
             disable=None if self.accelerator.is_main_process else True,
         )
 
+    def evaluation_started(self) -> None:
+        """Start an evaluation's clock (:meth:`common.loop.Loop.eval_due` does, and a recipe before its
+        step-0 evaluation): the next record without ``train/`` values (the evaluation's metrics) gets its
+        seconds as ``time/eval_s``, and what follows until :meth:`log_plots` ends is ``time/plots_s``."""
+        self._eval_from = time.perf_counter()
+
     def log(self, values: dict[str, float], step: int, echo: bool = True) -> None:
         """Send host floats to the trackers and ``metrics.jsonl`` (main process), and print a line."""
+        if self._eval_from is not None and not any(k.startswith(("train/", "time/")) for k in values):
+            self._plots_from = time.perf_counter()
+            values = {**values, "time/eval_s": self._plots_from - self._eval_from}
+            self._eval_from = None
         self.begin()
         acc = self.accelerator
         if not acc.is_main_process:
@@ -228,15 +246,21 @@ class Run:
     def log_plots(self, step: int, **pictures: Image.Image | None) -> None:
         """After an evaluation (every process calls it): redraw ``plots/curves.png`` from metrics.jsonl (not
         for ``--eval_only``) and send it and ``pictures`` (saved under ``plots/`` by the recipe on the main
-        process; None elsewhere) to the tracker as images keyed ``plots/<name>``."""
+        process; None elsewhere) to the tracker as images keyed ``plots/<name>``. Logs ``time/plots_s``: from the
+        evaluation's metrics record (:meth:`evaluation_started`), so the recipe's own pictures count, to here."""
+        started, self._plots_from = self._plots_from or time.perf_counter(), None
         if not self.accelerator.is_main_process:
             return
-        from common.figures import plot_curves
+        from common.figures import MetricsReader, plot_curves
 
         if not self.cfg.eval_only:
-            pictures["curves"] = plot_curves(self.dir / "metrics.jsonl", self.plots_dir / "curves.png")
+            if self._metrics is None:  # kept: each epoch's curves parse only the lines added since the last
+                self._metrics = MetricsReader(self.dir / "metrics.jsonl")
+            pictures["curves"] = plot_curves(self._metrics, self.plots_dir / "curves.png")
         shown = {f"plots/{k}": v for k, v in pictures.items() if v is not None}
         log_images(self.accelerator, self.cfg.report_to, shown, step)
+        if not self.cfg.eval_only:  # a training run's time outside its steps; --eval_only logs its metrics alone
+            self.log({"time/plots_s": time.perf_counter() - started}, step, echo=False)
 
     def wandb_run(self) -> Any:
         """The W&B run on the main process with ``report_to wandb`` (for media only W&B takes, such as
@@ -254,6 +278,7 @@ class Run:
         :class:`NonFiniteLoss`) once a loss went non-finite, so the last good one stays newest.
         """
         self.begin()
+        tick = time.perf_counter()
         acc = self.accelerator
         self.guard.check(acc, self.last_checkpoint)
         final = self.checkpoint_dir / f"step_{state.step:08d}"
@@ -277,6 +302,7 @@ class Run:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
         self.last_checkpoint = str(final)
+        self.log({"time/checkpoint_s": time.perf_counter() - tick}, state.step, echo=False)
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""

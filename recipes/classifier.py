@@ -134,7 +134,7 @@ class Config(RunConfig):
     # optimization
     epochs: int = 12  # training epochs
     batch_size: int = 64  # images per process and micro-step: global batch = this x processes x grad_accum_steps
-    eval_batch_size: int = 0  # evaluation images per process; 0: 2 x batch_size
+    eval_batch_size: int = 0  # evaluation images per process; 0: batch_size (the shapes training compiled)
     grad_accum_switch_epoch: int = 0  # >0: from this epoch on, accumulate grad_accum_steps_after_switch
     grad_accum_steps_after_switch: int = 0  # grad_accum_steps from grad_accum_switch_epoch on (0: no switch)
     opt: str = field(default="adamw", metadata={"choices": timm_optimizers})  # any timm optimizer name:
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_loader = train_loader_for(
         train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, repeats=cfg.aug_repeats
     )
-    eval_loader = eval_loader_for(eval_set, cfg.eval_batch_size or 2 * cfg.batch_size, cfg.num_workers)
+    eval_loader = eval_loader_for(eval_set, cfg.eval_batch_size or cfg.batch_size, cfg.num_workers)
 
     # ---- evaluation only: the saved weights on the evaluation split -------------------------------
     if cfg.eval_only:

@@ -128,7 +128,8 @@ class Config(RunConfig):
     crop_size: list[int] = field(default_factory=lambda: [64, 96])  # crop width and height drawn in [min, max] px
     #   (DETR: 384, 600)
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
-    num_workers: int = 1  # DataLoader worker processes per training process (0: load in the main process)
+    num_workers: int = -1  # DataLoader worker processes per training process; -1: the cores available per process,
+    #   at most 8 (common.loaders.auto_workers); 0: load in the main process
     # model: backbone -> 1x1 projection -> encoder -> decoder -> heads
     model: str = "resnet10t"  # any timm model with features_only (DETR: resnet50)
     # extra timm.create_model arguments; the demo: resnet10t at half width, its last stage dilated
@@ -483,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     num_classes = len(data.classes)
     # camera-size JPEGs decoded reduced, as far as the resizes (and the crop branch's) still find their pixels
     eval_set = DetectionDataset(data.eval, data_transforms(cfg, False), cfg.seed, cfg.scales[-1])
-    eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=detr_collate)
+    eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=detr_collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
         model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)

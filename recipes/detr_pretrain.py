@@ -114,7 +114,7 @@ def pretrain_backbone(cfg: Any, backbone: nn.Module, data: DetectionData, run: R
     train_loader = train_loader_for(
         train_set, cfg.pretrain_crops_batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes
     )
-    eval_loader = eval_loader_for(eval_set, 2 * cfg.pretrain_crops_batch_size, cfg.num_workers)
+    eval_loader = eval_loader_for(eval_set, cfg.pretrain_crops_batch_size, cfg.num_workers)
     model = CropClassifier(backbone, len(data.classes))
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.05), lr=cfg.pretrain_crops_lr)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)

@@ -250,13 +250,13 @@ def knn_loaders(
     bank_set = ClassificationDataset(bank, knn_set.image_column, knn_set.label_column, knn_tf, shorter=side)
     query_set = ClassificationDataset(knn_set.eval, knn_set.image_column, knn_set.label_column, knn_tf, shorter=side)
     here = (process_index, num_processes)
-    bank_loader = eval_loader_for(shard(bank_set, *here), 2 * cfg.batch_size, cfg.num_workers)
-    query_loader = eval_loader_for(shard(query_set, *here), 2 * cfg.batch_size, cfg.num_workers)
+    bank_loader = eval_loader_for(shard(bank_set, *here), cfg.batch_size, cfg.num_workers)
+    query_loader = eval_loader_for(shard(query_set, *here), cfg.batch_size, cfg.num_workers)
     pixel_bank = bank_set
     if len(bank_set) > cfg.knn_pixel_limit:
         chosen = torch.randperm(len(bank_set), generator=torch.Generator().manual_seed(cfg.seed))
         pixel_bank = torch.utils.data.Subset(bank_set, chosen[: cfg.knn_pixel_limit].tolist())
-    pixel_loader = eval_loader_for(shard(pixel_bank, *here), 2 * cfg.batch_size, cfg.num_workers)
+    pixel_loader = eval_loader_for(shard(pixel_bank, *here), cfg.batch_size, cfg.num_workers)
     return bank_set, query_set, bank_loader, query_loader, pixel_loader
 
 
@@ -708,6 +708,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if "baseline" not in loop.extra:  # kept in every checkpoint, so a resumed run does not redo them
         baseline: dict[str, float] = {}
         if knn_set is not None:
+            run.evaluation_started()  # the step-0 evaluation's seconds: time/eval_s at step 0
             if cfg.knn_pixel_limit > 0:
                 baseline.update(
                     knn_metrics(None, "raw_pixels", pixel_loader, query_loader, len(knn_set.classes), cfg, run)[0]

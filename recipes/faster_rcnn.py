@@ -139,7 +139,8 @@ class Config(RunConfig):
     train_fraction: float = 1.0  # a seeded fraction of the training images (the rest unused)
     hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
     color_jitter: bool = False  # torchvision's photometric distortion (SSD), p = 0.5
-    num_workers: int = 1  # DataLoader worker processes per training process (0: load in the main process)
+    num_workers: int = -1  # DataLoader worker processes per training process; -1: the cores available per process,
+    #   at most 8 (common.loaders.auto_workers); 0: load in the main process
     aspect_ratio_group_factor: int = 3  # k: batches of one aspect-ratio group, width / height cut at
     #   2 ** linspace(-1, 1, 2k + 1) into 2k + 2 groups (torchvision's --aspect-ratio-group-factor; 3: 8 groups);
     #   0: landscape or portrait; -1: no grouping
@@ -713,7 +714,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     num_classes = len(data.classes)
     # camera-size JPEGs decoded reduced, as far as the model's resize to min_size still finds its pixels
     eval_set = DetectionDataset(data.eval, data_transforms(False, 0.0, False), cfg.seed, max(cfg.min_size))
-    eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=list_collate)
+    eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=list_collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
         model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)

@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     eval_set = DetectionDataset(
         data.eval, eval_tf, cfg.seed, cfg.img_size
     )  # large JPEGs decoded reduced to the letterbox
-    eval_loader = eval_loader_for(eval_set, 2 * cfg.batch_size, cfg.num_workers, collate_fn=collate)
+    eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
         model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)

@@ -172,7 +172,8 @@ def _silent_run(tmp_path: Path, nproc: int, silence: float) -> tuple[str, list[i
     args = [str(script), str(ROOT / "tests"), str(tmp_path / "run"), str(ROOT), str(silence)]
     proc = subprocess.run(launch + args, cwd=ROOT, env=recipe_env(nproc), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in records if any(k.startswith("train/") for k in r)]  # step lines, not time/*
     return proc.stdout, logged
 
 
