@@ -30,6 +30,31 @@ def counted(n: int, noun: str, plural: str = "") -> str:
     return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
+def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether this CPU computes in bf16 natively (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``: the
+    flags of Linux's ``cpuinfo``); None where that cannot be told."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    flags = {f for line in text.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
+    if not flags:
+        return None
+    return not flags.isdisjoint({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def emulated_bf16_note(mixed_precision: str, device_type: str) -> str:
+    """A warning line for under the start banner when a run autocasts to bf16 on a CPU that lacks native bf16
+    (:func:`native_bf16`), as a GPU config started on a laptop does: PyTorch then emulates each bf16 operation
+    with conversions, many times slower than fp32. '' otherwise."""
+    if mixed_precision != "bf16" or device_type != "cpu" or native_bf16() is not False:
+        return ""
+    return (
+        "warning: bf16 on a CPU without native bf16 (avx512_bf16, amx_bf16) is emulated, many times slower: "
+        "pass --mixed_precision no"
+    )
+
+
 def _names(classes: Sequence[str], room: int) -> str:
     """``'cat, dog, ... (1000)'`` within ``room`` characters."""
     shown = ""

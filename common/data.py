@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,6 +30,14 @@ from common.images import decode_sized
 from common.loaders import replacement, sample_seed, seeded, shared_count
 
 EVAL_SPLITS = ("validation", "val", "valid", "test")
+#: A top-level folder of a local image folder that is a split, with an optional number or year
+#: (``train2017``, ``val-2``), and the split it names (datasets' names for its own keywords).
+SPLIT_FOLDER = re.compile(
+    r"(train|training|validation|valid|val|dev|test|testing|eval|evaluation)(?:[-_. ]?\d+)?", re.I
+)
+SPLIT_NAMES = {"train": "train", "training": "train", "test": "test", "testing": "test", "eval": "test"}
+SPLIT_NAMES |= {"evaluation": "test", "validation": "validation", "valid": "validation", "val": "validation"}
+SPLIT_NAMES |= {"dev": "validation"}
 
 
 def same_split(name: str, splits: Iterable[str]) -> str:
@@ -64,9 +73,9 @@ def _load_source(data: str):
 
 def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
     """A ``DatasetDict`` or ``Dataset`` from a ``save_to_disk`` folder, else through
-    ``datasets.load_dataset``: a hub name (``org/name`` or ``org/name:config``), or a local folder it
-    reads as the hub would (images in ``<split>/<class>/`` folders, or a downloaded dataset
-    repository with ``data/*.parquet``). A failure is one :class:`UserError`:
+    ``datasets.load_dataset``: a hub name (``org/name`` or ``org/name:config``), a local folder of images
+    (its ``imagefolder`` with the files of each split named: :func:`folder_splits`), or a downloaded
+    dataset repository (``data/*.parquet``) read as the hub would. A failure is one :class:`UserError`:
     "<what> '<data>' could not be loaded (<first line of the cause>); expected <expected>"."""
     import datasets
 
@@ -77,10 +86,14 @@ def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
         except Exception as e:
             raise UserError(f"saved dataset '{data}' could not be read: {type(e).__name__}: {e}") from None
     name, _, subset = (data, "", "") if path.exists() else data.partition(":")  # "frgfm/imagenette:320px"
+    layout = folder_splits(path, data) if path.is_dir() else None
     bars = datasets.utils.logging.is_progress_bar_enabled()
     if path.exists():  # a local folder: its "Downloading data" and "Generating split" bars only copy files
         datasets.utils.logging.disable_progress_bar()
     try:
+        if layout is not None:  # every file named, so that datasets never reads a file name as a split
+            # labels where every image is in a class folder (datasets adds them for 2 classes or more)
+            return datasets.load_dataset("imagefolder", data_files=layout[0], drop_labels=None if layout[1] else True)
         return datasets.load_dataset(name, subset or None)
     except Exception as e:  # hub errors come in many types; the first line says what happened
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -88,6 +101,63 @@ def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
     finally:
         if bars:
             datasets.utils.logging.enable_progress_bar()
+
+
+def folder_splits(path: Path, data: str) -> tuple[dict[str, list[str]], bool] | None:
+    """The files of each split of the local image folder ``path`` (``data`` names it in errors), decided
+    by its layout alone, and whether its images lie in class folders.
+
+    Top-level folders named as splits (:data:`SPLIT_FOLDER`: ``train/``, ``val/``, ``validation/``,
+    ``test/``, ...) are the splits, else the whole folder is the training split; file names never name a
+    split (``IMG_val_3.jpg`` is a training photo like any other). Each split lists its images and its
+    ``metadata.csv`` / ``.jsonl`` / ``.parquet`` files (datasets' imagefolder columns) as glob-escaped
+    absolute paths (``data_files`` are patterns). Class folders: every image one folder inside its split's
+    folder (or inside ``path``), which then names its class; an image directly in it has none. Hidden
+    files and folders (``.*``, ``__MACOSX``) are left out. None for a folder datasets reads otherwise:
+    no images, or tables of rows (``data/*.parquet``, ``.arrow``). Images beside split folders are one
+    :class:`UserError` naming them (no split would read them)."""
+    import glob
+
+    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+    found = []
+    for root, folders, names in os.walk(path, followlinks=True):  # linked folders count as the user's own
+        inside = Path(root).relative_to(path)
+        if any(os.path.samefile(root, path / up) for up in inside.parents):  # a link back up: a loop
+            folders[:] = []
+            continue
+        folders[:] = sorted(f for f in folders if not f.startswith((".", "__")))
+        found += [Path(root, n).relative_to(path) for n in sorted(names) if not n.startswith((".", "__"))]
+    images = [f for f in found if f.suffix.lower() in ImageFolder.EXTENSIONS]
+    metadata = [f for f in found if f.name in ImageFolder.METADATA_FILENAMES]
+    if not images or any(f.suffix.lower() in (".parquet", ".arrow") and f not in metadata for f in found):
+        return None
+    owner: dict[str, str] = {}  # top-level folder -> the split it holds
+    for folder in sorted({f.parts[0] for f in found if len(f.parts) > 1}):
+        match = SPLIT_FOLDER.fullmatch(folder)
+        if match:
+            split = SPLIT_NAMES[match.group(1).lower()]
+            twin = next((k for k, v in owner.items() if v == split), None)
+            if twin is not None:
+                raise UserError(
+                    f"'{data}' has two folders for its {split} split, '{twin}' and '{folder}': merge them or rename one"
+                )
+            owner[folder] = split
+    depth = 3 if owner else 2  # the parts of the path to an image in a class folder: [split/]class/file
+    if owner:
+        loose = [f for f in images if len(f.parts) == 1 or f.parts[0] not in owner]
+        if loose:
+            shown = ", ".join(str(f) for f in loose[:3]) + (" ..." if len(loose) > 3 else "")
+            raise UserError(
+                f"'{data}' has split folders ({', '.join(owner)}) and {len(loose)} images outside them "
+                f"({shown}), which no split would read: move them into a split folder"
+            )
+    files: dict[str, list[str]] = {}
+    for f in images + metadata:  # a metadata file outside the split folders belongs to none
+        split = "train" if not owner else owner.get(f.parts[0], "") if len(f.parts) > 1 else ""
+        if split:
+            files.setdefault(split, []).append(glob.escape(str((path / f).absolute())))
+    return files, all(len(f.parts) == depth for f in images)
 
 
 def _detect_columns(ds, image_column: str, label_column: str, labels: bool = True) -> tuple[str, str]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from common import UserError
+from common.images import upright_size
 
 if TYPE_CHECKING:
     import datasets
@@ -51,12 +52,13 @@ def features() -> datasets.Features:
 
 
 def _image_size(value: dict[str, Any] | Image.Image, name: str) -> tuple[int, int]:
-    """(width, height) from an image's header, without decoding its pixels."""
+    """(width, height) as displayed (EXIF orientation applied: :func:`common.images.upright_size`) from an
+    image's header, without decoding its pixels."""
     if isinstance(value, Image.Image):
-        return value.size
+        return upright_size(value)
     try:
         with Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as image:
-            return image.size
+            return upright_size(image)
     except Exception as e:
         raise UserError(f"cannot read image '{value.get('path') or name}': {type(e).__name__}: {e}") from None
 

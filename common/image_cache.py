@@ -4,12 +4,12 @@ transforms need, :func:`common.images.decode_sized`) instead of once per epoch.
 
 - ``ram``: one ``uint8`` array per image, filled in the training process before its loader workers
   start; the workers inherit them (fork, copy-on-write), so they are held once per training process.
-- ``disk``: one ``.npy`` per image under ``<cache root>/images/<dataset fingerprint>-<side>/``, written once
-  and memory-mapped afterwards; a later run on the same dataset reuses them.
+- ``disk``: one ``.npy`` per image under ``<cache root>/images/<version>-<dataset fingerprint>-<column>-<side>/``,
+  written once and memory-mapped afterwards; a later run on the same dataset reuses them.
 
 The memory (or disk space) it takes is estimated from the images' headers before anything is decoded, and
 a cache that would not fit is refused in one line. The transforms see the same pictures as without the
-cache: an image is stored at the size the reduced decoding gives.
+cache: an image is stored at the size the reduced decoding gives, turned upright (EXIF orientation).
 """
 
 from __future__ import annotations
@@ -24,14 +24,19 @@ import numpy as np
 from PIL import Image
 
 from common import UserError
-from common.images import decode_sized, open_reduced
+from common.images import decode_sized, open_reduced, upright_size
+
+#: Part of every disk cache folder's name: a change to how images are decoded (reduction, EXIF
+#: orientation) starts a new cache rather than reading pictures decoded another way.
+VERSION = "v2"
 
 
 def _stored_size(value: dict[str, Any], shorter: int) -> tuple[int, int]:
-    """The (width, height) an image is kept at: what :func:`decode_sized` gives, from its header alone."""
+    """The (width, height) an image is kept at: what :func:`decode_sized` gives (reduced, turned upright),
+    from its header alone."""
     image, _ = open_reduced(value, shorter)
     with image:
-        return image.size
+        return upright_size(image)
 
 
 def available_memory() -> int:
@@ -65,8 +70,9 @@ class ImageCache:
         file = self.folder / f"{index}.npy" if self.folder is not None else None
         if file is not None and file.is_file():
             array = np.load(file, mmap_mode="r")
-            with open_reduced(value)[0] as image:  # the header only: the file's own size
-                return array, image.size
+            image, size = open_reduced(value)  # the header only: the file's own size, as displayed
+            image.close()
+            return array, size
         image, size = decode_sized(value, f"row {index}", self.shorter)
         array = np.asarray(image)
         if file is not None:
@@ -103,7 +109,7 @@ def cache_images(run: Any, *datasets: Any) -> None:
     for ds in datasets:
         folder = None
         if where == "disk":
-            folder = cache_root() / "images" / f"{ds.ds._fingerprint}-{ds.image_column}-{ds.shorter}"
+            folder = cache_root() / "images" / f"{VERSION}-{ds.ds._fingerprint}-{ds.image_column}-{ds.shorter}"
         caches.append(ImageCache(ds.ds, ds.image_column, ds.shorter, folder))
     need = sum(c.estimate() for c in caches)
     if where == "ram":

@@ -1,5 +1,11 @@
 """Image files: decoding a dataset's image values, listing the images a ``--predict`` path names, and
-telling the complete ones from the broken ones without decoding them."""
+telling the complete ones from the broken ones without decoding them.
+
+Every image is read as viewers show it: a photo whose EXIF orientation tag says it is stored turned
+(phones and cameras store the sensor's pixels and tag how to turn them) is decoded turned upright, and
+its sizes are the displayed ones, as annotation tools and COCO's ``width`` / ``height`` give them. The
+tag is read from the header, so a size costs no decoding.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 
 from common import UserError
 
@@ -48,26 +54,52 @@ def decode_sized(
     pixels: what a transform that needs that many pixels (:func:`needed_side`) then makes of it is the
     same picture, without the full decode of a camera-size photo."""
     if isinstance(value, Image.Image):
-        return value.convert("RGB"), value.size
+        return upright(value).convert("RGB"), upright_size(value)
     path = value.get("path") or name
     try:
         image, size = open_reduced(value, shorter)
         image.load()
-        return image.convert("RGB"), size
+        return upright(image).convert("RGB"), size
     except Exception as e:
         raise UserError(f"cannot read image '{path}': {type(e).__name__}: {e}") from None
 
 
 def open_reduced(value: dict[str, Any], shorter: int = 0) -> tuple[Image.Image, tuple[int, int]]:
     """A ``datasets.Image(decode=False)`` value opened (its header read, nothing decoded) with the JPEG
-    reduction of :func:`decode_sized` asked for, so that its ``size`` is already the decoded size; and the
-    file's own ``(width, height)``. Errors are PIL's."""
+    reduction of :func:`decode_sized` asked for, so that :func:`upright_size` of it is already the decoded
+    size; and the file's own ``(width, height)`` as displayed (:func:`upright_size`). The image's pixels
+    are as stored: :func:`upright` turns them once loaded. Errors are PIL's."""
     image = Image.open(io.BytesIO(value["bytes"])) if value.get("bytes") else Image.open(value["path"])
-    size = image.size
+    size = upright_size(image)
     if shorter and image.format == "JPEG" and min(size) > shorter:
         k = shorter / min(size)  # PIL picks the largest reduction that keeps at least this size
         image.draft(image.mode, (math.ceil(image.width * k), math.ceil(image.height * k)))
     return image, size
+
+
+def orientation(image: Image.Image) -> int:
+    """The EXIF orientation tag of an opened image, from its header: 1 (stored upright, or no tag) to 8;
+    5-8 swap width and height. A PNG's tag counts only where its ``eXIf`` chunk comes before the pixel
+    data (as PNG asks), since PIL would decode the whole image to look further."""
+    if image.format == "PNG" and "exif" not in image.info:
+        return 1
+    try:
+        value = image.getexif().get(ExifTags.Base.Orientation, 1)
+    except Exception:  # a malformed EXIF block: the pixels are still readable, as stored
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def upright_size(image: Image.Image) -> tuple[int, int]:
+    """``(width, height)`` of ``image`` as displayed (:func:`orientation`), without decoding it."""
+    width, height = image.size
+    return (height, width) if orientation(image) >= 5 else (width, height)
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """``image`` turned as its EXIF orientation tag says (:func:`orientation`): a new image without the tag,
+    so turning it again leaves it; ``image`` itself when it is stored upright."""
+    return ImageOps.exif_transpose(image) if orientation(image) != 1 else image
 
 
 def needed_side(size: int, scale: float = 1.0, ratio: Sequence[float] = (1.0, 1.0), crop_pct: float = 1.0) -> int:

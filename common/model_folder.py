@@ -236,12 +236,12 @@ outputs and preprocessing (mean {_rounded(data_config["mean"])}, std {_rounded(d
     )
     return f"""```python
 import timm, torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 model = timm.create_model("local-dir:path/to/this/folder", pretrained=True).eval()  # or "hf-hub:org/name"
 transform = timm.data.create_transform(**timm.data.resolve_data_config(model=model))
 with torch.no_grad():
-    x = transform(Image.open("photo.jpg").convert("RGB"))[None]
+    x = transform(ImageOps.exif_transpose(Image.open("photo.jpg")).convert("RGB"))[None]  # as viewers show it
     {head}
 ```
 

@@ -43,8 +43,9 @@ from PIL import Image
 
 from common import RunStopped, StepsFailed, UserError
 from common.config import RunConfig, save_config, to_dict
-from common.console import launch_command, recorded_failure
+from common.console import emulated_bf16_note, launch_command, recorded_failure
 from common.guard import NonFiniteGuard
+from common.loaders import auto_workers
 from common.model_folder import check_hub_push, push_folder
 from common.run_folder import (
     check_resume,
@@ -71,31 +72,6 @@ class TrainState:
     batches_in_epoch: int = 0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     finished: bool = False  # the end of training: ``--resume auto`` alone looks for runs without it
-
-
-def native_bf16() -> bool | None:
-    """Whether this CPU computes in bf16 natively (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``, from
-    Linux's ``/proc/cpuinfo``); None where that cannot be told."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    flags = {f for line in text.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
-    if not flags:
-        return None
-    return not flags.isdisjoint({"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def emulated_bf16_note(accelerator: Accelerator) -> str:
-    """A warning line for the start banner when the run autocasts to bf16 on a CPU that lacks native bf16
-    (:func:`native_bf16`): PyTorch then emulates each bf16 operation in fp32 with conversions, many times
-    slower than fp32 itself, as when a GPU config is started on a laptop. '' otherwise."""
-    if accelerator.mixed_precision != "bf16" or accelerator.device.type != "cpu" or native_bf16() is not False:
-        return ""
-    return (
-        "warning: bf16 on a CPU without native bf16 (avx512_bf16, amx_bf16) is emulated, many times slower: "
-        "pass --mixed_precision no"
-    )
 
 
 class Run:
@@ -148,7 +124,7 @@ class Run:
             dataloader_config=DataLoaderConfiguration(non_blocking=True),
         )
         set_seed(cfg.seed)  # the same on every process: model initialisation agrees before prepare()
-        self.notes += filter(None, [emulated_bf16_note(self.accelerator)])  # a GPU config started on a CPU
+        self.notes += filter(None, [emulated_bf16_note(self.accelerator.mixed_precision, self.accelerator.device.type)])
         # CUDA: TF32 tensor-core matmuls and convolutions, and cuDNN's autotuned convolution algorithms
         # (fixed input sizes); cfg.tf32 false: full fp32 precision and a fixed algorithm choice. The
         # flags change nothing on a CPU.

@@ -765,6 +765,43 @@ def test_predict_writes_top5_per_image(trained, tmp_path, capsys):
     assert "3 predictions" in capsys.readouterr().out
 
 
+def test_predict_reads_a_photo_turned_by_its_orientation_tag_as_displayed(trained, tmp_path):
+    """--predict on a phone photo (pixels stored turned 90 degrees, EXIF orientation 6) gives what the same
+    picture stored upright gives; the turned pixels without the tag give other probabilities (the model
+    sees the orientation, so the check can fail)."""
+    import csv
+
+    from PIL import ExifTags
+
+    from common.builtin import CLASSIFICATION
+
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6
+    digits = CLASSIFICATION["digits"]()["test"]
+    for i in range(3):
+        # 64x48: not square, so a picture read turned is also cropped elsewhere; block-aligned, stored at
+        # full quality, so that the upright and the turned files hold the same pixels up to rounding
+        upright = digits[i]["image"].convert("RGB").resize((64, 48), Image.BICUBIC)
+        turned = upright.transpose(Image.Transpose.ROTATE_90)
+        upright.save(tmp_path / f"{i}_upright.jpg", quality=100, subsampling=0)
+        turned.save(tmp_path / f"{i}_phone.jpg", quality=100, subsampling=0, exif=exif.tobytes())
+        turned.save(tmp_path / f"{i}_sideways.jpg", quality=100, subsampling=0)
+    args = ["--weights", str(trained / "best.safetensors"), "--report_to", "none"]
+    classifier.main(["--predict", str(tmp_path), *args, "--output_dir", str(tmp_path / "pred")])
+    rows = {Path(r["path"]).stem: r for r in csv.DictReader(open(tmp_path / "pred" / "predictions.csv"))}
+
+    def probs(name: str) -> dict[str, float]:
+        return {rows[name][f"class_{k}"]: float(rows[name][f"prob_{k}"]) for k in range(1, 6)}
+
+    gaps = {"phone": 0.0, "sideways": 0.0}
+    for i in range(3):
+        upright = probs(f"{i}_upright")
+        for kind in gaps:
+            other = probs(f"{i}_{kind}")
+            gaps[kind] = max([gaps[kind]] + [abs(p - other.get(c, 0.0)) for c, p in upright.items()])
+    assert gaps["phone"] < 1e-3 and gaps["sideways"] > 5e-3, gaps  # probabilities, 0..1
+
+
 def test_weights_of_other_classes_are_refused_for_eval(trained, tmp_path, capsys):
     folder = tmp_path / "two_classes"
     for split in ("train", "validation"):

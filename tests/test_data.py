@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -173,3 +175,78 @@ def test_repeated_augmentation_spreads_the_copies_over_processes():
     sampler.set_epoch(2)
     assert list(sampler) != batches
     assert len({sample_seed(0, 1, 7, r) for r in range(3)}) == 3 and sample_seed(0, 1, 7, 0) == sample_seed(0, 1, 7)
+
+
+# Names that datasets' own file-name rules read as splits (train, val, valid, dev, test, eval, ... between
+# separators or digits), and glob characters that a data_files pattern would read as a pattern.
+SPLIT_LIKE_NAMES = ["IMG_0001.jpg", "beach-test-2.jpg", "val_2019.jpg", "IMG_val_3.jpg", "dev.png", "x.eval.1.jpg"]
+SPLIT_LIKE_NAMES += ["training set.jpg", "a[1].jpg", "b*?.jpg"]
+
+
+def _photos(folder, names, size=(20, 12)):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        Image.new("RGB", size, (10 * i, 20, 30)).save(folder / name)
+    return [folder / name for name in names]
+
+
+def _paths(table) -> set[Path]:
+    return {Path(v["path"]).resolve() for v in table["image"]}
+
+
+def test_a_flat_folder_loads_every_photo_whatever_its_name(tmp_path):
+    """A flat folder of photos (DINO's unlabelled data, --predict's input): each file is one training image,
+    none taken for a split by its name; a hidden file and a __MACOSX copy are not photos."""
+    from common.images import image_files
+
+    files = _photos(tmp_path / "flat", SPLIT_LIKE_NAMES)
+    _photos(tmp_path / "flat" / "__MACOSX", ["._IMG_0001.jpg"])
+    (tmp_path / "flat" / ".thumb.jpg").write_bytes(b"not a photo")
+    data = load_classification(str(tmp_path / "flat"), labels=False)
+    assert data.eval is None and len(data.train) == len(files) and _paths(data.train) == {f.resolve() for f in files}
+    assert set(files) <= set(image_files(tmp_path / "flat"))
+
+
+def test_class_folders_load_every_photo_with_its_class_whatever_its_name(tmp_path):
+    files = _photos(tmp_path / "photos" / "cat", SPLIT_LIKE_NAMES)
+    files += _photos(tmp_path / "photos" / "dog", ["test.jpg", "valid-2.jpg", "IMG_train_7.jpg"])
+    data = load_classification(str(tmp_path / "photos"), seed=1)
+    assert data.classes == ["cat", "dog"] and len(data.train) + len(data.eval) == len(files)
+    both = [*data.train.select_columns(["image", "label"]), *data.eval.select_columns(["image", "label"])]
+    assert {(Path(r["image"]["path"]).resolve(), r["label"]) for r in both} == {
+        (f.resolve(), int(f.parent.name == "dog")) for f in files
+    }
+
+
+def test_split_folders_are_the_splits_and_file_names_are_not(tmp_path):
+    """train/ and val/ with class folders (a year on the folder's name allowed): the splits are the folders,
+    whatever the files are called; images in a split folder without class folders have no labels (DINO's
+    data), never the split names as classes."""
+    root = tmp_path / "layout"
+    train = _photos(root / "train2019" / "cat", ["test_1.jpg", "val.jpg"])
+    train += _photos(root / "train2019" / "dog", ["a.jpg"])
+    val = _photos(root / "val" / "cat", ["IMG_train_2.jpg"]) + _photos(root / "val" / "dog", ["dev_3.jpg", "b.jpg"])
+    data = load_classification(str(root))
+    assert data.classes == ["cat", "dog"] and (_paths(data.train), _paths(data.eval)) == (
+        {f.resolve() for f in train},
+        {f.resolve() for f in val},
+    )
+    flat = tmp_path / "flat_splits"
+    _photos(flat / "train", ["IMG_test_1.jpg", "2.jpg"])
+    _photos(flat / "test", ["IMG_train_1.jpg"])
+    data = load_classification(str(flat), labels=False)
+    assert (data.label_column, len(data.train)) == ("", 2)
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ({"train/cat": ["a.jpg"], "val/cat": ["b.jpg"], "": ["extra.jpg"]}, r"has split folders \(train, val\) and 1 "),
+        ({"train/cat": ["a.jpg"], "val/cat": ["b.jpg"], "validation/cat": ["c.jpg"]}, "two folders for its validation"),
+    ],
+)
+def test_photos_no_split_would_read_are_one_clear_error(tmp_path, layout, message):
+    for folder, names in layout.items():
+        _photos(tmp_path / "photos" / folder, names)
+    with pytest.raises(UserError, match=message):
+        load_classification(str(tmp_path / "photos"))

@@ -131,3 +131,105 @@ def test_cached_images_are_the_decoded_ones_and_a_cache_too_large_is_refused(pho
     run = SimpleNamespace(cfg=SimpleNamespace(cache_images="ram", num_workers=1), notes=[])
     with pytest.raises(UserError, match=r"cache_images ram needs 0.0 GiB for 1 images; 0.0 GiB of available memory"):
         cache_images(run, ClassificationDataset(table, "image", "", transform, shorter=256))
+
+
+# --------------------------------------------------------------------------------------------
+# EXIF orientation: photos read as viewers and annotation tools show them
+# --------------------------------------------------------------------------------------------
+def _turned(displayed: Image.Image, path: Path, **save: object) -> Path:
+    """``displayed`` written as a phone held upright writes it: the pixels stored turned 90 degrees
+    anticlockwise, with EXIF orientation 6 (a viewer turns them 90 degrees clockwise to show them)."""
+    from PIL import ExifTags
+
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6
+    displayed.transpose(Image.Transpose.ROTATE_90).save(path, exif=exif.tobytes(), **save)
+    return path
+
+
+@pytest.fixture(scope="module")
+def turned_photo(photo, tmp_path_factory) -> Path:
+    """``photo`` (4032x3024) as a phone stores it: 3024x4032 pixels with orientation 6."""
+    return _turned(Image.open(photo), tmp_path_factory.mktemp("turned") / "phone.jpg", quality=95)
+
+
+def test_a_photo_with_an_orientation_tag_decodes_as_displayed_full_and_reduced(photo, turned_photo):
+    """Orientation 6: the decode is the displayed picture (the same as the untagged photo through the
+    classifier's evaluation transform), its size the displayed one, and the reduced decoding (1/8 in the
+    JPEG decoder) still gives the full decode's picture within the tolerance of the tests above."""
+    from common.data import ClassificationDataset
+    from conftest import detection_table
+
+    with Image.open(turned_photo) as stored:
+        assert stored.size == (3024, 4032)
+    transform = create_transform(224, is_training=False, crop_pct=0.875)
+    side = needed_side(224, crop_pct=0.875)
+    full = decode_image({"path": str(turned_photo)}, "phone.jpg")
+    reduced = decode_image({"path": str(turned_photo)}, "phone.jpg", side)
+    assert (full.size, reduced.size) == ((4032, 3024), (504, 378))
+    expected = transform(decode_image({"path": str(photo)}, "camera.jpg"))
+    for picture in (full, reduced):
+        assert psnr(transform(picture), expected, float(expected.max() - expected.min())) >= 35
+    # the classifier's dataset (a table of paths, the undecoded values a folder gives) reads the same
+    table = detection_table([{"path": str(turned_photo), "bytes": None}], [[]])
+    for shorter in (0, side):
+        image = ClassificationDataset(table, "image", "", transform, shorter=shorter)[0][0]
+        assert psnr(image, expected, float(expected.max() - expected.min())) >= 35
+
+
+def test_the_image_cache_keeps_a_tagged_photo_upright(photo, turned_photo, tmp_path, monkeypatch):
+    """--cache_images ram and disk (written, then read back by a second run): the stored picture and the
+    file's size are the displayed ones, and the estimate from the headers counts the displayed size."""
+    from types import SimpleNamespace
+
+    from common.data import ClassificationDataset
+    from common.image_cache import cache_images
+    from conftest import detection_table
+
+    monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache"))
+    transform = create_transform(224, is_training=False, crop_pct=0.875)
+    table = detection_table([{"path": str(turned_photo), "bytes": None}], [[]])
+    expected = transform(decode_image({"path": str(photo)}, "camera.jpg"))
+    for where in ("ram", "disk", "disk"):  # the second disk run reads the .npy the first one wrote
+        cached = ClassificationDataset(table, "image", "", transform, shorter=256)
+        run = SimpleNamespace(cfg=SimpleNamespace(cache_images=where, num_workers=1), notes=[])
+        cache_images(run, cached)
+        assert cached.cache.images[0].shape == (378, 504, 3) and cached.cache.sizes[0] == (4032, 3024)
+        assert cached.cache.estimate() == 3 * 504 * 378
+        assert psnr(cached[0][0], expected, float(expected.max() - expected.min())) >= 35
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_a_detectors_boxes_land_on_a_tagged_photos_objects(tmp_path, reduced):
+    """A COCO folder whose json gives the displayed size (as annotation tools write it) and a box around
+    the one bright object of the displayed picture, stored turned with orientation 6: through the
+    detection dataset (full and reduced decoding) the box covers the bright pixels and ``orig_size`` is
+    the displayed size; --predict's table of new images takes the displayed sizes from the headers."""
+    import json
+
+    from common.detection import DetectionDataset, load_detection
+    from common.detection_sources import image_table
+    from conftest import bright_rectangle, load_recipe
+
+    box = (500, 150, 200, 300)  # x, y, w, h in the displayed 800x600 picture
+    (tmp_path / "annotations").mkdir()
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+        _turned(bright_rectangle(800, 600, box), tmp_path / split / f"{split}.jpg", quality=95)
+        coco = {
+            "images": [{"id": 1, "file_name": f"{split}.jpg", "width": 800, "height": 600}],
+            "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": list(box), "area": 6e4}],
+            "categories": [{"id": 1, "name": "object"}],
+        }
+        (tmp_path / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
+    data = load_detection(str(tmp_path))
+    detr = load_recipe("detr")
+    cfg = detr.Config()
+    image, target = DetectionDataset(data.train, detr.data_transforms(cfg, False), shorter=96 if reduced else 0)[0]
+    assert image.shape == (3, 72, 96) and target["orig_size"] == (600, 800)
+    x0, y0, x1, y1 = target["boxes"][0].round().int().tolist()  # pixels of the 96x72 picture
+    inside = image[:, y0 + 1 : y1 - 1, x0 + 1 : x1 - 1].mean()
+    outside = torch.cat([image[:, :, : x0 - 1].flatten(), image[:, : y0 - 1, :].flatten()]).mean()
+    assert inside > outside + 2  # normalised units: grey 230 against grey 30
+    table = image_table([tmp_path / "train" / "train.jpg"])
+    assert (table[0]["width"], table[0]["height"]) == (800, 600)

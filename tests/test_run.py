@@ -368,3 +368,41 @@ def test_folders_made_from_weights_say_their_source(tmp_path):
         loose_export / "model.onnx": "mine-onnx",
     }
     assert {str(k): weights_source(str(k)) for k in cases} == {str(k): v for k, v in cases.items()}
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_one_warning_line(tmp_path, monkeypatch):
+    """A GPU config (mixed_precision bf16) started on a CPU: one line under the banner when the CPU lacks
+    native bf16 (read from cpuinfo's flags), none when it has them or when the run is fp32."""
+    from accelerate.state import AcceleratorState
+
+    import common.console
+    from common.config import parse_config
+    from common.console import native_bf16
+    from common.run import Run
+
+    x86 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\n"
+    for text, native in ((x86, False), (x86.replace("avx512bw", "avx512bw avx512_bf16"), True)):
+        (tmp_path / "cpuinfo").write_text(text)
+        assert native_bf16(tmp_path / "cpuinfo") is native
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")  # Arm
+    assert native_bf16(tmp_path / "cpuinfo") is True and native_bf16(tmp_path / "none") is None
+
+    classifier = load_recipe("classifier")
+    lines = {}
+    AcceleratorState._reset_state(reset_partial_state=True)  # the precision is fixed per process otherwise
+    try:
+        for precision, native in (("bf16", False), ("bf16", True), ("bf16", None), ("no", False)):
+            if precision == "no":
+                AcceleratorState._reset_state(reset_partial_state=True)
+            monkeypatch.setattr(common.console, "native_bf16", lambda native=native: native)
+            flags = ["--mixed_precision", precision, "--report_to", "none", "--output_dir", str(tmp_path / "run")]
+            run = Run(parse_config(classifier.Config, flags), "bf16")
+            lines[precision, native] = [n for n in run.notes if "bf16" in n]
+            run.finish()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert lines.pop(("bf16", False)) == [
+        "warning: bf16 on a CPU without native bf16 (avx512_bf16, amx_bf16) is emulated, many times slower: "
+        "pass --mixed_precision no"
+    ]
+    assert lines == {("bf16", True): [], ("bf16", None): [], ("no", False): []}
