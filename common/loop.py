@@ -92,7 +92,7 @@ class Loop:
         self.meters.pause()  # the clock of img/s runs inside the epochs' steps (batches()) only
         self._tail_s: float | None = None  # the last epoch's final loader call (it found no batch), seconds
         self._loop_end: float | None = None  # perf_counter() when the epochs ended, for time/save_s
-        self._last_line = time.monotonic()  # the last step line, for a run without a progress bar
+        self._last_line, self._last_step = time.monotonic(), self.step  # the last step line (no progress bar)
         self._epoch_done = False
         self._stepped = False
         from tqdm.auto import tqdm
@@ -213,7 +213,7 @@ class Loop:
             if not self._stepped:
                 continue
             last_batch = self.batches_done == length
-            stopping = self.run.should_stop(log_wanted=self._silent_too_long())
+            stopping = self.run.should_stop()
             # An epoch's last batch is checkpointed by epochs(), after the evaluation.
             if stopping or (self.step % self.cfg.checkpoint_every == 0 and not last_batch):
                 self.meters.pause()  # time/checkpoint_s, not a step
@@ -244,27 +244,34 @@ class Loop:
             self.run.print(
                 f"epoch {self.epoch} step {self.step}/{self.total_steps}  first step {took:.1f} s after the start"
             )
-            self._last_line = time.monotonic()
+            self._last_line, self._last_step = time.monotonic(), self.step
+        elif self._silent_too_long():
+            self._progress_line()
         return True
 
     # -- logging and the best metric ---------------------------------------------------------------
     def log_due(self) -> bool:
         """Whether this optimizer step logs the training meters: every ``log_every`` steps, and the last
-        step, so a run shorter than ``log_every`` still has its training loss; and without a progress bar (a
-        log file, a cluster job), when ``log_every`` steps take longer, a step at least every :data:`SILENCE_S`
-        seconds: a slow run is never silent."""
-        return self.step % self.cfg.log_every == 0 or self.step == self.total_steps or self.run.log_requested
+        step, so a run shorter than ``log_every`` still has its training loss."""
+        return self.step % self.cfg.log_every == 0 or self.step == self.total_steps
 
     def _silent_too_long(self) -> bool:
-        """The main process's wish for a step line: no progress bar and nothing logged for SILENCE_S seconds
-        (agreed across processes through :meth:`common.run.Run.should_stop`, so all of them log at one step,
-        one or two steps later; the wish counts as the line, so it is made once)."""
-        if not self.accelerator.is_main_process or not self.progress.disable:
-            return False
-        if time.monotonic() - self._last_line < SILENCE_S:
-            return False
-        self._last_line = time.monotonic()
-        return True
+        """Whether the main process, without a progress bar (a log file, a cluster job), has printed no step
+        line for :data:`SILENCE_S` seconds: ``log_every`` steps take longer than that."""
+        quiet = self.accelerator.is_main_process and self.progress.disable  # no bar: output to a file
+        return bool(quiet) and time.monotonic() - self._last_line >= SILENCE_S
+
+    def _progress_line(self) -> None:
+        """A step line between two ``log_every`` logs, on the main process: where the run is and how fast it
+        goes since the last line (host clocks only: no meter is read, nothing synchronises, metrics.jsonl is
+        unchanged, so a slow run is never silent and every run logs the same records)."""
+        now = time.monotonic()
+        per_step = (now - self._last_line) / max(self.step - self._last_step, 1)
+        self.run.print(
+            f"epoch {self.epoch} step {self.step}/{self.total_steps}  {per_step:.1f} s/step  "
+            f"eta {format_seconds(per_step * (self.total_steps - self.step))}"
+        )
+        self._last_line, self._last_step = now, self.step
 
     def log_train(self, **values: float) -> dict[str, float]:
         """The interval's meter means (one all-reduce, one host sync) and ``values`` (host floats such
@@ -279,7 +286,7 @@ class Loop:
         if self.accelerator.device.type == "cuda":  # this process's peak since the start, GiB
             means["max_memory_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
         self.run.log({**prefixed(means, "train"), "epoch": self.epoch}, self.step, echo=False)
-        self._last_line = time.monotonic()
+        self._last_line, self._last_step = time.monotonic(), self.step
         self.run.print(
             f"epoch {self.epoch} step {self.step}/{self.total_steps}  loss {means.get('loss', math.nan):.4g}"
             + (f"  lr {means['lr']:.3g}" if "lr" in means else "")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import sys
 import textwrap
@@ -48,30 +47,17 @@ from common.guard import NonFiniteGuard
 from common.loaders import auto_workers
 from common.model_folder import check_hub_push, push_folder
 from common.run_folder import (
+    TrainState,
     check_resume,
     choose_output_dir,
     complete_checkpoints,
-    drop_metrics_after,
     flag_value,
     is_checkpoint,
+    record_resume,
+    write_checkpoint,
 )
 from common.trackers import init_trackers, log_images, log_weights
 from common.weights import weights_line
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Where the training loop (:class:`common.loop.Loop`) is, written into each checkpoint as
-    ``train_state.json`` (:meth:`Run.save_checkpoint`) and read back by :meth:`Run.resume`. ``step``
-    counts optimizer steps; ``batches_in_epoch`` the (micro-)batches of ``epoch`` already consumed,
-    which a resumed run skips; ``extra`` JSON values that must survive a restart (``best/<metric>``,
-    recipe values such as DINO's step-0 baselines); ``finished`` marks the checkpoint at the end of training."""
-
-    step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-    finished: bool = False  # the end of training: ``--resume auto`` alone looks for runs without it
 
 
 class Run:
@@ -139,7 +125,6 @@ class Run:
         self._loop_done = False  # after the training loop a stop signal ends the run at once (RunStopped)
         self._stop_group = None
         self._pending: tuple[Any, torch.Tensor] | None = None
-        self.log_requested = False  # agreed by should_stop(): every process logs the next step
         if self.accelerator.num_processes > 1 and dist.is_initialized():
             # Stop requests are agreed on over gloo (CPU) so that checking every step never
             # waits on the GPU stream.
@@ -247,36 +232,13 @@ class Run:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, state: TrainState) -> None:
-        """Write Accelerate state to a temporary folder, then rename it into place.
-
-        A kill at any moment leaves either the old set of checkpoints or the new one, never a
-        half-written folder that ``--resume auto`` would pick. Refuses to save (raising
-        :class:`NonFiniteLoss`) once a loss went non-finite, so the last good one stays newest.
-        """
+        """Write Accelerate state and ``state`` as the newest checkpoint, whole or not at all
+        (:func:`common.run_folder.write_checkpoint`). Refuses to save (raising :class:`NonFiniteLoss`) once a
+        loss went non-finite, so the last good one stays newest; logs ``time/checkpoint_s``."""
         self.begin()
         tick = time.perf_counter()
-        acc = self.accelerator
-        self.guard.check(acc, self.last_checkpoint)
-        final = self.checkpoint_dir / f"step_{state.step:08d}"
-        tmp = self.checkpoint_dir / f".tmp-step_{state.step:08d}"
-        if acc.is_main_process:
-            self.checkpoint_dir.mkdir(exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            state_file = tmp / "train_state.json"
-            state_file.write_text(json.dumps(dataclasses.asdict(state)))
-            with open(state_file) as f:
-                os.fsync(f.fileno())
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in self.checkpoints()[: -max(self.cfg.keep_checkpoints, 1)]:
-                shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
+        self.guard.check(self.accelerator, self.last_checkpoint)
+        final = write_checkpoint(self.accelerator, self.checkpoint_dir, state, self.cfg.keep_checkpoints)
         self.last_checkpoint = str(final)
         self.log({"time/checkpoint_s": time.perf_counter() - tick}, state.step, echo=False)
 
@@ -314,11 +276,7 @@ class Run:
         state = TrainState(**json.loads((path / "train_state.json").read_text()))
         self.last_checkpoint = str(path)
         if self.accelerator.is_main_process:
-            drop_metrics_after(self.dir / "metrics.jsonl", state.step)
-            record = {"step": state.step, "checkpoint": path.name}
-            record["changed"] = {k: [a, b] for k, (a, b) in self.resume_changes.items()}
-            with open(self.dir / "resumes.jsonl", "a") as f:  # one line per resume, with what it changed
-                f.write(json.dumps(record, default=str) + "\n")
+            record_resume(self.dir, path, state.step, self.resume_changes)
         self.accelerator.wait_for_everyone()
         self.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batches_in_epoch})")
         return state
@@ -352,10 +310,8 @@ class Run:
             f"finish it with: {self.continue_command()}"
         )
 
-    def should_stop(self, log_wanted: bool = False) -> bool:
-        """True on every process once any process got SIGTERM/SIGINT; call once per step. ``log_wanted`` (the
-        main process's wish for a step line, :class:`common.loop.Loop`'s) is agreed on the same way and read
-        back as ``log_requested``, so every process logs at the same step.
+    def should_stop(self) -> bool:
+        """True on every process once any process got SIGTERM/SIGINT; call once per step.
 
         With several processes the flags are combined by an asynchronous all-reduce over gloo
         (CPU): each call collects the reduction started by the previous call and starts the next,
@@ -363,14 +319,13 @@ class Run:
         (one step after the signal).
         """
         if self._stop_group is None:
-            self.log_requested = log_wanted
             return self._stop_signal is not None
-        stop, self.log_requested = False, False
+        stop = False
         if self._pending is not None:
             work, flag = self._pending
             work.wait()
-            stop, self.log_requested = (bool(v) for v in flag.tolist())  # a CPU tensor: no device sync
-        flag = torch.tensor([0 if self._stop_signal is None else 1, int(log_wanted)])
+            stop = bool(flag.item())  # a CPU tensor: no device synchronisation
+        flag = torch.tensor([0 if self._stop_signal is None else 1])
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group, async_op=True), flag)
         return stop
 
