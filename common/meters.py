@@ -56,6 +56,8 @@ class Meters:
         """Add ``value * n`` to each named sum and ``n`` to its count (``n`` = samples the value averages)."""
         for name, value in values.items():
             value = value.detach().float() if torch.is_tensor(value) else torch.tensor(float(value))
+            if hasattr(value, "full_tensor"):  # a DTensor (FSDP2's clipped gradient norm): the whole value
+                value = value.full_tensor()
             if name not in self._sums:
                 self._sums[name] = torch.zeros((), device=self.device)
                 self._counts[name] = 0.0

@@ -104,3 +104,33 @@ def average_bn_statistics(model: nn.Module, accelerator: Any) -> None:
         ):
             for buf in (m.running_mean, m.running_var):
                 buf.copy_(accelerator.reduce(buf, reduction="mean"))
+
+
+def mark_fsdp_blocks(model: nn.Module) -> list[str]:
+    """Name the model's repeated blocks in ``model._no_split_modules``, where Accelerate's FSDP
+    ``TRANSFORMER_BASED_WRAP`` (configs/accelerate/fsdp.yaml) looks for the classes to shard one by one:
+    every module held in an ``nn.Sequential`` or ``nn.ModuleList`` that has parameters and sub-modules (a ViT
+    block, a CNN stage's residual block, a detector's transformer layer or FPN convolution), not a single
+    layer (a unit per convolution costs a gather each) and not a container without ``forward``
+    (``fully_shard`` refuses those). timm models name none, and then only the root would be a unit, every
+    weight gathered at once. Harmless without FSDP; returns the class names."""
+    names = set()
+    for parent in model.modules():
+        if not isinstance(parent, (nn.Sequential, nn.ModuleList)):
+            continue
+        for child in parent.children():
+            has_forward = type(child).forward is not nn.Module.forward
+            if has_forward and next(child.children(), None) is not None and next(child.parameters(), None) is not None:
+                names.add(type(child).__name__)
+    model._no_split_modules = sorted(names)
+    return model._no_split_modules
+
+
+def fsdp_units(model: nn.Module) -> int:
+    """How many modules FSDP2's ``fully_shard`` made into units of their own, the root included; 0
+    outside FSDP2. One unit means every weight is gathered at once in each forward and backward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return 0
+    return sum(isinstance(module, FSDPModule) for module in model.modules())

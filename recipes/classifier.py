@@ -54,7 +54,7 @@ from common.images import decode_image, image_files, needed_side, readable_image
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.model_folder import model_card, write_timm_folder
-from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
+from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values
@@ -583,7 +583,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.ema_decay > 0 and accelerator.distributed_type.name == "FSDP":
         raise UserError("model EMA keeps a full replica and cannot follow FSDP's sharded weights; set --ema_decay 0")
 
+    mark_fsdp_blocks(model)  # FSDP: each repeated block its own shard unit (configs/accelerate/fsdp.yaml)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if units := fsdp_units(model):  # FSDP: the root and the blocks marked above
+        run.print(f"fsdp: {units} modules sharded (fully_shard units, the root included)")
     unwrapped = accelerator.unwrap_model(model)
     ema = None
     if cfg.ema_decay > 0:  # copied from the prepared model: DDP has broadcast process 0's weights to all

@@ -86,7 +86,14 @@ from common.image_cache import cache_images
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.model_folder import write_detector_folder
-from common.models import average_bn_statistics, create_timm_model, freeze_stages, sync_batchnorm
+from common.models import (
+    average_bn_statistics,
+    create_timm_model,
+    freeze_stages,
+    fsdp_units,
+    mark_fsdp_blocks,
+    sync_batchnorm,
+)
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values
@@ -535,7 +542,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ]
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
+    mark_fsdp_blocks(model)  # FSDP: each repeated block its own shard unit (configs/accelerate/fsdp.yaml)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if units := fsdp_units(model):  # FSDP: the root and the blocks marked above
+        run.print(f"fsdp: {units} modules sharded (fully_shard units, the root included)")
 
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
     total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)

@@ -76,7 +76,15 @@ from common.image_cache import cache_images
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.model_folder import write_detector_folder
-from common.models import average_bn_statistics, create_timm_model, freeze_stages, hub_offline, sync_batchnorm
+from common.models import (
+    average_bn_statistics,
+    create_timm_model,
+    freeze_stages,
+    fsdp_units,
+    hub_offline,
+    mark_fsdp_blocks,
+    sync_batchnorm,
+)
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
@@ -754,7 +762,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     groups = weight_decay_groups(model, cfg.weight_decay)  # frozen stages stay out
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **fused)
+    mark_fsdp_blocks(model)  # FSDP: each repeated block its own shard unit (configs/accelerate/fsdp.yaml)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if units := fsdp_units(model):  # FSDP: the root and the blocks marked above
+        run.print(f"fsdp: {units} modules sharded (fully_shard units, the root included)")
 
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
     total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)

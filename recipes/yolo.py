@@ -69,7 +69,7 @@ from common.image_cache import cache_images
 from common.loaders import eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.model_folder import write_detector_folder
-from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
+from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
@@ -509,8 +509,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **fused)
     else:
         optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **fused)
+    if cfg.ema_decay > 0 and accelerator.distributed_type.name == "FSDP":
+        raise UserError("model EMA keeps a full replica and cannot follow FSDP's sharded weights; set --ema_decay 0")
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
+    mark_fsdp_blocks(model)  # FSDP: each repeated block its own shard unit (configs/accelerate/fsdp.yaml)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if units := fsdp_units(model):  # FSDP: the root and the blocks marked above
+        run.print(f"fsdp: {units} modules sharded (fully_shard units, the root included)")
     if ema is not None:
         ema.module.to(accelerator.device)
         accelerator.register_for_checkpointing(ema)
