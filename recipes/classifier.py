@@ -47,7 +47,7 @@ from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optim
 from common.console import cli_main
 from common.data import ClassificationDataset, load_classification, with_label_fraction
 from common.ema import ModelEma
-from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
+from common.export import OnnxModel, export_model, export_run, export_saved, image_batches, is_onnx
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.image_cache import cache_images
 from common.images import decode_image, image_files, needed_side, readable_images
@@ -418,13 +418,15 @@ def export_files(
     model: torch.nn.Module, cfg: Config, classes: list[str], folder: Path, recipe: str
 ) -> dict[str, float]:
     """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S], preprocessed as the metadata's
-    ``preprocessing`` (timm's data config) says, -> logits [B, C]; checked against eager (common/export.py)."""
+    ``preprocessing`` (timm's data config) says, -> logits [B, C]; checked against eager (common/export.py) on
+    batches of one and several, to 1e-3 of the logits' scale."""
     data_cfg = data_config(cfg, model)
     size = data_cfg["input_size"][-1]
     meta = weights_metadata(cfg, classes, recipe, normalization=(data_cfg["mean"], data_cfg["std"]))
     meta["preprocessing"] = json.dumps(data_cfg)
     example = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
-    return export_model(model, {"images": example}, ["logits"], folder, meta)
+    checks = image_batches(size, data_cfg["mean"], data_cfg["std"])
+    return export_model(model, {"images": example}, ["logits"], folder, meta, checks=checks)
 
 
 @torch.no_grad()

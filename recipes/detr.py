@@ -81,7 +81,7 @@ from common.detection import (
     prediction_batches,
 )
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
-from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
+from common.export import Detections, OnnxModel, batched_checks, export_model, export_run, export_saved, is_onnx
 from common.image_cache import cache_images
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
@@ -433,7 +433,8 @@ def export_files(model: nn.Module, cfg: Config, meta: dict[str, Any], folder: Pa
     """``model.onnx`` in ``folder``: images [B, 3, H, W] (shorter side resized to the last of ``scales``,
     normalised with the ImageNet mean and std, padded right and bottom) and mask [B, H, W] (True on the
     padding) -> boxes [B, Q, 4] XYXY in each unpadded image's pixels, scores [B, Q], labels [B, Q]; any
-    batch and size. Checked against eager."""
+    batch and size. Checked against eager on pictures of common.export.CHECK_SIZES, alone and in one padded
+    batch: every query's box, score and class."""
     saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
     saved["preprocessing"] = json.dumps(
         {"shorter_side": cfg.scales[-1], "max_size": cfg.max_size, "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
@@ -443,7 +444,10 @@ def export_files(model: nn.Module, cfg: Config, meta: dict[str, Any], folder: Pa
     mask[1, :, -32:] = True  # the second image is narrower
     spatial = {"images": {0: "batch", 2: "height", 3: "width"}, "mask": {0: "batch", 1: "height", 2: "width"}}
     names = ["boxes", "scores", "labels"]
-    return export_model(Exported(model), {"images": images, "mask": mask}, names, folder, saved, spatial)
+    checks = batched_checks(data_transforms(cfg, False), detr_collate, ["images", "mask"])
+    read = Detections(lambda out: list(zip(*out)))  # every query: DETR has no threshold and no NMS
+    example = {"images": images, "mask": mask}
+    return export_model(Exported(model), example, names, folder, saved, spatial, checks=checks, detections=read)
 
 
 # ============================================================================================

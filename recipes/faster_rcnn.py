@@ -58,7 +58,7 @@ from torchvision.models import MobileNet_V3_Large_Weights, ResNet50_Weights
 from torchvision.models.detection.faster_rcnn import FasterRCNN, FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.rpn import AnchorGenerator, RegionProposalNetwork, RPNHead
-from torchvision.models.detection.transform import GeneralizedRCNNTransform
+from torchvision.models.detection.transform import GeneralizedRCNNTransform, resize_boxes
 from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from torchvision.transforms import v2
@@ -71,7 +71,7 @@ from common.console import cli_main
 from common.data import with_label_fraction
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
-from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
+from common.export import Detections, OnnxModel, export_model, export_run, export_saved, is_onnx, photos
 from common.image_cache import cache_images
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
@@ -357,6 +357,32 @@ class TimmFPN(nn.Module):
         return self.fpn(OrderedDict((str(i), f) for i, f in enumerate(self.body(x))))
 
 
+class ExactResize(GeneralizedRCNNTransform):
+    """torchvision's transform with each image's resized size computed in integers: the shorter side to
+    ``min_size`` unless the longer would pass ``max_size`` (then the longer to ``max_size``), the other
+    side rounded down exactly. torchvision computes the scale in float64 when eager and in float32 in a
+    traced graph, which round one pixel apart on about one photo size in six (750 x 1000 -> 800 or 799
+    rows), and a graph that resizes to another size finds other boxes and scores."""
+
+    @classmethod
+    def like(cls, transform: GeneralizedRCNNTransform) -> ExactResize:
+        return cls(transform.min_size, transform.max_size, transform.image_mean, transform.image_std)
+
+    def resize(self, image: torch.Tensor, target: dict | None = None) -> tuple[torch.Tensor, dict | None]:
+        if self.training and self._skip_resize:
+            return image, target
+        size = self.torch_choice(self.min_size) if self.training else self.min_size[-1]
+        sides = torch._shape_as_tensor(image)[-2:]  # (h, w), int64: traced as the graph's input shape
+        short, long = sides.min(), sides.max()
+        by_short = size * long <= self.max_size * short
+        new = sides * torch.where(by_short, size, self.max_size) // torch.where(by_short, short, long)
+        new = [new[0], new[1]] if torch.jit.is_tracing() else new.tolist()  # the graph keeps them symbolic
+        out = nn.functional.interpolate(image[None], size=new, mode="bilinear", align_corners=False)[0]
+        if target is not None:
+            target["boxes"] = resize_boxes(target["boxes"], image.shape[-2:], out.shape[-2:])
+        return out, target
+
+
 class TwoStageDetector(nn.Module):
     """Faster R-CNN as one forward, so that DDP sees every parameter's gradient:
 
@@ -493,7 +519,7 @@ def preset_model(cfg: Config, num_classes: int, notes: list[str]) -> TwoStageDet
         m.roi_heads.box_predictor = FastRCNNPredictor(m.roi_heads.box_predictor.cls_score.in_features, num_classes + 1)
     if cfg.frozen_bn:  # the presets freeze it themselves whenever they load weights
         m.backbone.body = timm.layers.freeze_batch_norm_2d(m.backbone.body)
-    return TwoStageDetector(m.transform, m.backbone, m.rpn, m.roi_heads)
+    return TwoStageDetector(ExactResize.like(m.transform), m.backbone, m.rpn, m.roi_heads)
 
 
 def timm_model(cfg: Config, num_classes: int, notes: list[str]) -> TwoStageDetector:
@@ -554,7 +580,7 @@ def timm_model(cfg: Config, num_classes: int, notes: list[str]) -> TwoStageDetec
         detections_per_img=cfg.box_detections_per_img,
     )
     # the order of min_size matters: training draws one per image, evaluation uses the last
-    transform = GeneralizedRCNNTransform(tuple(cfg.min_size), cfg.max_size, IMAGENET_MEAN, IMAGENET_STD)
+    transform = ExactResize(tuple(cfg.min_size), cfg.max_size, IMAGENET_MEAN, IMAGENET_STD)
     return TwoStageDetector(transform, backbone, rpn, roi_heads)
 
 
@@ -660,13 +686,17 @@ def export_files(
 ) -> dict[str, float]:
     """``model.onnx`` in ``folder`` (TorchScript exporter: NMS has outputs of data-dependent size, which
     torch.export cannot trace): one image [3, H, W] in 0..1, any size -> boxes [K, 4] XYXY in its pixels,
-    scores [K], labels [K]; checked against eager on ``image`` (default: noise)."""
+    scores [K], labels [K]; checked against eager (detections above box_score_thresh) on ``image`` (default:
+    a synthetic picture) resized to each of common.export.CHECK_SIZES (upscaled small ones, large ones, odd
+    aspect ratios)."""
     saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
     saved["preprocessing"] = json.dumps({"inside the graph": "resize (min_size, max_size), ImageNet mean and std"})
-    if image is None:
+    checks = [{"image": picture} for picture in photos(image)]
+    if image is None:  # traced at the size the graph resizes to (a trace follows the example's branches)
         image = torch.rand(3, cfg.min_size[-1], cfg.min_size[-1] * 4 // 3, generator=torch.Generator().manual_seed(0))
     names, spatial = ["boxes", "scores", "labels"], {"image": {1: "height", 2: "width"}}
-    return export_model(Exported(model), {"image": image}, names, folder, saved, spatial, legacy=True)
+    read = Detections(lambda out: [tuple(out)], cfg.box_score_thresh, cfg.box_detections_per_img)
+    return export_model(Exported(model), {"image": image}, names, folder, saved, spatial, True, checks, detections=read)
 
 
 # ============================================================================================

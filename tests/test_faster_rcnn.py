@@ -125,6 +125,22 @@ def test_model_normalises_once_and_returns_boxes_in_input_pixels():
     assert target["boxes"].tolist() == [[1.0, 2.0, 20.0, 30.0]]
 
 
+def test_the_resized_size_is_computed_exactly_in_integers():
+    """The shorter side to min_size unless the longer would pass max_size (then the longer to max_size),
+    the other side rounded down exactly, on sizes where a float scale rounds a pixel apart (the graph's
+    float32 gives 799 rows for 750 x 1000); training resizes the target boxes with the image."""
+    cfg = parse_config(frcnn.Config, ["--min_size", "800", "--max_size", "1333"])
+    transform = frcnn.create_model(cfg, num_classes=2).transform.eval()
+    for (h, w), expected in {(750, 1000): (800, 1066), (183, 245): (800, 1071), (1000, 100): (1333, 133)}.items():
+        batch, _ = transform([torch.rand(3, h, w)])
+        assert tuple(batch.image_sizes[0]) == expected, (h, w)
+    transform.train()
+    target = {"boxes": torch.tensor([[0.0, 0.0, 100.0, 50.0]]), "labels": torch.tensor([1])}
+    batch, (resized,) = transform([torch.rand(3, 100, 200)], [target])
+    assert tuple(batch.image_sizes[0]) == (666, 1333)  # 800 rows would make 1600 columns > 1333
+    assert resized["boxes"][0].tolist() == pytest.approx([0.0, 0.0, 666.5, 333.0])
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     """The default config through the real entry point (the README's command, offline)."""
