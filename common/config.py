@@ -72,8 +72,7 @@ class RunConfig:
     data: str = ""  # the dataset: a built-in name, a local folder or a hub dataset name
     train_split: str = "train"  # the split to train on
     eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
-    num_workers: int = -1  # DataLoader worker processes per training process; -1: the cores available to the
-    #   process / training processes on the machine, at most 8 (the banner says the number); 0: load in the main process
+    num_workers: int = -1  # DataLoader workers per training process; -1: its share of the cores, at most 8; 0: none
     bad_images: Literal["skip", "error"] = "skip"  # unreadable images found before training: left out, or refused
     cache_images: Literal["", "ram", "disk"] = ""  # each image decoded once, kept in ram or on disk
     epochs: int = 1  # training epochs

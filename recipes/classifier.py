@@ -47,7 +47,8 @@ from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optim
 from common.console import cli_main
 from common.data import ClassificationDataset, load_classification, with_label_fraction
 from common.ema import ModelEma
-from common.export import OnnxModel, export_model, export_run, export_saved, image_batches, is_onnx
+from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
+from common.export_check import image_batches
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.image_cache import cache_images
 from common.images import decode_image, image_files, needed_side, readable_images

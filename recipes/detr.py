@@ -81,7 +81,8 @@ from common.detection import (
     prediction_batches,
 )
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
-from common.export import Detections, OnnxModel, batched_checks, export_model, export_run, export_saved, is_onnx
+from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
+from common.export_check import Detections, batched_checks
 from common.image_cache import cache_images
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
@@ -433,7 +434,7 @@ def export_files(model: nn.Module, cfg: Config, meta: dict[str, Any], folder: Pa
     """``model.onnx`` in ``folder``: images [B, 3, H, W] (shorter side resized to the last of ``scales``,
     normalised with the ImageNet mean and std, padded right and bottom) and mask [B, H, W] (True on the
     padding) -> boxes [B, Q, 4] XYXY in each unpadded image's pixels, scores [B, Q], labels [B, Q]; any
-    batch and size. Checked against eager on pictures of common.export.CHECK_SIZES, alone and in one padded
+    batch and size. Checked against eager on pictures of common.export_check.CHECK_SIZES, alone and in one padded
     batch: every query's box, score and class."""
     saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
     saved["preprocessing"] = json.dumps(

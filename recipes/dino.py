@@ -53,7 +53,8 @@ from common.console import cli_main
 from common.data import ClassificationData, ClassificationDataset, load_classification
 from common.detection import detection_images
 from common.ema import ema_update_
-from common.export import export_model, export_run, export_saved, image_batches
+from common.export import export_model, export_run, export_saved
+from common.export_check import image_batches
 from common.feature_figures import attention_overlay, neighbour_grid
 from common.image_cache import cache_images
 from common.images import needed_side
@@ -776,6 +777,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- saving: the teacher backbone, for --init_weights / --init_backbone, a timm folder, ONNX ----
     path = run.dir / "teacher_backbone.safetensors"
+    average_bn_statistics(teacher.backbone, accelerator)  # every process: without a kNN at the end, still each its own
     if accelerator.is_main_process:
         saved_as = {"recipe": run.recipe, "normalization": (IMAGENET_MEAN, IMAGENET_STD)}
         save_weights(teacher.backbone.state_dict(), path, cfg, **saved_as)

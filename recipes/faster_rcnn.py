@@ -71,7 +71,8 @@ from common.console import cli_main
 from common.data import with_label_fraction
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
-from common.export import Detections, OnnxModel, export_model, export_run, export_saved, is_onnx, photos
+from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
+from common.export_check import Detections, photos
 from common.image_cache import cache_images
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
@@ -687,7 +688,7 @@ def export_files(
     """``model.onnx`` in ``folder`` (TorchScript exporter: NMS has outputs of data-dependent size, which
     torch.export cannot trace): one image [3, H, W] in 0..1, any size -> boxes [K, 4] XYXY in its pixels,
     scores [K], labels [K]; checked against eager (detections above box_score_thresh) on ``image`` (default:
-    a synthetic picture) resized to each of common.export.CHECK_SIZES (upscaled small ones, large ones, odd
+    a synthetic picture) resized to each of common.export_check.CHECK_SIZES (upscaled small ones, large ones, odd
     aspect ratios)."""
     saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
     saved["preprocessing"] = json.dumps({"inside the graph": "resize (min_size, max_size), ImageNet mean and std"})

@@ -64,7 +64,8 @@ from common.data import with_label_fraction
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
 from common.ema import ModelEma
-from common.export import Detections, OnnxModel, batched_checks, export_model, export_run, export_saved, is_onnx
+from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
+from common.export_check import Detections, batched_checks
 from common.image_cache import cache_images
 from common.loaders import eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
@@ -412,7 +413,7 @@ def export_files(model: YOLOv3, cfg: Config, meta: dict[str, Any], folder: Path,
     """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S] (letterboxed to img_size,
     0..1, normalised with the ImageNet mean and std) -> boxes [B, N, 4] XYXY in those pixels and
     class scores [B, N, C]; NMS (``postprocess``) follows outside the graph. Checked against eager on
-    pictures of common.export.CHECK_SIZES letterboxed, alone and in one batch: the detections after NMS."""
+    pictures of common.export_check.CHECK_SIZES letterboxed, alone and in one batch: the detections after NMS."""
     saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
     saved["preprocessing"] = json.dumps({"letterbox": cfg.img_size, "mean": IMAGENET_MEAN, "std": IMAGENET_STD})
     example = torch.rand(2, 3, cfg.img_size, cfg.img_size, generator=torch.Generator().manual_seed(0))

@@ -123,23 +123,23 @@ def test_detections_agree_up_to_a_tie_at_the_score_floor_and_no_further():
     """The detector check's rule (common/export.py): paired boxes within 0.5 px and scores within 1e-3; a
     detection scoring within 1e-3 of the floor (or of the last score kept at the detection limit) may be
     on one side only; any other detection without its pair refuses the file."""
-    from common.export import Detections, _detections_agree
+    from common.export_check import Detections, detections_agree
 
     boxes = torch.tensor([[10.0, 10, 50, 60], [100, 20, 140, 90], [30, 30, 80, 70]])
     eager = (boxes, torch.tensor([0.9, 0.6, 0.3005]), torch.tensor([1, 2, 1]))
     spec = Detections(lambda out: out, floor=0.3)
     moved = (boxes[:2] + 0.2, torch.tensor([0.9004, 0.6]), torch.tensor([1, 2]))  # the last fell below 0.3
-    box_diff, score_diff, wrong = _detections_agree(moved, eager, spec, "model.onnx")
+    box_diff, score_diff, wrong = detections_agree(moved, eager, spec, "model.onnx")
     assert wrong is None and box_diff == pytest.approx(0.2, abs=1e-5) and score_diff == pytest.approx(4e-4, abs=1e-6)
     far = (boxes[:2] + torch.tensor([0.0, 0, 0.7, 0]), eager[1][:2], eager[2][:2])
-    assert _detections_agree(far, eager, spec, "model.onnx")[2] == "boxes differ by 0.7 px (tolerance 0.5 px)"
+    assert detections_agree(far, eager, spec, "model.onnx")[2] == "boxes differ by 0.7 px (tolerance 0.5 px)"
     lost = (boxes[1:], eager[1][1:], eager[2][1:])
-    assert _detections_agree(lost, eager, spec, "model.onnx")[2] == (
+    assert detections_agree(lost, eager, spec, "model.onnx")[2] == (
         "eager's detection of class 1 scoring 0.900 has none in model.onnx"
     )
     relabelled = (boxes, eager[1], torch.tensor([1, 3, 1]))
     assert (
-        _detections_agree(relabelled, eager, spec, "f")[2] == "eager's detection of class 2 scoring 0.600 has none in f"
+        detections_agree(relabelled, eager, spec, "f")[2] == "eager's detection of class 2 scoring 0.600 has none in f"
     )
     extra = (
         torch.cat([boxes, boxes[:1] + 200]),
@@ -147,9 +147,9 @@ def test_detections_agree_up_to_a_tie_at_the_score_floor_and_no_further():
         torch.tensor([1, 2, 1, 4]),
     )
     assert (
-        _detections_agree(extra, eager, spec, "f")[2] == "f has a detection of class 4 scoring 0.500 that eager has not"
+        detections_agree(extra, eager, spec, "f")[2] == "f has a detection of class 4 scoring 0.500 that eager has not"
     )
     capped = Detections(lambda out: out, floor=0.0, limit=2)  # at the limit the last score kept is a floor
     two = (boxes[:2], torch.tensor([0.9, 0.6]), torch.tensor([1, 2]))
     other = (boxes[[0, 2]], torch.tensor([0.9, 0.6005]), torch.tensor([1, 1]))
-    assert _detections_agree(other, two, capped, "model.onnx")[2] is None
+    assert detections_agree(other, two, capped, "model.onnx")[2] is None
