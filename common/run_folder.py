@@ -1,5 +1,6 @@
 """A run's folder: which one a run writes to, whether a resumed run's config may continue the saved
-one, its complete checkpoints, and the logged metrics a resumed run takes back.
+one, its complete checkpoints (:class:`TrainState`, written whole or not at all), and the logged metrics a
+resumed run takes back.
 
 The folder and the resume check are decided before anything is written, so a refusal leaves every
 existing folder as it was.
@@ -20,9 +21,11 @@ existing folder as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,22 @@ import yaml
 
 from common import UserError
 from common.config import RunConfig, to_dict
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Where the training loop (:class:`common.loop.Loop`) is, written into each checkpoint as
+    ``train_state.json`` (:func:`write_checkpoint`) and read back by :meth:`common.run.Run.resume`. ``step``
+    counts optimizer steps; ``batches_in_epoch`` the (micro-)batches of ``epoch`` already consumed,
+    which a resumed run skips; ``extra`` JSON values that must survive a restart (``best/<metric>``,
+    recipe values such as DINO's step-0 baselines); ``finished`` marks the checkpoint at the end of training."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    finished: bool = False  # the end of training: ``--resume auto`` alone looks for runs without it
+
 
 #: Fields a resumed run may change: where and how it reports, how long it runs, how it loads data.
 #: Any other field shapes the model, the data or the optimisation the checkpoint was trained with.
@@ -211,3 +230,40 @@ def complete_checkpoints(folder: Path) -> list[Path]:
     """The complete checkpoints in ``folder`` (a run's ``checkpoints/``), oldest first."""
     found = [p for p in folder.glob("step_*") if is_checkpoint(p)]
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def write_checkpoint(accelerator: Any, folder: Path, state: TrainState, keep: int) -> Path:
+    """Write Accelerate's state and ``state`` into ``folder/step_XXXXXXXX`` (every process calls it) through a
+    temporary folder renamed into place, then drop all but the newest ``keep`` (at least 1): a kill at any
+    moment leaves either the old set of checkpoints or the new one, never a half-written folder that
+    ``--resume auto`` would pick. Returns the checkpoint's folder."""
+    final = folder / f"step_{state.step:08d}"
+    tmp = folder / f".tmp-step_{state.step:08d}"
+    if accelerator.is_main_process:
+        folder.mkdir(exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state_file = tmp / "train_state.json"
+        state_file.write_text(json.dumps(dataclasses.asdict(state)))
+        with open(state_file) as f:
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(folder)[: -max(keep, 1)]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def record_resume(run_dir: Path, checkpoint: Path, step: int, changed: dict[str, tuple[Any, Any]]) -> None:
+    """A resume from ``checkpoint`` at ``step`` (main process): drop the metrics logged after it, which will be
+    logged again, and add one line to ``resumes.jsonl`` with the checkpoint and what the resume changed."""
+    drop_metrics_after(run_dir / "metrics.jsonl", step)
+    record = {"step": step, "checkpoint": checkpoint.name, "changed": {k: [a, b] for k, (a, b) in changed.items()}}
+    with open(run_dir / "resumes.jsonl", "a") as f:
+        f.write(json.dumps(record, default=str) + "\n")

@@ -336,6 +336,29 @@ def test_two_processes_read_the_knn_of_one_process(tmp_path):
     assert len(knn[0]) == len(knn[1]) >= 1 and knn[0][-1] == pytest.approx(knn[1][-1], abs=0.5), knn
 
 
+@pytest.mark.slow
+def test_two_processes_save_the_teacher_statistics_of_one_process_without_labels(tmp_path):
+    """No labelled data, so no kNN at the end averages the BN statistics: the saved teacher backbone still
+    holds the mean over the processes (2 gloo processes x 16 against 1 process x 32, the same crops). The
+    stem's first BN sees a convolution of the crops alone, and its running mean is linear in the batch
+    means, so the two runs agree there (process 0's own half's would not); deeper layers see
+    inputs normalised with each half's own statistics and differ anyway."""
+    from PIL import Image
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(64):
+        Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(folder / f"img_{i}.jpg")
+    args = [folder.as_posix() if a == "digits" else a for a in BN_STILL]
+    dino.main(args + ["--batch_size", "32", "--output_dir", str(tmp_path / "one")])
+    check(run_recipe("dino", args + ["--batch_size", "16", "--output_dir", str(tmp_path / "two")], nproc=2))
+    one, two = (safetensors.torch.load_file(tmp_path / r / "teacher_backbone.safetensors") for r in ("one", "two"))
+    first = "conv1.1.running_mean"  # the demo's resnet10t: its deep stem's first BN
+    assert one[first].abs().sum() > 0
+    assert torch.allclose(one[first], two[first], atol=1e-5), (one[first] - two[first]).abs().max().item()
+
+
 def test_knn_over_shards_equals_the_whole_bank():
     """common.knn: the top k of a bank scored in query chunks equals a plain top k; the votes for several
     k come from one search."""
