@@ -602,9 +602,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return results
 
     # ---- saving and export ------------------------------------------------------------------------
-    final = ema.module if ema is not None else unwrapped
+    final = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)  # a collective under FSDP
     if accelerator.is_main_process:
-        save_weights(final.state_dict(), run.dir / "final.safetensors", cfg, **saved_as)
+        save_weights(final, run.dir / "final.safetensors", cfg, **saved_as)
         # what leaves the project is the best (evaluated) weights. A step that fails is one line after the
         # summary with the command that redoes it; the steps after it still run.
         sizes, kept = (len(train_set), len(eval_set)), kept_weights(run.dir)
