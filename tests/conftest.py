@@ -191,6 +191,19 @@ def assert_pictures(folder: Path, names: list[str]) -> None:
         assert min(pixels.shape) >= 200 and pixels.std() > 10, (name, pixels.shape, pixels.std())
 
 
+# Each recipe's tiny model and sizes for short runs on its built-in data (the classifier's: TINY_CLASSIFIER):
+# DINO a 4-block ViT on 32 px digits with 2 local crops, the detectors their demo models on small batches.
+TINY_RUNS = {
+    "dino": [
+        *("--data", "digits", "--batch_size", "16", "--local_crops", "2", "--knn_train_limit", "200"),
+        *("--plot_images", "0", "--drop_path_rate", "0", "--model", "vit_tiny_patch16_224", "--head_use_bn", "false"),
+        *("--model_kwargs", "{patch_size: 4, embed_dim: 96, depth: 4, num_heads: 3}"),
+    ],
+    "yolo": ["--batch_size", "4", "--plot_images", "0"],
+    "detr": ["--batch_size", "2", "--plot_images", "0", "--pretrain_crops_epochs", "0"],
+    "faster_rcnn": ["--batch_size", "1", "--plot_images", "0", "--min_size", "64", "--max_size", "64"],
+}
+
 # A 4-step classifier run on the built-in digits: what the run plumbing tests run.
 TINY_CLASSIFIER = [
     "--model",

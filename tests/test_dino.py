@@ -14,7 +14,7 @@ import yaml
 
 from common.config import parse_config
 from common.schedules import schedule
-from conftest import assert_pictures, check, load_recipe, run_recipe
+from conftest import TINY_RUNS, assert_pictures, check, load_recipe, run_recipe
 
 dino = load_recipe("dino")
 
@@ -22,32 +22,7 @@ dino = load_recipe("dino")
 # different process counts draw no per-sample randomness in the model; a tiny ViT, which has no
 # batch norm: on CPU (no SyncBatchNorm) 2 processes x 16 images would see other batch statistics
 # than 1 x 32, and its parameters are all the state the EMA moves.
-FAST = [
-    "--data",
-    "digits",
-    "--report_to",
-    "none",
-    "--num_workers",
-    "0",
-    "--batch_size",
-    "16",
-    "--local_crops",
-    "2",
-    "--knn_train_limit",
-    "200",
-    "--plot_images",
-    "0",
-    "--drop_path_rate",
-    "0",
-    "--log_every",
-    "1",
-    "--model",
-    "vit_tiny_patch16_224",
-    "--model_kwargs",
-    "{patch_size: 4, embed_dim: 96, depth: 4, num_heads: 3}",
-    "--head_use_bn",
-    "false",
-]
+FAST = [*TINY_RUNS["dino"], "--report_to", "none", "--num_workers", "0", "--log_every", "1"]
 
 
 def _log_softmax(x):

@@ -16,37 +16,11 @@ import safetensors.torch
 
 from common import RunStopped, UserError
 from common.console import cli_main, recorded_failure
-from conftest import TINY_CLASSIFIER, load_recipe
+from conftest import TINY_CLASSIFIER, TINY_RUNS, load_recipe
 
 # A 2-step run of each recipe on its built-in data, no tracker, exporting (the classifier's: TINY_CLASSIFIER).
 SHORT = ["--report_to", "none", "--num_workers", "0", "--max_steps", "2", "--export", "true"]
-TINY = {
-    "dino": [
-        "--data",
-        "digits",
-        "--batch_size",
-        "16",
-        "--local_crops",
-        "2",
-        "--knn_train_limit",
-        "200",
-        "--plot_images",
-        "0",
-        "--drop_path_rate",
-        "0",
-        "--model",
-        "vit_tiny_patch16_224",
-        "--model_kwargs",
-        "{patch_size: 4, embed_dim: 96, depth: 4, num_heads: 3}",
-        "--head_use_bn",
-        "false",
-        "--warmup_epochs",
-        "0",
-    ],
-    "yolo": ["--batch_size", "4", "--plot_images", "0"],
-    "detr": ["--batch_size", "2", "--plot_images", "0", "--pretrain_crops_epochs", "0"],
-    "faster_rcnn": ["--batch_size", "1", "--plot_images", "0", "--min_size", "64", "--max_size", "64"],
-}
+TINY = {**TINY_RUNS, "dino": [*TINY_RUNS["dino"], "--warmup_epochs", "0"]}
 KEPT = {"dino": "teacher_backbone", "yolo": "best", "detr": "best", "faster_rcnn": "best"}
 
 

@@ -13,23 +13,13 @@ from pathlib import Path
 import pytest
 
 from common import requirements
-from conftest import TINY_CLASSIFIER, check, run_recipe, scene_files
+from conftest import TINY_CLASSIFIER, TINY_RUNS, check, run_recipe, scene_files
 
 pytestmark = pytest.mark.floors
 
 SHORT = ["--report_to", "none", "--num_workers", "0", "--max_steps", "2"]
-#: Each recipe's tiny model and sizes (tests/test_end_of_run.py's), its --export, and whether it predicts.
-RUNS = {
-    "classifier": TINY_CLASSIFIER,
-    "dino": [
-        *("--data", "digits", "--batch_size", "16", "--local_crops", "2", "--knn_train_limit", "200"),
-        *("--plot_images", "0", "--model", "vit_tiny_patch16_224", "--head_use_bn", "false"),
-        *("--model_kwargs", "{patch_size: 4, embed_dim: 96, depth: 4, num_heads: 3}", "--warmup_epochs", "0"),
-    ],
-    "yolo": ["--batch_size", "4", "--plot_images", "0"],
-    "detr": ["--batch_size", "2", "--plot_images", "0", "--pretrain_crops_epochs", "0"],
-    "faster_rcnn": ["--batch_size", "1", "--plot_images", "0", "--min_size", "64", "--max_size", "64"],
-}
+#: Each recipe's tiny model and sizes (conftest.TINY_RUNS, as tests/test_end_of_run.py runs them).
+RUNS = {"classifier": TINY_CLASSIFIER, **TINY_RUNS, "dino": [*TINY_RUNS["dino"], "--warmup_epochs", "0"]}
 
 
 def test_every_package_is_at_its_floor():
