@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -197,8 +198,6 @@ def check_resume(cfg: RunConfig, folder: Path) -> dict[str, tuple[Any, Any]]:
 def flag_value(value: Any) -> str:
     """``value`` as the command line writes it after ``--field`` (YAML flow style, shell-quoted where needed):
     ``20``, ``true``, ``'[640, 800]'``."""
-    import shlex
-
     if value == "":
         return "''"
     text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip().removesuffix("...").strip()
