@@ -1,22 +1,17 @@
 """Configuration: dataclass defaults <- ``--config file.yaml`` <- ``--field value`` flags.
 
 Every recipe declares a ``Config`` dataclass whose defaults are its built-in demo. It extends
-:class:`RunConfig`, the fields every recipe has with one meaning (the run folder, seeds, logging,
-checkpoints, tracker, the optimisation budget), re-declaring one only to give its own default and
-description; ``common/`` reads a config only through RunConfig's fields.
-:func:`parse_config` layers a YAML file and command-line flags on top; every field is a flag of
-the same name. An unknown key (in the file or on the command line) is an error naming the
-closest valid key, and a value of the wrong type is an error naming the field. Both raise
-:class:`ConfigError`, which the recipes' ``main`` turns into one ``error: ...`` line.
+:class:`RunConfig`, the fields every recipe has with one meaning (run folder, seeds, logging, checkpoints,
+tracker, optimisation budget), re-declaring one only to give its own default and description; ``common/``
+reads a config only through RunConfig's fields. :func:`parse_config` layers a YAML file and command-line
+flags on top; every field is a flag of the same name. An unknown key is an error naming the closest valid
+key, a value of the wrong type one naming the field; both raise :class:`ConfigError`, one ``error:`` line.
 
-A field with a fixed set of values is annotated ``Literal["a", "b"]``; a set known only at run
-time (timm's optimizers) is ``field(metadata={"choices": fn})`` with ``fn()`` returning the names,
-called only when the field is given. Either way a value outside the set is a ConfigError naming
-the closest valid value, raised while parsing, before a recipe writes anything. So is a number outside
-its field's range: ``ranges`` on RunConfig and on each recipe's Config.
-
-``--help`` (:mod:`common.config_help`) documents every field from the comments in the ``Config``
-source.
+A field with a fixed set of values is annotated ``Literal["a", "b"]``; a set known only at run time (timm's
+optimizers) is ``field(metadata={"choices": fn})``, ``fn()`` called only when the field is given. A value
+outside the set, or a number outside its field's range (``ranges`` on RunConfig and each recipe's Config), is
+a ConfigError raised while parsing, before a recipe writes anything. ``--help`` (:mod:`common.config_help`)
+documents every field from the comments in the ``Config`` source.
 """
 
 from __future__ import annotations
@@ -41,8 +36,7 @@ from common.config_help import show as _show
 
 C = TypeVar("C")
 
-_TRUE = {"true", "yes", "on", "1"}
-_FALSE = {"false", "no", "off", "0"}
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 # the upper ends of the ranges below: beyond them a run would only allocate its way to a crash
 MAX_SIDE = 16384  # an image side, pixels
 MAX_COUNT = 2**20  # a batch, a width, a number of things made per image or per step
@@ -79,7 +73,10 @@ class RunConfig:
     max_steps: int = 0  # >0: stop after this many optimizer steps
     batch_size: int = 16  # images per process and micro-step: global batch = this x processes x grad_accum_steps
     grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
-    lr: float = 1e-3  # peak learning rate
+    lr: float = 1e-3  # peak learning rate for a global batch of lr_batch images (scaled to the run's: lr_scale)
+    lr_batch: int = 256  # the global batch lr is written for
+    lr_scale: Literal["linear", "sqrt"] = "linear"  # the peak x (global batch / lr_batch), or x its square
+    #   root (timm's rule for adam-type optimizers); global batch = batch_size x processes x grad_accum_steps
     warmup_epochs: float = 0.0  # linear learning-rate warmup, epochs (fractions allowed)
     weight_decay: float = 0.0  # weight decay; biases and norms get none
     clip_grad: float = 0.0  # clip the global gradient norm to this (0: off)
@@ -113,10 +110,15 @@ class RunConfig:
         "[-1, 1024]": "num_workers",
         f"[1, {MAX_EPOCHS}]; evaluating saved weights without training is --eval_only --weights W": "epochs",
         "[0, inf)": "max_steps lr warmup_epochs weight_decay clip_grad",
-        f"[1, {MAX_COUNT}]": "batch_size grad_accum_steps",
+        f"[1, {MAX_COUNT}]": "batch_size grad_accum_steps lr_batch",
         f"[0, {2**31 - 1}]": "seed",
         "[1, inf)": "log_every eval_every checkpoint_every keep_checkpoints",
     }
+
+    def peak_lr(self, processes: int) -> float:
+        """The run's peak learning rate: ``lr`` carried from ``lr_batch`` images to the global batch."""
+        ratio = self.batch_size * processes * self.grad_accum_steps / self.lr_batch
+        return self.lr * (ratio if self.lr_scale == "linear" else math.sqrt(ratio))
 
 
 def _closest(key: str, valid: Sequence[str], aliases: dict[str, str] | None = None) -> str:

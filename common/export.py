@@ -162,15 +162,25 @@ def export_model(
     return diffs
 
 
-def export_run(run: Any, folder: Path, write: Callable[[Path], dict[str, float]], step: int = 0) -> dict[str, float]:
-    """A run's exports (``run``: :class:`common.run.Run`, begun): on the main process ``write(folder)`` (a
-    recipe's function around :func:`export_model`), its differences from eager logged to metrics.jsonl
-    at ``step`` and told in one line; returns them ({} on the other processes)."""
+def export(run: Any, write: Callable[[Path], dict[str, float]], step: int | None = None) -> dict[str, float]:
+    """The one way a recipe exports (``run``: :class:`common.run.Run`): ``write(folder)``, the recipe's function
+    around :func:`export_model`, on the main process; its differences from eager logged to metrics.jsonl and
+    told in one line; returns them ({} on the other processes). ``step`` None is ``--export --weights W``: the
+    run begins, W's model is written into the run folder (no data read, nothing trained) and the run ends;
+    otherwise the files go to ``<run>/export`` at the end of training, logged at ``step``."""
+    if step is None:
+        run.begin()
+        diffs = _export_into(run, run.dir, write, 0)
+        run.finish([run.dir / "model.onnx"])
+        return diffs
+    return _export_into(run, run.dir / "export", write, step)
+
+
+def _export_into(run: Any, folder: Path, write: Callable[[Path], dict[str, float]], step: int) -> dict[str, float]:
     if not run.accelerator.is_main_process:
         return {}
-    diffs = write(Path(folder))
+    diffs = write(folder)
     run.log(diffs, step, echo=False)
-    folder = Path(folder)
     inside = folder.relative_to(run.dir) if folder.is_relative_to(run.dir) else folder  # the last line names run.dir
     files = [str(inside / name) for name in ("model.onnx", "model.pt2") if (folder / name).is_file()]
     checked = int(diffs.get("export/inputs", 1))
@@ -226,12 +236,3 @@ class OnnxModel:
 def is_onnx(path: str | Path) -> bool:
     """Whether ``path`` names an ONNX file (by its suffix), as ``--weights`` may."""
     return Path(path).suffix.lower() == ".onnx"
-
-
-def export_saved(run: Any, write: Callable[[Path], dict[str, float]]) -> dict[str, float]:
-    """``--export --weights W``: the run (``run``: :class:`common.run.Run`) begins, ``write(run.dir)`` exports
-    W's model (no data is read, nothing trained) and the run ends; returns the differences from eager."""
-    run.begin()
-    diffs = export_run(run, run.dir, write)
-    run.finish([run.dir / "model.onnx"])
-    return diffs

@@ -47,7 +47,7 @@ from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optim
 from common.console import cli_main
 from common.data import ClassificationDataset, load_classification, with_label_fraction
 from common.ema import ModelEma
-from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
+from common.export import OnnxModel, export, export_model, is_onnx
 from common.export_check import image_batches
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.image_cache import cache_images
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return predict(cfg, run)
     if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W's export, no data read
         model, classes = trained_model(cfg)
-        return export_saved(run, lambda folder: export_files(model, cfg, classes, folder, run.recipe))
+        return export(run, lambda folder: export_files(model, cfg, classes, folder, run.recipe))
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():  # the main process fills the datasets cache first
@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if cfg.export:
             with run.guarded("export", run.export_command(kept)):
                 write = lambda folder: export_files(shared, cfg, data.classes, folder, run.recipe)  # noqa: E731
-                results.update(export_run(run, run.dir / "export", write, loop.step))
+                results.update(export(run, write, loop.step))
     loop.finish(results, weights)  # the summary; the weights as W&B artifacts with --log_weights
     return results
 

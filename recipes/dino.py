@@ -53,7 +53,7 @@ from common.console import cli_main
 from common.data import ClassificationData, ClassificationDataset, load_classification
 from common.detection import detection_images
 from common.ema import ema_update_
-from common.export import export_model, export_run, export_saved
+from common.export import export, export_model
 from common.export_check import image_batches
 from common.feature_figures import attention_overlay, neighbour_grid
 from common.image_cache import cache_images
@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W as ONNX, no data read
         backbone = create_backbone(cfg)
         load_backbone(backbone, cfg.weights, cfg.model)
-        return export_saved(run, lambda folder: export_files(backbone, cfg, folder, run.recipe))
+        return export(run, lambda folder: export_files(backbone, cfg, folder, run.recipe))
 
     # ---- data: unlabelled images train; a labelled set (data itself, or knn_data) evaluates ---------
     with accelerator.main_process_first():
@@ -793,7 +793,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if cfg.export:
             with run.guarded("export", run.export_command(path)):
                 write = lambda folder: export_files(teacher.backbone, cfg, folder, run.recipe)  # noqa: E731
-                results.update(export_run(run, run.dir / "export", write, loop.step))
+                results.update(export(run, write, loop.step))
     loop.finish(results, [path])  # the summary; the weights as a W&B artifact with --log_weights
     return results
 

@@ -71,7 +71,7 @@ from common.console import cli_main
 from common.data import with_label_fraction
 from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection, prediction_batches
 from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
-from common.export import OnnxModel, export_model, export_run, export_saved, is_onnx
+from common.export import OnnxModel, export, export_model, is_onnx
 from common.export_check import Detections, photos
 from common.image_cache import cache_images
 from common.loaders import EpochBatchSampler, eval_loader_for, loader_kwargs, sample_seed
@@ -739,7 +739,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return predict(cfg, run)
     if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W's export, no data read
         model, meta = trained_model(cfg)
-        return export_saved(run, lambda folder: export_files(model, cfg, meta, folder, run.recipe))
+        return export(run, lambda folder: export_files(model, cfg, meta, folder, run.recipe))
 
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():
@@ -877,7 +877,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         with run.guarded("export", run.export_command(kept_weights(run.dir))):
             kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
             write = lambda folder: export_files(kept, cfg, meta, folder, run.recipe, eval_set[0][0])  # noqa: E731
-            results.update(export_run(run, run.dir / "export", write, loop.step))
+            results.update(export(run, write, loop.step))
     if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
         run.print(per_class_text(details))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary
