@@ -14,8 +14,8 @@ from common import UserError
 
 #: Distribution name -> the oldest version with which every recipe trains, evaluates, exports and predicts.
 FLOORS: dict[str, str] = {
-    "torch": "2.6",
-    "torchvision": "0.21",
+    "torch": "2.9.1",
+    "torchvision": "0.24.1",
     "timm": "1.0.26",
     "accelerate": "1.0",
     "datasets": "3.0",
@@ -28,11 +28,11 @@ FLOORS: dict[str, str] = {
     "pillow": "10.0",
     "tqdm": "4.66.3",
     "wandb": "0.18",
-    "tensorboard": "2.15",
+    "tensorboard": "2.16",
     "matplotlib": "3.8",
-    "onnx": "1.16",
-    "onnxscript": "0.2",
-    "onnxruntime": "1.18",
+    "onnx": "1.18",
+    "onnxscript": "0.7",
+    "onnxruntime": "1.24.1",
 }
 
 

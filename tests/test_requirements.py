@@ -68,6 +68,6 @@ def test_an_old_or_missing_package_is_one_line_before_the_run_folder(capsys, mon
     err = error_line(capsys, classifier.main, TINY_CLASSIFIER + ["--output_dir", str(tmp_run)])
     assert err == (
         "error: timm 1.0.9 is installed; onnxruntime is not installed; this recipe needs timm>=1.0.26, "
-        "onnxruntime>=1.18: pip install 'timm>=1.0.26' 'onnxruntime>=1.18'"
+        "onnxruntime>=1.24.1: pip install 'timm>=1.0.26' 'onnxruntime>=1.24.1'"
     )
     assert not tmp_run.exists()
