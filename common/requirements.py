@@ -28,7 +28,7 @@ FLOORS: dict[str, str] = {
     "pillow": "10.0",
     "tqdm": "4.66.3",
     "wandb": "0.18",
-    "tensorboard": "2.16",
+    "tensorboard": "2.16.2",
     "matplotlib": "3.8",
     "onnx": "1.18",
     "onnxscript": "0.7",
