@@ -21,14 +21,12 @@ The teacher backbone is exported as `teacher_backbone.safetensors` for recipes/c
 
 from __future__ import annotations
 
-import copy
-import json
 import math
 import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -44,31 +42,31 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image, ImageFilter, ImageOps
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 from torchvision import transforms as T
 
 from common import UserError
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
-from common.console import cli_main
-from common.data import ClassificationData, ClassificationDataset, load_classification
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
+from common.console import cli_main, own_files
+from common.data import ClassificationDataset, load_classification
 from common.detection import detection_images
 from common.ema import ema_update_
-from common.export import export, export_model
-from common.export_check import image_batches
-from common.feature_figures import attention_overlay, neighbour_grid
+from common.export import export
 from common.image_cache import cache_images
 from common.images import needed_side
-from common.knn import extract, knn_accuracy, knn_predict, shard
-from common.loaders import eval_loader_for, train_loader_for
+from common.loaders import train_loader_for
 from common.loop import Loop, steps_total
-from common.model_folder import model_card, write_timm_folder
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from common.weights import config_with_weights, load_weights, mismatch, save_weights, saved_by, weights_metadata
+from common.weights import config_with_weights, save_weights
 
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+with own_files("dino_"):  # DINO's own files, beside this one: copy them with it (README, "Your own recipe")
+    from dino_inference import export_files, load_teacher_backbone, write_model_folder  # what a run ships
+    from dino_knn import evaluate, knn_loaders, knn_metrics  # the kNN evaluation and its pictures
+    from dino_model import DINOHead, MultiCropWrapper, create_teacher  # the head, the multi-crop wrapper
 
 
 # ============================================================================================
@@ -120,7 +118,10 @@ class Config(RunConfig):
     epochs: int = 8  # training epochs
     batch_size: int = 64  # images per process (each gives 2 + local_crops crops)
     opt: Literal["adamw", "sgd"] = "adamw"  # adamw (ViT), or sgd with momentum 0.9 (the reference's ResNet-50 setting)
-    lr: float = 1.6e-2  # per 256 images: peak = lr x global batch / 256 (5e-4 for ViT-S/16 on ImageNet)
+    lr: float = 1.6e-2  # peak learning rate for a global batch of lr_batch images, carried to the run's global
+    #   batch by lr_scale (5e-4 per 256 for ViT-S/16 on ImageNet)
+    lr_batch: int = 256  # the global batch lr is written for (256: the reference's per-256 rule)
+    lr_scale: Literal["linear", "sqrt"] = "linear"  # linear: peak = lr x global batch / lr_batch, as the reference
     min_lr: float = 1e-5  # learning rate at the end of the cosine (reference: 1e-6)
     warmup_epochs: float = 1.0  # linear learning-rate warmup from 0, epochs (reference: 10)
     weight_decay: float = 0.04  # cosine from this to weight_decay_end; none on biases and norms (reference: 0.04)
@@ -198,7 +199,7 @@ class MultiCrop:
                 T.RandomGrayscale(p=cfg.grayscale),
             ]
         )
-        normalize = T.Compose([T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+        normalize = T.Compose([T.ToTensor(), T.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)])
         radius = tuple(cfg.blur_radius)
         g_crop = T.RandomResizedCrop(cfg.global_size, scale=tuple(cfg.global_scale), interpolation=bicubic)
         self.global1 = T.Compose([g_crop, flip_color, RandomGaussianBlur(1.0, radius), normalize])
@@ -217,109 +218,9 @@ class MultiCrop:
         return [self.global1(img), self.global2(img)] + [self.local(img) for _ in range(self.local_crops)]
 
 
-def eval_transform(size: int, resize: int = 0) -> T.Compose:
-    """Shorter side to ``resize`` (the reference: 256 for a 224 crop; 0: to ``size``), centre crop ``size``."""
-    return T.Compose(
-        [
-            T.Resize(resize or size, interpolation=T.InterpolationMode.BICUBIC),
-            T.CenterCrop(size),
-            T.ToTensor(),
-            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
-    )
-
-
-def knn_loaders(
-    cfg: Config, knn_set: ClassificationData, process_index: int, num_processes: int
-) -> tuple[
-    ClassificationDataset,
-    ClassificationDataset,
-    torch.utils.data.DataLoader,
-    torch.utils.data.DataLoader,
-    torch.utils.data.DataLoader,
-]:
-    """The kNN evaluation's data: ``(bank_set, query_set, bank_loader, query_loader, pixel_loader)``.
-
-    The sets are whole (knn_set's training split as the bank, at most knn_train_limit images, seeded; its
-    evaluation split as the queries), at eval_transform. Each loader reads only this process's shard:
-    of the bank, of the queries, and of the raw-pixel baseline's bank (at most knn_pixel_limit, seeded)."""
-    bank = knn_set.train
-    if 0 < cfg.knn_train_limit < len(bank):
-        bank = bank.shuffle(seed=cfg.seed).select(range(cfg.knn_train_limit))
-    knn_tf = eval_transform(cfg.global_size, cfg.knn_resize)
-    side = needed_side(cfg.global_size, crop_pct=cfg.global_size / (cfg.knn_resize or cfg.global_size))
-    bank_set = ClassificationDataset(bank, knn_set.image_column, knn_set.label_column, knn_tf, shorter=side)
-    query_set = ClassificationDataset(knn_set.eval, knn_set.image_column, knn_set.label_column, knn_tf, shorter=side)
-    here = (process_index, num_processes)
-    bank_loader = eval_loader_for(shard(bank_set, *here), cfg.batch_size, cfg.num_workers)
-    query_loader = eval_loader_for(shard(query_set, *here), cfg.batch_size, cfg.num_workers)
-    pixel_bank = bank_set
-    if len(bank_set) > cfg.knn_pixel_limit:
-        chosen = torch.randperm(len(bank_set), generator=torch.Generator().manual_seed(cfg.seed))
-        pixel_bank = torch.utils.data.Subset(bank_set, chosen[: cfg.knn_pixel_limit].tolist())
-    pixel_loader = eval_loader_for(shard(pixel_bank, *here), cfg.batch_size, cfg.num_workers)
-    return bank_set, query_set, bank_loader, query_loader, pixel_loader
-
-
 # ============================================================================================
-# Model: backbone + projection head, run once per resolution group
+# Model: backbone + projection head (their modules in dino_model.py), run once per resolution group
 # ============================================================================================
-class DINOHead(nn.Module):
-    """3-layer MLP (GELU, optional BatchNorm) -> bottleneck -> L2 normalisation -> weight-normalised
-    linear to out_dim."""
-
-    def __init__(
-        self,
-        in_dim: int,
-        out_dim: int,
-        hidden_dim: int = 2048,
-        bottleneck_dim: int = 256,
-        norm_last_layer: bool = True,
-        use_bn: bool = False,
-    ) -> None:
-        super().__init__()
-        bn = [nn.BatchNorm1d(hidden_dim)] if use_bn else []  # no Identity: keep the reference's key names
-        self.mlp = nn.Sequential(
-            nn.Linear(in_dim, hidden_dim),
-            *bn,
-            nn.GELU(),
-            nn.Linear(hidden_dim, hidden_dim),
-            *([nn.BatchNorm1d(hidden_dim)] if use_bn else []),
-            nn.GELU(),
-            nn.Linear(hidden_dim, bottleneck_dim),
-        )
-        for m in self.mlp:
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-        self.last_layer = nn.utils.parametrizations.weight_norm(nn.Linear(bottleneck_dim, out_dim, bias=False))
-        magnitude = self.last_layer.parametrizations.weight.original0  # g: one norm per output unit
-        with torch.no_grad():
-            magnitude.fill_(1.0)
-        magnitude.requires_grad_(not norm_last_layer)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.last_layer(F.normalize(self.mlp(x), dim=-1, p=2))
-
-
-class MultiCropWrapper(nn.Module):
-    """Concatenate crops of equal size, run the backbone once per size, then the head on all."""
-
-    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
-        super().__init__()
-        self.backbone, self.head = backbone, head
-
-    def forward(self, crops: list[torch.Tensor]) -> torch.Tensor:
-        features, start = [], 0
-        while start < len(crops):  # sizes are host ints: grouping never syncs with the device
-            end = start + 1
-            while end < len(crops) and crops[end].shape[-1] == crops[start].shape[-1]:
-                end += 1
-            features.append(self.backbone(torch.cat(crops[start:end])))  # [n_crops*B, D]
-            start = end
-        return self.head(torch.cat(features))  # [n_crops*B, out_dim]
-
-
 def create_backbone(cfg: Config) -> nn.Module:
     # ViTs: built for the global size, position embeddings interpolated for the local crops
     return create_timm_model(
@@ -345,51 +246,6 @@ def create_student(cfg: Config) -> MultiCropWrapper:
             cfg.head_use_bn,
         ),
     )
-
-
-def create_teacher(student: MultiCropWrapper) -> MultiCropWrapper:
-    """The teacher: an exact copy of the (unwrapped) student, never trained by gradients; the reference
-    builds it without drop path or dropout."""
-    teacher = copy.deepcopy(student).requires_grad_(False)
-    for m in teacher.modules():
-        if hasattr(m, "drop_prob"):
-            m.drop_prob = 0.0
-        elif isinstance(m, nn.Dropout):
-            m.p = 0.0
-    return teacher
-
-
-def load_backbone(backbone: nn.Module, path: str, model: str) -> None:
-    """A backbone this recipe saved (teacher_backbone.safetensors) into ``backbone``, every key matching."""
-    state, _ = load_weights(path)
-    problem = mismatch(state, backbone.state_dict())
-    if problem:
-        raise UserError(f"weights '{path}'{saved_by(path)} do not fit model '{model}': {problem}")
-    backbone.load_state_dict(state)
-
-
-def backbone_data_config(cfg: Config) -> dict[str, Any]:
-    """The backbone's input as timm describes it: the kNN evaluation's resize, crop and normalisation."""
-    crop_pct = cfg.global_size / (cfg.knn_resize or cfg.global_size)
-    size = (3, cfg.global_size, cfg.global_size)
-    return {
-        "input_size": size,
-        "interpolation": "bicubic",
-        "crop_pct": crop_pct,
-        "mean": IMAGENET_MEAN,
-        "std": IMAGENET_STD,
-    }
-
-
-def export_files(backbone: nn.Module, cfg: Config, folder: Path, recipe: str) -> dict[str, float]:
-    """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S] (S = global_size, normalised as
-    :func:`backbone_data_config` says) -> the pooled features [B, D] the kNN evaluation compares. Checked
-    against eager on batches of one and several, to 1e-3 of the features' scale."""
-    meta = weights_metadata(cfg, recipe=recipe, normalization=(IMAGENET_MEAN, IMAGENET_STD))
-    meta["preprocessing"] = json.dumps(backbone_data_config(cfg))
-    example = torch.randn(2, 3, cfg.global_size, cfg.global_size, generator=torch.Generator().manual_seed(0))
-    checks = image_batches(cfg.global_size, IMAGENET_MEAN, IMAGENET_STD)
-    return export_model(copy.deepcopy(backbone), {"images": example}, ["features"], folder, meta, checks=checks)
 
 
 # ============================================================================================
@@ -468,123 +324,6 @@ def clip_gradients_per_param(params: list[nn.Parameter], clip: float) -> torch.T
 
 
 # ============================================================================================
-# Evaluation: weighted kNN on teacher backbone features, attention maps
-# ============================================================================================
-def knn_top1(
-    train_f: torch.Tensor,
-    train_y: torch.Tensor,
-    test_f: torch.Tensor,
-    test_y: torch.Tensor,
-    k: int = 20,
-    temperature: float = 0.07,
-    num_classes: int | None = None,
-) -> float:
-    """Weighted kNN (DINO's eval_knn) on whole feature sets in one process: each of the k most
-    cosine-similar training features votes for its class with weight exp(similarity / temperature).
-    Returns top-1 in percent. (The recipe runs the same through common.knn on sharded banks.)"""
-    num_classes = num_classes or int(max(train_y.max(), test_y.max())) + 1
-    sims, labels, queries = knn_predict(train_f, train_y, test_f, test_y, k)
-    return knn_accuracy(sims, labels, queries, [min(k, len(train_f))], temperature, num_classes)[min(k, len(train_f))]
-
-
-@torch.no_grad()
-def attention_maps(backbone: nn.Module, images: torch.Tensor) -> torch.Tensor | None:
-    """The last block's [CLS] -> patch attention, mean over heads, as [B, h, w] (None for a backbone
-    without timm ViT blocks). Without a class token: the attention each patch receives, averaged over
-    all queries, i.e. what the average-pooled feature is built from."""
-    blocks = getattr(backbone, "blocks", None)
-    if blocks is None or not hasattr(blocks[-1], "attn") or not hasattr(blocks[-1].attn, "attn_drop"):
-        return None
-    attn_module, captured = blocks[-1].attn, []
-    fused = getattr(attn_module, "fused_attn", False)
-    attn_module.fused_attn = False  # the explicit softmax path exposes the probabilities to the hook
-    hook = attn_module.attn_drop.register_forward_hook(lambda m, inp, out: captured.append(inp[0].detach()))
-    try:
-        backbone(images)
-    finally:
-        hook.remove()
-        attn_module.fused_attn = fused
-    attn = captured[0].float().mean(dim=1)  # [B, tokens, tokens]
-    prefix = getattr(backbone, "num_prefix_tokens", 1)
-    weights = attn[:, 0, prefix:] if prefix else attn.mean(dim=1)  # [B, patches]
-    side = int(math.isqrt(weights.shape[1]))
-    return weights.reshape(-1, side, side).cpu()
-
-
-def unnormalise(images: torch.Tensor) -> torch.Tensor:
-    """ImageNet-normalised [..., 3, H, W] -> pixel values in 0..1 (for pictures)."""
-    mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    return (images.float().cpu() * std + mean).clamp(0, 1)
-
-
-def knn_metrics(
-    backbone: nn.Module | None,
-    name: str,
-    bank_loader: torch.utils.data.DataLoader,
-    query_loader: torch.utils.data.DataLoader,
-    num_classes: int,
-    cfg: Config,
-    run: Run,
-) -> tuple[dict[str, float], torch.Tensor]:
-    """Weighted kNN on fp32 features, the loaders reading this process's shards of the bank and queries:
-    knn/<name>_top1 (the first of knn_k) and knn/<name>_top1_k<k>, and this process's bank features
-    [n, D]. ``backbone=None``: raw pixels, area-resized to knn_pixel_size."""
-    device = run.accelerator.device
-    bank_f, bank_y = extract(backbone, run.progress(bank_loader, f"kNN bank ({name})"), device, cfg.knn_pixel_size)
-    test_f, test_y = extract(backbone, run.progress(query_loader, f"kNN queries ({name})"), device, cfg.knn_pixel_size)
-    sims, labels, queries = knn_predict(bank_f, bank_y, test_f, test_y, max(cfg.knn_k))
-    scores = knn_accuracy(
-        sims, labels, queries, [min(k, sims.shape[1]) for k in cfg.knn_k], cfg.knn_temperature, num_classes
-    )
-    out = {f"knn/{name}_top1": scores[min(cfg.knn_k[0], sims.shape[1])]}
-    out.update({f"knn/{name}_top1_k{k}": scores[min(k, sims.shape[1])] for k in cfg.knn_k[1:]})
-    return out, bank_f
-
-
-def evaluate(
-    backbone: nn.Module,
-    bank_set: ClassificationDataset,
-    query_set: ClassificationDataset,
-    bank_loader: torch.utils.data.DataLoader,
-    query_loader: torch.utils.data.DataLoader,
-    classes: list[str],
-    cfg: Config,
-    run: Run,
-) -> tuple[dict[str, float], dict[str, Image.Image]]:
-    """Teacher kNN top-1; on the main process also the nearest-neighbour grid and (ViT) attention maps,
-    saved under run.plots_dir. The sets are whole, the loaders this process's shards (knn_loaders)."""
-    accelerator = run.accelerator
-    backbone.eval()
-    average_bn_statistics(backbone, accelerator)  # each process's BN statistics saw its own batches: their mean
-    result, bank_f = knn_metrics(backbone, "teacher", bank_loader, query_loader, len(classes), cfg, run)
-    pictures = {}
-    if cfg.plot_images > 0:  # every process searches its bank shard for the first queries' neighbours
-        count = min(cfg.plot_images, len(query_set))
-        images = torch.stack([query_set[i][0] for i in range(count)])  # [count, 3, H, W]
-        plot_f, _ = extract(backbone, [(images, [0] * count)], accelerator.device)
-        bank_index = torch.arange(
-            accelerator.process_index, len(bank_set), accelerator.num_processes, device=accelerator.device
-        )  # this shard's rows in the whole bank
-        similarity, index, _ = knn_predict(bank_f, bank_index, plot_f, bank_index[:count], 5)
-        similarity, index = similarity[:count], index[:count]  # every process asked the same queries
-        if accelerator.is_main_process:
-            neighbours = [[bank_set[j] for j in row] for row in index.tolist()]  # (image, label) pairs
-            pictures["neighbours"] = neighbour_grid(
-                unnormalise(images),
-                unnormalise(torch.stack([torch.stack([x for x, _ in r]) for r in neighbours])),
-                run.plots_dir / "neighbours.png",
-                [classes[query_set[i][1]] for i in range(count)],
-                [[classes[y] for _, y in r] for r in neighbours],
-                similarity.cpu(),
-            )
-            maps = attention_maps(backbone, images.to(accelerator.device))
-            if maps is not None:  # ViTs: where the [CLS] token looks
-                pictures["attention"] = attention_overlay(unnormalise(images), maps, run.plots_dir / "attention.png")
-    backbone.train()  # the reference's teacher runs in train mode (batch statistics) while training
-    return result, pictures
-
-
-# ============================================================================================
 # Training
 # ============================================================================================
 MODEL_FIELDS = ("model", "model_kwargs", "global_size")  # what --weights restores from the file's saved config
@@ -610,8 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
 
     if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W as ONNX, no data read
-        backbone = create_backbone(cfg)
-        load_backbone(backbone, cfg.weights, cfg.model)
+        backbone = load_teacher_backbone(create_backbone(cfg), cfg.weights, cfg.model)
         return export(run, lambda folder: export_files(backbone, cfg, folder, run.recipe))
 
     # ---- data: unlabelled images train; a labelled set (data itself, or knn_data) evaluates ---------
@@ -681,16 +419,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- schedules: one value per optimizer step, from the prepared loader's length ------------
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
     total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
-    global_batch = cfg.batch_size * accelerator.num_processes * cfg.grad_accum_steps
-    lr_values = schedule(
-        "cosine", cfg.lr * global_batch / 256, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_per_epoch)
-    )
+    peak = cfg.peak_lr(accelerator.num_processes)  # lr carried from lr_batch images to the global batch
+    lr_values = schedule("cosine", peak, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_per_epoch))
     wd_values = schedule("cosine", cfg.weight_decay, cfg.weight_decay_end, total_steps)
     momentum_values = schedule("cosine", cfg.momentum_teacher, 1.0, total_steps)
 
     # ---- evaluation only: the kNN of a saved backbone --------------------------------------------
     if cfg.eval_only:
-        load_backbone(teacher.backbone, cfg.weights, cfg.model)
+        load_teacher_backbone(teacher.backbone, cfg.weights, cfg.model)
         run.begin()
         results, pictures = evaluate(
             teacher.backbone, bank_set, query_set, bank_loader, query_loader, knn_set.classes, cfg, run
@@ -779,17 +515,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     path = run.dir / "teacher_backbone.safetensors"
     average_bn_statistics(teacher.backbone, accelerator)  # every process: without a kNN at the end, still each its own
     if accelerator.is_main_process:
-        saved_as = {"recipe": run.recipe, "normalization": (IMAGENET_MEAN, IMAGENET_STD)}
-        save_weights(teacher.backbone.state_dict(), path, cfg, **saved_as)
+        normalization = (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
+        save_weights(teacher.backbone.state_dict(), path, cfg, recipe=run.recipe, normalization=normalization)
         # a step that fails is one line after the summary with the command that redoes it; the next still runs
         with run.guarded("model folder"):
-            data_cfg = backbone_data_config(cfg)
             sizes = (len(train_set), len(query_set) if knn_set is not None else 0)
-            card = model_card(run.recipe, cfg.model, to_dict(cfg), [], sizes, results, data_cfg, "backbone")
-            backbone = copy.deepcopy(teacher.backbone)
-            write_timm_folder(backbone, run.dir / "model", [], data_cfg, card, weights_metadata(cfg, **saved_as))
-            use = "timm.create_model('local-dir:<run>/model', pretrained=True)"
-            run.print(f"model/: the teacher backbone as a timm folder, {use}")
+            run.print(write_model_folder(teacher.backbone, cfg, run.dir / "model", run.recipe, sizes, results))
         if cfg.export:
             with run.guarded("export", run.export_command(path)):
                 write = lambda folder: export_files(teacher.backbone, cfg, folder, run.recipe)  # noqa: E731

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,10 @@ import yaml
 
 from common.config import parse_config
 from common.schedules import schedule
-from conftest import TINY_RUNS, assert_pictures, check, load_recipe, run_recipe
+from conftest import ROOT, TINY_RUNS, assert_pictures, check, load_recipe, run_recipe
+from dino_figures import attention_maps, attention_overlay, neighbour_grid, unnormalise  # the files beside the recipe
+from dino_knn import knn_accuracy, knn_predict, knn_top1
+from test_figures import check_png
 
 dino = load_recipe("dino")
 
@@ -128,11 +133,11 @@ def test_knn_weighted_vote_by_hand():
     labels = torch.tensor([0, 1, 1])
     query = torch.nn.functional.normalize(torch.tensor([[1.0, 0.05]]), dim=1)
     # k=2: neighbours 0 (label 0) and 1 (label 1); the closer one wins with T small
-    assert dino.knn_top1(bank, labels, query, torch.tensor([0]), k=2, temperature=0.01, num_classes=2) == 100.0
+    assert knn_top1(bank, labels, query, torch.tensor([0]), k=2, temperature=0.01, num_classes=2) == 100.0
     # k=3 with T large: votes nearly equal, two label-1 neighbours outvote one label-0
-    assert dino.knn_top1(bank, labels, query, torch.tensor([1]), k=3, temperature=100.0, num_classes=2) == 100.0
+    assert knn_top1(bank, labels, query, torch.tensor([1]), k=3, temperature=100.0, num_classes=2) == 100.0
     # works with fewer bank images than k and more classes than seen
-    assert dino.knn_top1(bank, labels, query, torch.tensor([0]), k=20, temperature=0.01, num_classes=50) == 100.0
+    assert knn_top1(bank, labels, query, torch.tensor([0]), k=20, temperature=0.01, num_classes=50) == 100.0
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"pos_embed": "none", "class_token": False, "global_pool": "avg"}])
@@ -148,15 +153,55 @@ def test_attention_maps_with_and_without_a_class_token(tmp_path, kwargs):
     )
     backbone = dino.create_backbone(cfg).eval()
     images = torch.randn(3, 3, 32, 32)
-    maps = dino.attention_maps(backbone, images)
+    maps = attention_maps(backbone, images)
     assert maps.shape == (3, 8, 8) and (maps >= 0).all()  # 32 px / patch 4: one value per patch
     # with a class token each map is the [CLS] row over the patches: a softmax row without the prefix
     if kwargs == {}:
         assert torch.all(maps.flatten(1).sum(1) <= 1 + 1e-5)
     assert backbone.blocks[-1].attn.fused_attn == timm.layers.use_fused_attn()  # restored after the hook
     resnet = dino.create_backbone(parse_config(dino.Config, []))  # the demo's ResNet: nothing to draw
-    assert dino.attention_maps(resnet, torch.randn(1, 3, 32, 32)) is None
-    assert dino.unnormalise(images).min() >= 0 and dino.unnormalise(images).max() <= 1
+    assert attention_maps(resnet, torch.randn(1, 3, 32, 32)) is None
+    assert unnormalise(images).min() >= 0 and unnormalise(images).max() <= 1
+
+
+# --------------------------------------------------------------------------------------------
+# The pictures: recipes/dino_figures.py
+# --------------------------------------------------------------------------------------------
+def _digits(count: int, size: int = 32) -> torch.Tensor:
+    """``count`` bright rings of different sizes on black, float [count, 3, size, size] in 0..1."""
+    y, x = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
+    radius = ((x - size / 2) ** 2 + (y - size / 2) ** 2).sqrt()
+    rings = [((radius - size * (0.15 + 0.05 * i % 0.3)).abs() < 3).float() for i in range(count)]
+    return torch.stack(rings)[:, None].repeat(1, 3, 1, 1)
+
+
+def test_attention_overlay(tmp_path):
+    images = _digits(4)
+    maps = torch.rand(4, 4, 4)
+    picture = attention_overlay(images, maps, tmp_path / "attention.png")
+    # two image-overlay pairs per row: each of the 4 columns at least 160 px wide, though the input is 32 px
+    check_png(tmp_path / "attention.png", picture, (4 * 160, 1000), (2 * 160, 600))
+    with pytest.raises(ValueError, match=r"\[B, h, w\]"):
+        attention_overlay(images, maps[:2], tmp_path / "bad.png")
+
+
+def test_neighbour_grid(tmp_path):
+    queries, bank = _digits(3), _digits(12).reshape(3, 4, 3, 32, 32)
+    names = [["0", "1", "0", "2"], ["1", "1", "1", "1"], ["7", "2", "2", "2"]]
+    picture = neighbour_grid(queries, bank, tmp_path / "nn.png", ["0", "1", "2"], names, torch.rand(3, 4))
+    pixels = check_png(tmp_path / "nn.png", picture, (5 * 160, 1100), (3 * 160, 800))
+    # captions in green (the query's class) and in red (not)
+    assert (np.abs(pixels.astype(int) - (0x1A, 0x96, 0x41)).sum(-1) < 60).any()
+    assert (np.abs(pixels.astype(int) - (0xD7, 0x19, 0x1C)).sum(-1) < 60).any()
+    plain = neighbour_grid(queries, bank, tmp_path / "plain.png")
+    check_png(tmp_path / "plain.png", plain, (5 * 160, 1100), (3 * 160, 800))
+
+
+def test_the_evaluation_does_not_import_matplotlib_until_it_draws():
+    """The recipe imports its evaluation files; matplotlib's import time is paid only by a run that plots."""
+    code = "import sys\nsys.path.insert(0, 'recipes')\nimport dino_knn\nassert 'matplotlib' not in sys.modules\n"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def _checkpoint(run: Path, step: int) -> Path:
@@ -221,7 +266,7 @@ def test_the_backbone_leaves_as_a_timm_folder_and_an_onnx_file(one_process, tmp_
     weights = ["--weights", str(run / "teacher_backbone.safetensors")]
     cfg = dino.config_with_weights(dino.Config, weights, dino.MODEL_FIELDS)  # the model it was trained as
     backbone = dino.create_backbone(cfg).eval()
-    dino.load_backbone(backbone, cfg.weights, cfg.model)
+    dino.load_teacher_backbone(backbone, cfg.weights, cfg.model)
     images = torch.randn(3, 3, cfg.global_size, cfg.global_size)
     with torch.no_grad():
         expected = backbone(images)
@@ -336,10 +381,8 @@ def test_two_processes_save_the_teacher_statistics_of_one_process_without_labels
 
 
 def test_knn_over_shards_equals_the_whole_bank():
-    """common.knn: the top k of a bank scored in query chunks equals a plain top k; the votes for several
+    """dino_knn: the top k of a bank scored in query chunks equals a plain top k; the votes for several
     k come from one search."""
-    from common.knn import knn_accuracy, knn_predict
-
     g = torch.Generator().manual_seed(0)
     bank = torch.nn.functional.normalize(torch.randn(300, 16, generator=g), dim=1)
     bank_y, queries = (
@@ -352,7 +395,7 @@ def test_knn_over_shards_equals_the_whole_bank():
     assert torch.allclose(sims, top) and torch.equal(labels, bank_y[index]) and torch.equal(got_y, query_y)
     scores = knn_accuracy(sims, labels, got_y, [5, 20], 0.07, 5)
     for k in (5, 20):
-        assert scores[k] == pytest.approx(dino.knn_top1(bank, bank_y, queries, query_y, k, 0.07, 5))
+        assert scores[k] == pytest.approx(knn_top1(bank, bank_y, queries, query_y, k, 0.07, 5))
 
 
 def test_unlabelled_folder_trains_and_knn_data_evaluates(tmp_path, capsys):

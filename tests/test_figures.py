@@ -1,7 +1,7 @@
 """The pictures of an evaluation: common/figures (curves, confusion matrix, tables),
 common/detection_figures (detections, PR curves) and the set one detection evaluation writes
-(common/detection_outputs), common/feature_figures (attention, neighbours), and the details of one COCO
-evaluation pass (common/coco_eval)."""
+(common/detection_outputs), and the details of one COCO evaluation pass (common/coco_eval). DINO's
+pictures (attention, neighbours) are tested beside its recipe, in tests/test_dino.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from PIL import Image, ImageDraw
 from common.coco_eval import CocoEvaluator, detection_confusion
 from common.detection_figures import class_colour, font, plot_pr_curves, save_detections
 from common.detection_outputs import evaluation_samples, save_evaluation_figures
-from common.feature_figures import attention_overlay, neighbour_grid
 from common.figures import (
     _panels,
     confusion_counts,
@@ -331,44 +330,11 @@ def test_save_evaluation_figures_sends_box_overlays_to_wandb(tmp_path, split):
     assert all(image._boxes for image in wandb_run.values["detections"])
 
 
-# --------------------------------------------------------------------------------------------
-# Self-supervised pictures
-# --------------------------------------------------------------------------------------------
-def _digits(count: int, size: int = 32) -> torch.Tensor:
-    """``count`` bright rings of different sizes on black, float [count, 3, size, size] in 0..1."""
-    y, x = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
-    radius = ((x - size / 2) ** 2 + (y - size / 2) ** 2).sqrt()
-    rings = [((radius - size * (0.15 + 0.05 * i % 0.3)).abs() < 3).float() for i in range(count)]
-    return torch.stack(rings)[:, None].repeat(1, 3, 1, 1)
-
-
-def test_attention_overlay(tmp_path):
-    images = _digits(4)
-    maps = torch.rand(4, 4, 4)
-    picture = attention_overlay(images, maps, tmp_path / "attention.png")
-    # two image-overlay pairs per row: each of the 4 columns at least 160 px wide, though the input is 32 px
-    check_png(tmp_path / "attention.png", picture, (4 * 160, 1000), (2 * 160, 600))
-    with pytest.raises(ValueError, match=r"\[B, h, w\]"):
-        attention_overlay(images, maps[:2], tmp_path / "bad.png")
-
-
-def test_neighbour_grid(tmp_path):
-    queries, bank = _digits(3), _digits(12).reshape(3, 4, 3, 32, 32)
-    names = [["0", "1", "0", "2"], ["1", "1", "1", "1"], ["7", "2", "2", "2"]]
-    picture = neighbour_grid(queries, bank, tmp_path / "nn.png", ["0", "1", "2"], names, torch.rand(3, 4))
-    pixels = check_png(tmp_path / "nn.png", picture, (5 * 160, 1100), (3 * 160, 800))
-    # captions in green (the query's class) and in red (not)
-    assert (np.abs(pixels.astype(int) - (0x1A, 0x96, 0x41)).sum(-1) < 60).any()
-    assert (np.abs(pixels.astype(int) - (0xD7, 0x19, 0x1C)).sum(-1) < 60).any()
-    plain = neighbour_grid(queries, bank, tmp_path / "plain.png")
-    check_png(tmp_path / "plain.png", plain, (5 * 160, 1100), (3 * 160, 800))
-
-
 def test_figures_do_not_import_matplotlib_until_they_draw():
     """Recipes import these modules; matplotlib's import time is paid only by a run that plots."""
     code = (
-        "import sys\nimport common.figures, common.coco_eval, common.detection_figures, common.detection_outputs, "
-        "common.feature_figures\nassert 'matplotlib' not in sys.modules, 'imported'\n"
+        "import sys\nimport common.figures, common.coco_eval, common.detection_figures, common.detection_outputs\n"
+        "assert 'matplotlib' not in sys.modules, 'imported'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]

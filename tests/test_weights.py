@@ -61,7 +61,9 @@ def test_init_weights_of_another_size_is_one_line(small_dino_backbone):
 
 def test_dino_and_detr_backbones_of_another_size_are_one_line(small_dino_backbone):
     with pytest.raises(UserError) as e:
-        recipe("dino").load_backbone(timm.create_model("test_vit", num_classes=0), str(small_dino_backbone), "test_vit")
+        recipe("dino").load_teacher_backbone(
+            timm.create_model("test_vit", num_classes=0), str(small_dino_backbone), "test_vit"
+        )
     assert "(saved by dino.py for model test_vit {embed_dim: 32}) do not fit model 'test_vit'" in _one_line(e)
     assert "'cls_token' is [1, 1, 32] in the file, [1, 1, 64] in the model" in str(e.value)
     detr = recipe("detr")

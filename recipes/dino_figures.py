@@ -1,19 +1,24 @@
-"""What a backbone sees, as pictures: attention maps over the images, and each query's nearest
-neighbours in a feature bank (DINO's evaluation; any embedding model's too).
+"""DINO's pictures, beside recipes/dino.py (recipes/dino_knn.py draws them at each evaluation): what a
+backbone sees, as attention maps over the images (ViTs), and each query's nearest neighbours in the kNN bank.
 
-Images come as float [.., 3, H, W] in 0..1 (undo the normalisation first); tensors on any device or
-arrays. Each image is drawn at least ~170 px wide however small it is (the built-in demo's digits
-are 32 px), so the figures read the same for 32-px digits and 224-px photos.
+Images come as float [.., 3, H, W] in 0..1 (:func:`unnormalise` undoes the normalisation); tensors on any
+device or arrays. Each image is drawn at least ~170 px wide however small it is (the built-in demo's digits
+are 32 px), so the figures read the same for 32-px digits and 224-px photos. matplotlib is imported only
+when a picture is drawn.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from torch import nn
 
 from common.figures import new_figure, save_figure
 
@@ -135,3 +140,33 @@ def neighbour_grid(
             if parts:
                 ax.set_title("  ".join(parts), fontsize=10, color=colour)
     return save_figure(figure, path)
+
+
+@torch.no_grad()
+def attention_maps(backbone: nn.Module, images: torch.Tensor) -> torch.Tensor | None:
+    """The last block's [CLS] -> patch attention, mean over heads, as [B, h, w] (None for a backbone
+    without timm ViT blocks). Without a class token: the attention each patch receives, averaged over
+    all queries, i.e. what the average-pooled feature is built from."""
+    blocks = getattr(backbone, "blocks", None)
+    if blocks is None or not hasattr(blocks[-1], "attn") or not hasattr(blocks[-1].attn, "attn_drop"):
+        return None
+    attn_module, captured = blocks[-1].attn, []
+    fused = getattr(attn_module, "fused_attn", False)
+    attn_module.fused_attn = False  # the explicit softmax path exposes the probabilities to the hook
+    hook = attn_module.attn_drop.register_forward_hook(lambda m, inp, out: captured.append(inp[0].detach()))
+    try:
+        backbone(images)
+    finally:
+        hook.remove()
+        attn_module.fused_attn = fused
+    attn = captured[0].float().mean(dim=1)  # [B, tokens, tokens]
+    prefix = getattr(backbone, "num_prefix_tokens", 1)
+    weights = attn[:, 0, prefix:] if prefix else attn.mean(dim=1)  # [B, patches]
+    side = int(math.isqrt(weights.shape[1]))
+    return weights.reshape(-1, side, side).cpu()
+
+
+def unnormalise(images: torch.Tensor) -> torch.Tensor:
+    """ImageNet-normalised [..., 3, H, W] -> pixel values in 0..1 (for pictures)."""
+    mean, std = torch.tensor(IMAGENET_DEFAULT_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_DEFAULT_STD).view(3, 1, 1)
+    return (images.float().cpu() * std + mean).clamp(0, 1)

@@ -1,0 +1,89 @@
+"""What a DINO run ships, beside recipes/dino.py (as timm keeps inference.py apart from train.py): the
+teacher backbone, loaded back from the ``teacher_backbone.safetensors`` a run saved (``--weights`` for
+``--export`` and ``--eval_only``), as a timm model folder with its card (``<run>/model``) and as ONNX
+(``model.onnx``: images -> the features the kNN evaluation compares).
+
+recipes/dino.py builds the backbone from its Config and passes it here; copy dino.py and its ``dino_*.py``
+files together.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from torch import nn
+
+from common import UserError
+from common.config import to_dict
+from common.export import export_model
+from common.export_check import image_batches
+from common.model_folder import model_card, write_timm_folder
+from common.weights import load_weights, mismatch, saved_by, weights_metadata
+
+
+class BackboneSettings(Protocol):
+    """What shipping reads of recipes/dino.py's Config; the whole Config goes into the files' metadata."""
+
+    model: str  # the timm model name
+    global_size: int  # the input side, px
+    knn_resize: int  # the evaluation's shorter side before its centre crop (0: global_size)
+
+
+def load_teacher_backbone(backbone: nn.Module, path: str, model: str) -> nn.Module:
+    """``backbone`` with the teacher backbone this recipe saved at ``path`` (teacher_backbone.safetensors),
+    every key and shape matching, or one :class:`UserError` naming the first difference."""
+    state, _ = load_weights(path)
+    problem = mismatch(state, backbone.state_dict())
+    if problem:
+        raise UserError(f"weights '{path}'{saved_by(path)} do not fit model '{model}': {problem}")
+    backbone.load_state_dict(state)
+    return backbone
+
+
+def backbone_data_config(cfg: BackboneSettings) -> dict[str, Any]:
+    """The backbone's input as timm describes it: the kNN evaluation's resize, crop and normalisation."""
+    crop_pct = cfg.global_size / (cfg.knn_resize or cfg.global_size)
+    size = (3, cfg.global_size, cfg.global_size)
+    return {
+        "input_size": size,
+        "interpolation": "bicubic",
+        "crop_pct": crop_pct,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+    }
+
+
+def export_files(backbone: nn.Module, cfg: BackboneSettings, folder: Path, recipe: str) -> dict[str, float]:
+    """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S] (S = global_size, normalised as
+    :func:`backbone_data_config` says) -> the pooled features [B, D] the kNN evaluation compares. Checked
+    against eager on batches of one and several, to 1e-3 of the features' scale. The writer that
+    :func:`common.export.export` calls."""
+    meta = weights_metadata(cfg, recipe=recipe, normalization=(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD))
+    meta["preprocessing"] = json.dumps(backbone_data_config(cfg))
+    example = torch.randn(2, 3, cfg.global_size, cfg.global_size, generator=torch.Generator().manual_seed(0))
+    checks = image_batches(cfg.global_size, IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
+    return export_model(copy.deepcopy(backbone), {"images": example}, ["features"], folder, meta, checks=checks)
+
+
+def write_model_folder(
+    backbone: nn.Module,
+    cfg: BackboneSettings,
+    folder: Path,
+    recipe: str,
+    sizes: tuple[int, int],
+    results: Mapping[str, float],
+) -> str:
+    """``folder`` (``<run>/model``): the teacher backbone as a timm model folder (``config.json`` with the
+    kNN evaluation's preprocessing, ``model.safetensors``) and a model card giving the training and kNN
+    sets' ``sizes`` (images) and the run's ``results``. Returns the line that tells the user."""
+    data_cfg = backbone_data_config(cfg)
+    card = model_card(recipe, cfg.model, to_dict(cfg), [], sizes, results, data_cfg, "backbone")
+    meta = weights_metadata(cfg, recipe=recipe, normalization=(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD))
+    write_timm_folder(copy.deepcopy(backbone), folder, [], data_cfg, card, meta)
+    return "model/: the teacher backbone as a timm folder, timm.create_model('local-dir:<run>/model', pretrained=True)"
