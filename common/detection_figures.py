@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from common.console import counted
-from common.figures import new_figure, save_figure
+from common.curves import new_figure, save_figure
 
 # Matplotlib's "tab10": ten colours told apart by most readers, colour-blind ones included.
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]

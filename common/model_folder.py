@@ -15,7 +15,6 @@ from typing import Any
 import yaml
 from torch import nn
 
-from common import UserError
 from common.console import counted
 
 #: The keys of a timm data config that describe an evaluation's input.
@@ -104,45 +103,6 @@ def write_detector_folder(
     (folder / "README.md").write_text(card)
     run.print(f"model/: {weights.name} with config.json and a model card (--weights {folder} loads it)")
     return folder
-
-
-def check_hub_push(repo: str) -> None:
-    """``--push_to_hub ORG/NAME``, checked before anything is written: the name's form, network allowed
-    (``HF_HUB_OFFLINE`` unset) and a token where huggingface_hub looks (``HF_TOKEN``, ``hf auth login``);
-    each a :class:`UserError` line, so that a long run does not find out at its end."""
-    from huggingface_hub import get_token
-
-    from common.models import hub_offline
-
-    if not repo:
-        return
-    if repo.count("/") != 1 or not all(repo.split("/")):
-        raise UserError(f"push_to_hub needs ORG/NAME (a hub model repository), got '{repo}'")
-    if hub_offline():
-        raise UserError(
-            f"push_to_hub {repo}: HF_HUB_OFFLINE is set, so nothing can be uploaded; unset it or drop the flag"
-        )
-    if not get_token():
-        raise UserError(
-            f"push_to_hub {repo}: no Hugging Face token (set HF_TOKEN or run `hf auth login`); nothing was written"
-        )
-
-
-def push_folder(folder: Path, repo: str, api: Any = None) -> str:
-    """Upload the model ``folder`` to the hub model repository ``repo`` (created if new; ``api``: a
-    :class:`huggingface_hub.HfApi`, default a new one) and say where it went. A failed upload raises: the run
-    (:meth:`common.run.Run.finish`) tells it in one line with the command that retries it, and the folder stays.
-    No folder (the model folder failed, or the run writes none) is a line saying so: the model folder's own
-    failure names the command that redoes it and the push."""
-    if not Path(folder).is_dir():
-        return f"push_to_hub: nothing to upload, {folder} was not written"
-    if api is None:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-    api.create_repo(repo, repo_type="model", exist_ok=True)
-    info = api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model", commit_message="cv-recipes")
-    return f"push_to_hub: {folder} uploaded to {getattr(info, 'commit_url', None) or repo}"
 
 
 def model_card(

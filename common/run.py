@@ -45,7 +45,6 @@ from common.config import RunConfig, save_config, to_dict
 from common.console import emulated_bf16_note, launch_command, recorded_failure
 from common.guard import NonFiniteGuard
 from common.loaders import auto_workers
-from common.model_folder import check_hub_push, push_folder
 from common.run_folder import (
     TrainState,
     check_resume,
@@ -56,7 +55,7 @@ from common.run_folder import (
     record_resume,
     write_checkpoint,
 )
-from common.trackers import init_trackers, log_images, log_weights
+from common.trackers import check_hub_push, init_trackers, log_images, log_weights, push_folder
 from common.weights import weights_line
 
 
@@ -69,7 +68,7 @@ class Run:
         self.started = time.perf_counter()
         self._eval_from: float | None = None  # an evaluation's start (:meth:`evaluation_started`)
         self._plots_from: float | None = None  # its metrics' record: what follows until log_plots() is plots
-        self._metrics: Any = None  # common.figures.MetricsReader of metrics.jsonl, made at the first curves
+        self._metrics: Any = None  # common.curves.MetricsReader of metrics.jsonl, made at the first curves
         # report_to and mixed_precision were checked against their choices when the config was parsed
         mixed = cfg.mixed_precision or None  # empty: whatever `accelerate launch` set
 
@@ -212,7 +211,7 @@ class Run:
         started, self._plots_from = self._plots_from or time.perf_counter(), None
         if not self.accelerator.is_main_process:
             return
-        from common.figures import MetricsReader, plot_curves
+        from common.curves import MetricsReader, plot_curves
 
         if not self.cfg.eval_only:
             if self._metrics is None:  # kept: each epoch's curves parse only the lines added since the last

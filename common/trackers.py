@@ -1,5 +1,6 @@
-"""Experiment trackers (W&B, TensorBoard) behind Accelerate: project and run names, one W&B run per
-run folder across ``--resume``, credentials, images and weights artifacts.
+"""Where a run's results go: the experiment trackers (W&B, TensorBoard) behind Accelerate (project and run
+names, one W&B run per run folder across ``--resume``, credentials, images and weights artifacts), and the
+Hugging Face hub (``--push_to_hub``: checked before anything is written, the model folder uploaded at the end).
 
 ``metrics.jsonl`` is written by :class:`common.run.Run` in every case; everything here is only for
 ``report_to`` = ``wandb`` or ``tensorboard`` and runs on the main process (Accelerate's trackers
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
+
+from common import UserError
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -137,3 +140,42 @@ def log_weights(accelerator: Any, report_to: str, paths: Sequence[Path], name: s
         else:
             artifact.add_file(str(path))
         tracker.log_artifact(artifact, aliases=["latest", label])
+
+
+def check_hub_push(repo: str) -> None:
+    """``--push_to_hub ORG/NAME``, checked before anything is written: the name's form, network allowed
+    (``HF_HUB_OFFLINE`` unset) and a token where huggingface_hub looks (``HF_TOKEN``, ``hf auth login``);
+    each a :class:`UserError` line, so that a long run does not find out at its end."""
+    from huggingface_hub import get_token
+
+    from common.models import hub_offline
+
+    if not repo:
+        return
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise UserError(f"push_to_hub needs ORG/NAME (a hub model repository), got '{repo}'")
+    if hub_offline():
+        raise UserError(
+            f"push_to_hub {repo}: HF_HUB_OFFLINE is set, so nothing can be uploaded; unset it or drop the flag"
+        )
+    if not get_token():
+        raise UserError(
+            f"push_to_hub {repo}: no Hugging Face token (set HF_TOKEN or run `hf auth login`); nothing was written"
+        )
+
+
+def push_folder(folder: Path, repo: str, api: Any = None) -> str:
+    """Upload the model ``folder`` to the hub model repository ``repo`` (created if new; ``api``: a
+    :class:`huggingface_hub.HfApi`, default a new one) and say where it went. A failed upload raises: the run
+    (:meth:`common.run.Run.finish`) tells it in one line with the command that retries it, and the folder stays.
+    No folder (the model folder failed, or the run writes none) is a line saying so: the model folder's own
+    failure names the command that redoes it and the push."""
+    if not Path(folder).is_dir():
+        return f"push_to_hub: nothing to upload, {folder} was not written"
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+    api.create_repo(repo, repo_type="model", exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model", commit_message="cv-recipes")
+    return f"push_to_hub: {folder} uploaded to {getattr(info, 'commit_url', None) or repo}"

@@ -20,7 +20,7 @@ from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 
-from common.figures import new_figure, save_figure
+from common.curves import new_figure, save_figure
 
 _CELL = 1.9  # inches per image on the page (x DPI = 190 px)
 _MATCH, _MISMATCH = "#1a9641", "#d7191c"  # green / red captions: neighbour of the query's class or not

@@ -15,7 +15,7 @@ from torch import nn
 from common import UserError
 from common.config import RunConfig
 from common.export import OnnxModel, export_model
-from common.model_folder import check_hub_push, push_folder
+from common.trackers import check_hub_push, push_folder
 from common.weights import read_metadata, weights_metadata
 
 

@@ -20,15 +20,8 @@ from PIL import Image, ImageDraw
 from common.coco_eval import CocoEvaluator, detection_confusion
 from common.detection_figures import class_colour, font, plot_pr_curves, save_detections
 from common.detection_outputs import evaluation_samples, save_evaluation_figures
-from common.figures import (
-    _panels,
-    confusion_counts,
-    format_table,
-    plot_confusion_matrix,
-    plot_curves,
-    read_metrics,
-    save_table_csv,
-)
+from common.curves import _panels, plot_curves, read_metrics
+from common.figures import confusion_counts, format_table, plot_confusion_matrix, save_table_csv
 from conftest import ROOT, detection_table
 
 

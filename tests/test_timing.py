@@ -69,7 +69,7 @@ def test_num_workers_default_is_the_cores_per_local_process(monkeypatch) -> None
 
 
 def test_metrics_reader_parses_only_new_lines(tmp_path: Path, monkeypatch) -> None:
-    from common import figures
+    from common import curves as figures
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "train/loss": 2.0}\n{"step": 2, "train/loss": 1.5}\n')
