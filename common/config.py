@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import yaml
 
 from common import UserError
-from common.config_help import field_ranges, ordered_fields, recipe_file
+from common.config_help import ALIASES, field_ranges, ordered_fields, recipe_file
 from common.config_help import show as _show
 
 C = TypeVar("C")
@@ -41,14 +41,6 @@ _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 MAX_SIDE = 16384  # an image side, pixels
 MAX_COUNT = 2**20  # a batch, a width, a number of things made per image or per step
 MAX_EPOCHS = 100_000  # the schedules hold one value per optimizer step
-# names other tools give a field (timm's train.py, Hugging Face's Trainer): what "did you mean" proposes for them
-ALIASES = dict(
-    pair.split(":")
-    for pair in """learning_rate:lr wd:weight_decay bs:batch_size batch:batch_size workers:num_workers out:output_dir
-    output:output_dir num_epochs:epochs optimizer:opt scheduler:sched drop:drop_rate drop_path:drop_path_rate
-    model_ema_decay:ema_decay num_train_epochs:epochs per_device_train_batch_size:batch_size max_grad_norm:clip_grad
-    gradient_accumulation_steps:grad_accum_steps dataloader_num_workers:num_workers""".split()
-)
 
 
 class ConfigError(UserError):
@@ -100,6 +92,7 @@ class RunConfig:
     push_to_hub: str = ""  # ORG/NAME: upload the model folder (<run>/model) to the Hugging Face hub at the end
     # saved weights (the model fields default to the file's saved config)
     weights: str = ""  # weights this recipe saved: best.safetensors, a model folder, model.onnx (for predict)
+    predict: str = ""  # an image file or folder to run --weights on; the predictions go to the run folder
     eval_only: bool = False  # evaluate --weights on the evaluation split, no training
     export: bool = False  # ONNX (+ .pt2) in <run>/export/, checked against eager; --export --weights W: W only
 

@@ -32,6 +32,16 @@ import yaml
 HELP_WIDTH = 100  # columns of --help; descriptions wrap below their flag, indented
 
 
+# names other tools give a field (timm's train.py, Hugging Face's Trainer): what "did you mean" proposes for them
+ALIASES = dict(
+    pair.split(":")
+    for pair in """learning_rate:lr wd:weight_decay bs:batch_size batch:batch_size workers:num_workers out:output_dir
+    output:output_dir num_epochs:epochs optimizer:opt scheduler:sched drop:drop_rate drop_path:drop_path_rate
+    model_ema_decay:ema_decay num_train_epochs:epochs per_device_train_batch_size:batch_size max_grad_norm:clip_grad
+    gradient_accumulation_steps:grad_accum_steps dataloader_num_workers:num_workers""".split()
+)
+
+
 def show(value: Any) -> str:
     """A value as a user types it in a flag or a YAML file: ``''``, ``true``, ``none``, ``[0.5, 1.0]``."""
     if isinstance(value, str):

@@ -110,8 +110,8 @@ def default_name(cfg: RunConfig) -> str:
     """The folder name of a run given no ``output_dir``: the config file's name (``default`` without one);
     for ``--eval_only`` / ``--predict`` / ``--export --weights``, ``eval-`` / ``predict-`` / ``export-`` and
     the weights' source (:func:`weights_source`)."""
-    mode = "eval" if cfg.eval_only else "predict" if getattr(cfg, "predict", "") else "export" if cfg.weights else ""
-    if mode:  # DINO has no predict; weights without either mode are the export's
+    mode = "eval" if cfg.eval_only else "predict" if cfg.predict else "export" if cfg.weights else ""
+    if mode:  # weights without either mode are the export's
         return f"{mode}-{weights_source(cfg.weights)}"
     return Path(cfg.config or "default").stem
 

@@ -155,8 +155,7 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
     A config file and flags still override them. ``eval_only`` or ``predict`` without ``weights``, and
     weights another recipe saved (their config has fields ``cls`` lacks), are one :class:`UserError`."""
     cfg = parse_config(cls, argv)
-    predict = getattr(cfg, "predict", "")  # the detectors' and the classifier's field, not DINO's
-    if (cfg.eval_only or predict) and not cfg.weights:
+    if (cfg.eval_only or cfg.predict) and not cfg.weights:
         mode = "eval_only" if cfg.eval_only else "predict"
         raise UserError(f"{mode} needs --weights (a weights file this recipe saved)")
     if not cfg.weights:

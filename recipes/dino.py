@@ -339,6 +339,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
     if not cfg.knn_k:
         raise UserError(f"knn_k needs one or more neighbour counts >= 1, got {cfg.knn_k}")
+    if cfg.predict:
+        raise UserError(
+            "dino.py has no --predict: a backbone gives features; --export writes the ONNX file that computes them"
+        )
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
     if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):  # before anything is written
