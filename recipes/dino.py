@@ -52,7 +52,7 @@ from common.console import cli_main, own_files
 from common.data import ClassificationDataset, load_classification
 from common.detection import detection_images
 from common.ema import ema_update_
-from common.export import export
+from common.export import export, is_onnx
 from common.image_cache import cache_images
 from common.images import needed_side
 from common.loaders import train_loader_for
@@ -64,8 +64,8 @@ from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, save_weights
 
 with own_files("dino_"):  # DINO's own files, beside this one: copy them with it (README, "Your own recipe")
-    from dino_inference import export_files, load_teacher_backbone, write_model_folder  # what a run ships
-    from dino_knn import evaluate, knn_loaders, knn_metrics  # the kNN evaluation and its pictures
+    from dino_inference import export_files, load_teacher_backbone, predict, write_model_folder  # what a run ships
+    from dino_knn import eval_transform, evaluate, knn_loaders, knn_metrics  # the kNN evaluation and its pictures
     from dino_model import DINOHead, MultiCropWrapper, create_teacher  # the head, the multi-crop wrapper
 
 
@@ -140,7 +140,10 @@ class Config(RunConfig):
     #   256 for 224); 0: resized straight to global_size
     knn_pixel_size: int = 32  # the raw-pixel kNN baseline compares images area-resized to this side, px
     knn_pixel_limit: int = 20000  # the raw-pixel baseline's bank: at most this many images (seeded); 0: no baseline
-    weights: str = ""  # a backbone this recipe saved (teacher_backbone.safetensors), for eval_only and export
+    weights: str = ""  # a backbone this recipe saved (teacher_backbone.safetensors, its model folder; model.onnx for
+    #   predict), for eval_only, export and predict
+    predict: str = ""  # an image or a folder of images: with --weights, write each one's backbone features
+    #   (features.npy, rows named in features.csv) to the run folder
     eval_only: bool = False  # the kNN evaluation of --weights on the labelled data, no training (metrics.jsonl only)
     plot_images: int = 4  # evaluation images drawn under plots/ at each evaluation: their nearest neighbours in the
     #   kNN bank, and for ViTs the [CLS] attention over them (0: none)
@@ -339,10 +342,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
     if not cfg.knn_k:
         raise UserError(f"knn_k needs one or more neighbour counts >= 1, got {cfg.knn_k}")
-    if cfg.predict:
-        raise UserError(
-            "dino.py has no --predict: a backbone gives features; --export writes the ONNX file that computes them"
-        )
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
     if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):  # before anything is written
@@ -352,6 +351,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "parallelism (configs/accelerate/multi_gpu_bf16.yaml)"
         )
 
+    if cfg.predict:  # --predict PATH --weights W: the backbone's features of each image, no data read
+        backbone = None if is_onnx(cfg.weights) else load_teacher_backbone(create_backbone(cfg), cfg.weights, cfg.model)
+        return predict(backbone, cfg, run, eval_transform(cfg.global_size, cfg.knn_resize))
     if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W as ONNX, no data read
         backbone = load_teacher_backbone(create_backbone(cfg), cfg.weights, cfg.model)
         return export(run, lambda folder: export_files(backbone, cfg, folder, run.recipe))

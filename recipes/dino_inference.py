@@ -1,7 +1,8 @@
 """What a DINO run ships, beside recipes/dino.py (as timm keeps inference.py apart from train.py): the
 teacher backbone, loaded back from the ``teacher_backbone.safetensors`` a run saved (``--weights`` for
-``--export`` and ``--eval_only``), as a timm model folder with its card (``<run>/model``) and as ONNX
-(``model.onnx``: images -> the features the kNN evaluation compares).
+``--export``, ``--eval_only`` and ``--predict``), as a timm model folder with its card (``<run>/model``), as
+ONNX (``model.onnx``: images -> the features the kNN evaluation compares), and ``--predict``: those features
+for a user's own images.
 
 recipes/dino.py builds the backbone from its Config and passes it here; copy dino.py and its ``dino_*.py``
 files together.
@@ -15,14 +16,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 
 from common import UserError
 from common.config import to_dict
-from common.export import export_model
+from common.export import OnnxModel, export_model, is_onnx
 from common.export_check import image_batches
+from common.images import decode_image, image_files, readable_images
 from common.model_folder import model_card, write_timm_folder
 from common.weights import load_weights, mismatch, saved_by, weights_metadata
 
@@ -33,6 +36,8 @@ class BackboneSettings(Protocol):
     model: str  # the timm model name
     global_size: int  # the input side, px
     knn_resize: int  # the evaluation's shorter side before its centre crop (0: global_size)
+    predict: str  # --predict: an image file or a folder of images
+    weights: str  # the teacher backbone's file: safetensors, a model folder or model.onnx
 
 
 def load_teacher_backbone(backbone: nn.Module, path: str, model: str) -> nn.Module:
@@ -87,3 +92,35 @@ def write_model_folder(
     meta = weights_metadata(cfg, recipe=recipe, normalization=(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD))
     write_timm_folder(copy.deepcopy(backbone), folder, [], data_cfg, card, meta)
     return "model/: the teacher backbone as a timm folder, timm.create_model('local-dir:<run>/model', pretrained=True)"
+
+
+@torch.no_grad()
+def predict(backbone: nn.Module, cfg: BackboneSettings, run: Any, transform: Any) -> dict[str, float]:
+    """``--predict PATH --weights W``: the teacher backbone's features of every image under ``cfg.predict``
+    (``transform``: the kNN evaluation's resize, crop and normalisation), as the kNN evaluation and the ONNX
+    file compute them: ``features.npy`` (float32 [N, D], in the order of) ``features.csv`` (row, path) in
+    the run folder. With ONNX weights the file computes them (ONNX Runtime, CPU)."""
+    files, skipped = readable_images(image_files(cfg.predict))
+    accelerator = run.accelerator
+    if is_onnx(cfg.weights):
+        onnx_model = OnnxModel(cfg.weights)
+        model = lambda images: onnx_model(images)[0].to(images.device)  # noqa: E731
+    else:
+        model = backbone.to(accelerator.device).eval()
+    run.begin()
+    if skipped:
+        run.print(skipped)
+    if accelerator.is_main_process:  # a handful of files: one process reads them all
+        features = []
+        for start in run.progress(range(0, len(files), 64), "predict"):
+            images = torch.stack([transform(decode_image({"path": str(f)}, str(f))) for f in files[start : start + 64]])
+            with accelerator.autocast():
+                features.append(model(images.to(accelerator.device)).float().cpu())
+        array = torch.cat(features).numpy()
+        np.save(run.dir / "features.npy", array)
+        (run.dir / "features.csv").write_text("row,path\n" + "".join(f"{i},{f}\n" for i, f in enumerate(files)))
+        run.print(
+            f"{len(files)} images, {array.shape[1]} features each: {run.dir / 'features.npy'} (rows: features.csv)"
+        )
+    run.finish()
+    return {"images": float(len(files))}

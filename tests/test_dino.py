@@ -13,6 +13,7 @@ import safetensors.torch
 import timm
 import torch
 import yaml
+from PIL import Image
 
 from common.config import parse_config
 from common.schedules import schedule
@@ -278,6 +279,27 @@ def test_the_backbone_leaves_as_a_timm_folder_and_an_onnx_file(one_process, tmp_
     dino.main([*FAST, "--export", "--weights", cfg.weights, "--data", "no/such-dataset", "--output_dir", str(out)])
     (features,) = OnnxModel(out / "model.onnx")(images)
     assert torch.allclose(features, expected, atol=1e-4)
+
+    # --predict: each image's features, as the kNN evaluation's transform and the backbone give them; the same
+    # from the ONNX file; one unreadable file named and left out
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i in range(3):
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (40 + 10 * i, 50, 3), dtype=np.uint8)).save(
+            photos / f"p{i}.jpg"
+        )
+    (photos / "broken.jpg").write_bytes(b"not a jpeg")
+    transform = dino.eval_transform(cfg.global_size, cfg.knn_resize)
+    with torch.no_grad():
+        direct = backbone(torch.stack([transform(Image.open(photos / f"p{i}.jpg").convert("RGB")) for i in range(3)]))
+    got = {}
+    for name, w in (("eager", cfg.weights), ("onnx", str(out / "model.onnx"))):
+        dino.main([*FAST, "--predict", str(photos), "--weights", w, "--output_dir", str(tmp_path / name)])
+        got[name] = np.load(tmp_path / name / "features.npy")
+        rows = (tmp_path / name / "features.csv").read_text().splitlines()
+        assert rows[0] == "row,path" and [r.rsplit("/", 1)[1] for r in rows[1:]] == ["p0.jpg", "p1.jpg", "p2.jpg"]
+    assert np.allclose(got["eager"], direct.numpy(), atol=1e-5)
+    assert np.allclose(got["onnx"], got["eager"], atol=1e-4)
 
 
 @pytest.mark.slow
