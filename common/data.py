@@ -27,7 +27,7 @@ from PIL import Image
 from common import UserError
 from common.builtin import CLASSIFICATION
 from common.images import decode_sized
-from common.loaders import replacement, sample_seed, seeded, shared_count
+from common.loaders import KeyedDataset, replacement, sample_seed, seeded, shared_count
 
 EVAL_SPLITS = ("validation", "val", "valid", "test")
 #: A top-level folder of a local image folder that is a split, with an optional number or year
@@ -287,7 +287,7 @@ def load_classification(
 # --------------------------------------------------------------------------------------------
 # Datasets
 # --------------------------------------------------------------------------------------------
-class ImageRows(torch.utils.data.Dataset):
+class ImageRows(KeyedDataset):
     """What the image datasets share: the rows of ``ds``, whose ``image_column`` holds undecoded images.
 
     :meth:`read` gives a row with its image decoded: reduced where ``shorter`` > 0 (large JPEGs, to that

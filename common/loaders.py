@@ -80,6 +80,32 @@ def seeded(seed: int) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 # Loaders
 # --------------------------------------------------------------------------------------------
+class KeyedDataset(torch.utils.data.Dataset):
+    """The one contract a training dataset meets here: ``dataset[(epoch, index)]`` (or ``(epoch, index,
+    repeat)``, with repeated augmentation) is sample ``index`` augmented from its own seed,
+    :func:`sample_seed` of (run seed, epoch, index, repeat); ``dataset[index]`` is epoch 0 (evaluation).
+    What :class:`EpochBatchSampler` yields. The image datasets of ``common/`` and the recipes derive from it;
+    :func:`train_loader_for` wraps any other map-style dataset (a torchvision dataset) in :class:`PerSample`."""
+
+
+class PerSample(KeyedDataset):
+    """A map-style dataset indexed by integers (``torchvision.datasets.ImageFolder``, ``CIFAR10`` with its
+    ``transform``) as a :class:`KeyedDataset`: torch, numpy and ``random`` are seeded from the sample's key
+    around ``dataset[index]``, so its transforms draw the same crops and flips whatever the workers,
+    processes or resume."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: int | tuple[int, ...]) -> Any:
+        epoch, index, repeat = (tuple(key) + (0,))[:3] if isinstance(key, tuple) else (0, key, 0)
+        with seeded(sample_seed(self.seed, epoch, index, repeat)):
+            return self.dataset[index]
+
+
 class EpochBatchSampler(torch.utils.data.Sampler):
     """Batches of ``(epoch, index)`` pairs; the order depends only on ``(seed, epoch)``.
 
@@ -190,8 +216,11 @@ def train_loader_for(
     repeats: int = 1,
 ):
     """A shuffling, drop-last training DataLoader over an :class:`EpochBatchSampler` (its
-    ``batch_sampler``). Once prepared by Accelerate, call the loader's ``set_epoch`` before each epoch
-    (:class:`common.loop.Loop` does): Accelerate re-applies its own epoch counter when iteration starts."""
+    ``batch_sampler``) of ``dataset``: a :class:`KeyedDataset`, or any map-style dataset (:class:`PerSample`).
+    Once prepared by Accelerate, call the loader's ``set_epoch`` before each epoch (:class:`common.loop.Loop`
+    does): Accelerate re-applies its own epoch counter when iteration starts."""
+    if not isinstance(dataset, KeyedDataset):  # a plain dataset: its transforms seeded per sample here
+        dataset = PerSample(dataset, seed)
     sampler = EpochBatchSampler(len(dataset), batch_size, True, seed, True, num_processes, repeats)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs(num_workers)

@@ -250,3 +250,26 @@ def test_photos_no_split_would_read_are_one_clear_error(tmp_path, layout, messag
         _photos(tmp_path / "photos" / folder, names)
     with pytest.raises(UserError, match=message):
         load_classification(str(tmp_path / "photos"))
+
+
+def test_a_plain_torchvision_dataset_trains_reproducibly():
+    """A dataset that knows nothing of (epoch, index) keys (torchvision's FakeData with random crops and flips)
+    goes through train_loader_for as it is: each sample's augmentation is seeded from its key, so the batches
+    are the same with 0 or 2 workers, and another epoch draws other crops of the same images."""
+    import torchvision
+    from torchvision import transforms as T
+
+    from common.loaders import PerSample, train_loader_for
+
+    tf = T.Compose([T.RandomResizedCrop(16, scale=(0.2, 1.0)), T.RandomHorizontalFlip(), T.ToTensor()])
+    fake = torchvision.datasets.FakeData(size=12, image_size=(3, 24, 24), num_classes=3, transform=tf)
+
+    def epoch_batches(workers: int, epoch: int) -> list[torch.Tensor]:
+        loader = train_loader_for(fake, 4, seed=7, num_workers=workers, num_processes=1)
+        assert isinstance(loader.dataset, PerSample)
+        loader.batch_sampler.set_epoch(epoch)
+        return [images for images, _ in loader]
+
+    main, workers = epoch_batches(0, 0), epoch_batches(2, 0)
+    assert len(main) == 3 and all(torch.equal(a, b) for a, b in zip(main, workers))
+    assert not any(torch.equal(a, b) for a, b in zip(main, epoch_batches(0, 1)))

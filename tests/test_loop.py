@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from common.config import RunConfig
-from common.loaders import train_loader_for
+from common.loaders import KeyedDataset, train_loader_for
 from common.loop import Loop, steps_total
 from common.run import Run
 from conftest import ROOT, free_port, recipe_env
@@ -24,7 +24,7 @@ from conftest import ROOT, free_port, recipe_env
 ITEMS, BATCH = 12, 2  # a 12-item dataset of its own indices in batches of 2: 6 batches an epoch
 
 
-class Indices(torch.utils.data.Dataset):
+class Indices(KeyedDataset):
     """Item i is the tensor [i]; keys are (epoch, index) pairs, as common.loaders' samplers give them."""
 
     def __len__(self) -> int:
@@ -86,7 +86,7 @@ SEEDS = textwrap.dedent("""
     import json, sys, torch
     sys.path[:0] = [sys.argv[1], sys.argv[3]]
     from common.config import RunConfig
-    from common.loaders import train_loader_for
+    from common.loaders import KeyedDataset, train_loader_for
     from common.loop import Loop
     from common.run import Run
 
@@ -128,7 +128,7 @@ SILENT = textwrap.dedent("""
     sys.path[:0] = [sys.argv[1], sys.argv[3]]
     import common.loop
     from common.config import RunConfig
-    from common.loaders import train_loader_for
+    from common.loaders import KeyedDataset, train_loader_for
     from common.loop import Loop
     from common.run import Run
 
