@@ -38,7 +38,8 @@ ALIASES = dict(
     for pair in """learning_rate:lr wd:weight_decay bs:batch_size batch:batch_size workers:num_workers out:output_dir
     output:output_dir num_epochs:epochs optimizer:opt scheduler:sched drop:drop_rate drop_path:drop_path_rate
     model_ema_decay:ema_decay num_train_epochs:epochs per_device_train_batch_size:batch_size max_grad_norm:clip_grad
-    gradient_accumulation_steps:grad_accum_steps dataloader_num_workers:num_workers""".split()
+    gradient_accumulation_steps:grad_accum_steps dataloader_num_workers:num_workers init_weights:init_backbone
+    lr_base_scale:lr_scale""".split()
 )
 
 

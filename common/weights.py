@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,7 +49,7 @@ def save_weights(
     path = Path(path)
     tmp = path.with_suffix(".tmp")
     # torch.compile's wrapper prefixes every key with `_orig_mod.`: saved without it, the weights load
-    # into the plain model (timm, --init_weights) whether or not the run compiled
+    # into the plain model (timm, --init_backbone) whether or not the run compiled
     tensors = {k.replace("_orig_mod.", ""): v.detach().cpu().contiguous() for k, v in state_dict.items()}
     diverged = next((k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
     if diverged is not None:  # a diverged model is never anybody's best or final weights
@@ -217,30 +218,58 @@ def load_state(model: nn.Module, state: dict[str, torch.Tensor], path: str | Pat
     return model
 
 
-def load_backbone(backbone: nn.Module, path: str | Path) -> str:
-    """``--init_backbone``: a detector's timm ``features_only`` backbone from a safetensors file of the same
-    timm model (the classifier's ``best.safetensors``, DINO's ``teacher_backbone.safetensors``, one saved
-    from ``timm.create_model``): every tensor the backbone has must be there with its shape, or one
-    :class:`UserError` names the first that is not; the rest (a classifier head, stages the detector does
-    not read) is ignored. Keys under ``backbone.`` (a detector's own file) or ``model.`` / ``module.`` (a
-    wrapped model's) are found too, and so are the plain model's names of the modules a ``features_only``
-    model flattens. The detector's own layers stay as they were made. Returns the start banner's line."""
+def load_backbone(model: nn.Module, path: str | Path) -> str:
+    """``--init_backbone`` (the classifier's and the detectors'): ``model`` from a safetensors file of the same
+    timm model (DINO's ``teacher_backbone.safetensors``, a classifier's ``best.safetensors``, one saved from
+    ``timm.create_model``). ``model`` is a whole timm classifier or a detector's timm ``features_only``
+    backbone. The model family's checkpoint filter (timm's ``checkpoint_filter_fn``, which resizes a ViT's
+    position embeddings) runs first. Keys under ``backbone.`` (a detector's own file) or ``model.`` /
+    ``module.`` (a wrapped model's) are found too, and so are the plain model's names of the modules a
+    ``features_only`` model flattens. A classifier's head (timm's ``pretrained_cfg["classifier"]``) starts new
+    where the file has none or one of another shape; every other tensor the model has must be in the file
+    with its shape, or one :class:`UserError` names the first that is not. A whole model also refuses the
+    file's tensors it has no place for (a larger model's); a ``features_only`` backbone ignores them (stages
+    it does not read, a head), and the detector's own layers stay as they were made. Returns the start
+    banner's line."""
     import safetensors.torch
 
     if not Path(path).is_file():
         raise UserError(f"init_backbone '{path}' does not exist")
     state = safetensors.torch.load_file(str(path))
-    own = backbone.state_dict()
+    filter_fn = getattr(sys.modules[type(model).__module__], "checkpoint_filter_fn", None)
+    if filter_fn is not None:  # a whole timm model's family; timm's features_only wrappers have none
+        try:
+            state = filter_fn(state, model)
+        except (KeyError, RuntimeError, ValueError, TypeError, AttributeError):
+            # a filter written for the family's original release layout: a timm state dict is used as it is,
+            # and what does not fit is named key by key below
+            state = safetensors.torch.load_file(str(path))
+    own = model.state_dict()
     for prefix in ("backbone.", "model.", "module."):
         if not any(k in state for k in own):
             state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)} or state
+    if hasattr(model, "get_classifier"):  # a whole timm model (features_only wrappers have no head)
+        head = model.pretrained_cfg.get("classifier", "")
+        heads = (head,) if isinstance(head, str) else tuple(head)
+        # the file's head, where it does not fit, is left out: the model's starts new
+        state = {
+            k: v for k, v in state.items() if not (k.startswith(heads) and (k not in own or own[k].shape != v.shape))
+        }
+        problem = mismatch(state, {k: v for k, v in own.items() if k in state or not k.startswith(heads)})
+        if problem:
+            name = model.pretrained_cfg.get("architecture") or type(model).__name__
+            raise UserError(f"init_backbone '{path}'{saved_by(path)} does not fit model '{name}': {problem}")
+        model.load_state_dict(state, strict=False)
+        new = [k for k in own if k not in state]
+        what_new = ", ".join(sorted({k.rsplit(".", 1)[0] for k in new}))
+        return loaded_line("init_backbone", path, len(state), len(new), what_new)
     # a features_only model flattens its first level of nested modules: `stem.conv1` is `stem_conv1` there
     flat = {k: k if k in state else k.replace("_", ".", 1) for k in own}
     state = {k: state[f] for k, f in flat.items() if f in state}
     problem = mismatch(state, own)
     if problem:
         raise UserError(f"init_backbone '{path}'{saved_by(path)} does not fit the backbone: {problem}")
-    backbone.load_state_dict(state)
+    model.load_state_dict(state)
     return loaded_line("init_backbone", path, len(state), 0, "") + "; the detector's own layers start new"
 
 

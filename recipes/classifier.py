@@ -19,10 +19,8 @@ Expected: the default run (resnet18 at 32 px, 12 epochs) reaches about 98-99 % t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -35,42 +33,32 @@ except ModuleNotFoundError:
     )
     sys.exit(2)
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, create_transform, resolve_data_config
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 
 from common import UserError
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optimizers, to_dict
-from common.console import cli_main
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optimizers
+from common.console import cli_main, own_files
 from common.data import ClassificationDataset, load_classification, with_label_fraction
 from common.ema import ModelEma
-from common.export import OnnxModel, export, export_model, is_onnx
-from common.export_check import image_batches
+from common.export import export
 from common.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.image_cache import cache_images
-from common.images import decode_image, image_files, needed_side, readable_images
+from common.images import needed_side
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
-from common.model_folder import model_card, write_timm_folder
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values
-from common.weights import (
-    config_with_weights,
-    kept_weights,
-    load_state,
-    load_weights,
-    loaded_line,
-    mismatch,
-    read_metadata,
-    save_weights,
-    saved_by,
-    weights_metadata,
-)
+from common.weights import config_with_weights, kept_weights, load_backbone, read_metadata, save_weights
+
+with own_files("classifier_"):  # the classifier's own files, beside this one: copy them with it (README)
+    from classifier_inference import MODEL_FIELDS, export_files, predict, trained_model, write_model_folder
+    from classifier_model import BlockProbe, create_transforms, data_config  # DINO's probe head, timm's transforms
 
 
 # ============================================================================================
@@ -98,12 +86,10 @@ class Config(RunConfig):
     interpolation: Literal["bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"] = "bicubic"  # resampling
     #   filter of the training crop and the evaluation resize
     mean: list[float] = field(default_factory=list)  # input normalisation per RGB channel (0..1 pixels), with std;
-    #   empty: what --init_weights was trained with (DINO's backbones: ImageNet's), else the timm model's default
+    #   empty: what --init_backbone was trained with (DINO's backbones: ImageNet's), else the timm model's default
     std: list[float] = field(default_factory=list)  # input normalisation standard deviation per RGB channel; see mean
-    aug_repeats: int = (
-        1  # repeated augmentation (DeiT: 3): each image this many times per epoch, differently augmented,
-    )
-    #   on different processes; the epoch keeps its length (1: off)
+    aug_repeats: int = 1  # repeated augmentation (DeiT: 3): each image this many times per epoch, differently
+    #   augmented, on different processes; the epoch keeps its length (1: off)
     mixup: float = 0.0  # Mixup alpha (0: off; DeiT: 0.8); Mixup and CutMix need an even batch_size
     cutmix: float = 0.0  # CutMix alpha (0: off; DeiT: 1.0)
     mixup_prob: float = 1.0  # probability that a batch is mixed at all (when mixup or cutmix is on)
@@ -116,15 +102,12 @@ class Config(RunConfig):
     model: str = "resnet18"  # any timm model name (timm.list_models())
     model_kwargs: dict = field(default_factory=dict)  # extra timm.create_model arguments, e.g. {depth: 4}
     pretrained: bool = False  # timm's hub weights (needs network)
-    init_weights: str = ""  # safetensors to start from, e.g. a DINO backbone; the head is re-initialised
+    init_backbone: str = ""  # safetensors of the same timm model to start from (a DINO teacher backbone, another
+    #   classifier's weights); the head starts new where the file has none or one of another size
     linear_probe: bool = False  # train only the classifier head; the backbone stays frozen, in eval mode
-    probe_blocks: int = (
-        0  # with linear_probe on a ViT, DINO's linear evaluation: the head reads the [CLS] tokens of the
-    )
-    #   last this many blocks, concatenated (DINO: 4 for ViT-S/16, 1 with probe_avgpool for ViT-B); 0: pooled features
-    probe_avgpool: bool = (
-        False  # with probe_blocks: also the last block's mean patch token (DINO's avgpool_patchtokens)
-    )
+    probe_blocks: int = 0  # with linear_probe on a ViT, DINO's linear evaluation: the head reads the [CLS] tokens
+    #   of the last this many blocks, concatenated (DINO: 4 for ViT-S/16, 1 with probe_avgpool for ViT-B); 0: pooled
+    probe_avgpool: bool = False  # with probe_blocks: also the last block's mean patch token (avgpool_patchtokens)
     drop_rate: float = 0.0  # dropout before the classifier head
     drop_path_rate: float = 0.0  # stochastic depth rate (DeiT-S: 0.1; 0 for small convnets)
     bn_momentum: float = 0.0  # 0: the model's default (PyTorch convention: weight of the new batch)
@@ -140,11 +123,12 @@ class Config(RunConfig):
     grad_accum_steps_after_switch: int = 0  # grad_accum_steps from grad_accum_switch_epoch on (0: no switch)
     opt: str = field(default="adamw", metadata={"choices": timm_optimizers})  # any timm optimizer name:
     #   sgd, adamw, lamb, lars, ... (biases and norms get no weight decay)
-    lr: float = 8e-3  # peak learning rate per 256 images: the run peaks at lr x global batch / 256 (global batch =
-    #   batch_size x processes x grad_accum_steps), so it follows the number of GPUs; see lr_base_scale
-    lr_base_scale: Literal["linear", "sqrt"] = "linear"  # how the peak follows the global batch: linear (Goyal et
-    #   al., DeiT, DINO) or sqrt, lr x sqrt(global batch / 256), which timm's train.py uses for adam*/lamb: port a
-    #   timm --lr-base for those optimizers with sqrt
+    lr: float = 8e-3  # peak learning rate per lr_batch images: the run peaks at lr x global batch / lr_batch
+    #   (global batch = batch_size x processes x grad_accum_steps), so it follows the number of GPUs; see lr_scale
+    lr_batch: int = 256  # the global batch lr is written for (timm's and DeiT's 256)
+    lr_scale: Literal["linear", "sqrt"] = "linear"  # how the peak follows the global batch: linear (Goyal et
+    #   al., DeiT, DINO) or sqrt, lr x sqrt(global batch / lr_batch), which timm's train.py uses for adam*/lamb:
+    #   port a timm --lr-base for those optimizers with sqrt
     min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules (not scaled)
     warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to the peak over warmup_epochs (not scaled)
     warmup_epochs: float = 2.0  # linear warmup length in epochs (fractions allowed)
@@ -183,41 +167,10 @@ class Config(RunConfig):
 
 
 # ============================================================================================
-# Model
+# Model: any timm classifier, or DINO's probe on a ViT's blocks (recipes/classifier_model.py)
 # ============================================================================================
-class BlockProbe(torch.nn.Module):
-    """DINO's linear evaluation head on a frozen timm ViT (eval_linear.py): the [CLS] token of each of the last
-    ``blocks`` blocks, after the final norm, concatenated (with ``avgpool`` also the last block's mean patch
-    token) into one linear layer initialised with std 0.01 and zero bias."""
-
-    def __init__(self, backbone: torch.nn.Module, blocks: int, avgpool: bool, num_classes: int) -> None:
-        super().__init__()
-        if not hasattr(backbone, "forward_intermediates") or not hasattr(backbone, "blocks"):
-            raise UserError(
-                f"probe_blocks needs a timm ViT (blocks and a [CLS] token); '{type(backbone).__name__}' "
-                "is not one: set --probe_blocks 0 for pooled features"
-            )
-        self.backbone, self.blocks, self.avgpool = backbone, blocks, avgpool
-        self.pretrained_cfg = backbone.pretrained_cfg  # the transforms resolve as for the ViT itself
-        self.head = torch.nn.Linear(backbone.embed_dim * (blocks + int(avgpool)), num_classes)
-        torch.nn.init.normal_(self.head.weight, std=0.01)
-        torch.nn.init.zeros_(self.head.bias)
-
-    def get_classifier(self) -> torch.nn.Module:
-        return self.head
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        levels = self.backbone.forward_intermediates(
-            images, indices=self.blocks, norm=True, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
-        )
-        features = [prefix[:, 0] for _, prefix in levels]  # [B, D] per block
-        if self.avgpool:
-            features.append(levels[-1][0].mean(dim=1))  # the last block's patch tokens, averaged
-        return self.head(torch.cat(features, dim=-1))  # [B, D x (blocks + avgpool)] -> [B, K]
-
-
 def create_model(cfg: Config, num_classes: int, notes: list[str] | None = None) -> torch.nn.Module:
-    """The run's timm model; the weights it starts from (pretrained, init_weights) are named in ``notes``."""
+    """The run's timm model; the weights it starts from (pretrained, init_backbone) are named in ``notes``."""
     notes = [] if notes is None else notes
     if cfg.probe_blocks > 0 and not cfg.linear_probe:
         raise UserError("probe_blocks is DINO's linear evaluation: it needs --linear_probe")
@@ -232,8 +185,8 @@ def create_model(cfg: Config, num_classes: int, notes: list[str] | None = None) 
         notes=notes,
         **cfg.model_kwargs,
     )
-    if cfg.init_weights:
-        notes.append(load_init_weights(model, cfg.init_weights))
+    if cfg.init_backbone:  # timm's checkpoint filter first; the head starts new (common/weights.py)
+        notes.append(load_backbone(model, cfg.init_backbone))
     if cfg.probe_blocks > 0:
         model = BlockProbe(model, cfg.probe_blocks, cfg.probe_avgpool, num_classes)
     if cfg.bn_momentum > 0:
@@ -245,16 +198,16 @@ def create_model(cfg: Config, num_classes: int, notes: list[str] | None = None) 
 
 
 def input_normalization(cfg: Config) -> tuple[Config, str]:
-    """``cfg`` with ``mean`` / ``std`` set to the normalisation ``init_weights`` was trained with (its
+    """``cfg`` with ``mean`` / ``std`` set to the normalisation ``init_backbone`` was trained with (its
     metadata) where the config leaves them empty, and a line for the console: the normalisation taken
     from the file, or a warning that an explicit one differs from it ('' when there is nothing to say).
     A backbone fed inputs normalised for another model sees them scaled and shifted: a DINO ViT trained
     on ImageNet's statistics, probed with timm's ViT default (0.5, 0.5), gets about half its input range."""
     if len(cfg.mean) != len(cfg.std) or len(cfg.mean) not in (0, 3):  # their values: Config.ranges
         raise UserError(f"mean and std are 3 values each (R, G, B), or both empty: got mean {cfg.mean}, std {cfg.std}")
-    if not cfg.init_weights or not Path(cfg.init_weights).is_file():
+    if not cfg.init_backbone or not Path(cfg.init_backbone).is_file():
         return cfg, ""
-    meta = read_metadata(cfg.init_weights)
+    meta = read_metadata(cfg.init_backbone)
     mean, std = meta["mean"], meta["std"]
     if mean is None and meta["recipe"] == "dino":  # a file saved before files recorded it: dino.py uses ImageNet's
         mean, std = list(IMAGENET_DEFAULT_MEAN), list(IMAGENET_DEFAULT_STD)
@@ -262,10 +215,10 @@ def input_normalization(cfg: Config) -> tuple[Config, str]:
         return cfg, ""
     text = f"mean {_rounded(mean)}, std {_rounded(std)}"
     if not cfg.mean:
-        return dataclasses.replace(cfg, mean=mean, std=std), f"inputs normalised as init_weights was trained: {text}"
+        return dataclasses.replace(cfg, mean=mean, std=std), f"inputs normalised as init_backbone was trained: {text}"
     if _rounded(cfg.mean) != _rounded(mean) or _rounded(cfg.std) != _rounded(std):
         return cfg, (
-            f"warning: init_weights '{cfg.init_weights}' was trained on inputs normalised with {text}; "
+            f"warning: init_backbone '{cfg.init_backbone}' was trained on inputs normalised with {text}; "
             f"this run uses mean {_rounded(cfg.mean)}, std {_rounded(cfg.std)} as --mean/--std say"
         )
     return cfg, ""
@@ -273,70 +226,6 @@ def input_normalization(cfg: Config) -> tuple[Config, str]:
 
 def _rounded(values: list[float]) -> list[float]:
     return [round(float(v), 4) for v in values]
-
-
-def data_config(cfg: Config, model: torch.nn.Module) -> dict:
-    """timm's data config of ``model`` at the run's resolution, crop and interpolation, with the run's
-    ``mean`` / ``std`` where set (else the model's defaults)."""
-    args = {"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct, "interpolation": cfg.interpolation}
-    if cfg.mean:
-        args.update(mean=tuple(cfg.mean), std=tuple(cfg.std))
-    return resolve_data_config(args, model=model)
-
-
-def create_transforms(cfg: Config, model: torch.nn.Module) -> tuple[Callable, Callable]:
-    """timm's training transform (random resized crop, flip, jitter / AutoAugment, random erasing) and
-    evaluation transform (resize to img_size / crop_pct, centre crop), normalised as :func:`data_config` says."""
-    data_cfg = data_config(cfg, model)
-    train_tf = create_transform(
-        **data_cfg,
-        is_training=True,
-        scale=tuple(cfg.scale),
-        ratio=tuple(cfg.ratio),
-        hflip=cfg.hflip,
-        color_jitter=cfg.color_jitter or None,
-        auto_augment=cfg.auto_augment or None,
-        re_prob=cfg.reprob,
-        re_mode=cfg.remode,
-        re_count=cfg.recount,
-    )
-    return train_tf, create_transform(**data_cfg, is_training=False)
-
-
-def load_init_weights(model: torch.nn.Module, path: str) -> str:
-    """Start from a safetensors file (e.g. a DINO teacher backbone); classifier head may differ.
-
-    The model family's own checkpoint filter (timm's ``checkpoint_filter_fn``, which resizes ViT
-    position embeddings) runs first. Head tensors are dropped where their shape differs or the file
-    has none; any other difference (a tensor of another shape: a backbone of another size) is one
-    error naming the first. Returns the start banner's line.
-    """
-    if not Path(path).is_file():
-        raise UserError(f"init_weights '{path}' does not exist")
-    state = safetensors.torch.load_file(path)
-    filter_fn = getattr(sys.modules[type(model).__module__], "checkpoint_filter_fn", None)
-    if filter_fn is not None:
-        try:
-            state = filter_fn(state, model)
-        except (KeyError, RuntimeError, ValueError, TypeError, AttributeError):
-            # a filter written for the family's original release layout: a timm state dict is used as it is,
-            # and what does not fit is named key by key below
-            state = safetensors.torch.load_file(path)
-    head = model.pretrained_cfg.get("classifier", "")
-    heads = (head,) if isinstance(head, str) else tuple(head)
-    own = model.state_dict()
-    for k in list(state):
-        if k.startswith(heads) and (k not in own or own[k].shape != state[k].shape):
-            del state[k]
-    problem = mismatch(state, {k: v for k, v in own.items() if k in state or not k.startswith(heads)})
-    if problem:
-        name = model.pretrained_cfg.get("architecture") or type(model).__name__
-        raise UserError(f"init_weights '{path}'{saved_by(path)} does not fit model '{name}': {problem}")
-    model.load_state_dict(state, strict=False)
-    new = [k for k in own if k not in state]
-    return loaded_line(
-        "init_weights", path, len(state), len(new), ", ".join(sorted({k.rsplit(".", 1)[0] for k in new}))
-    )
 
 
 def set_bn_momentum(model: torch.nn.Module, momentum: float) -> None:
@@ -388,84 +277,6 @@ def per_class_accuracy(confusion: torch.Tensor, classes: list[str]) -> list[dict
 
 
 # ============================================================================================
-# Saved weights: the trained model, and prediction on new images
-# ============================================================================================
-MODEL_FIELDS = (
-    "model",
-    "model_kwargs",
-    "img_size",
-    "crop_pct",
-    "interpolation",
-    "mean",
-    "std",
-    "linear_probe",
-    "probe_blocks",
-    "probe_avgpool",
-)  # what --weights restores from the file's saved config
-
-
-def trained_model(cfg: Config) -> tuple[torch.nn.Module, list[str]]:
-    """The model of ``cfg.weights`` and its class names (the file's metadata); of an ONNX file, the
-    architecture alone (its data config), the file running the weights."""
-    if is_onnx(cfg.weights):
-        classes = read_metadata(cfg.weights)["classes"]
-        return create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), len(classes)), classes
-    state, meta = load_weights(cfg.weights, "classifier")
-    model = create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), len(meta["classes"]))
-    return load_state(model, state, cfg.weights, meta["recipe"]), meta["classes"]
-
-
-def export_files(
-    model: torch.nn.Module, cfg: Config, classes: list[str], folder: Path, recipe: str
-) -> dict[str, float]:
-    """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S], preprocessed as the metadata's
-    ``preprocessing`` (timm's data config) says, -> logits [B, C]; checked against eager (common/export.py) on
-    batches of one and several, to 1e-3 of the logits' scale."""
-    data_cfg = data_config(cfg, model)
-    size = data_cfg["input_size"][-1]
-    meta = weights_metadata(cfg, classes, recipe, normalization=(data_cfg["mean"], data_cfg["std"]))
-    meta["preprocessing"] = json.dumps(data_cfg)
-    example = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
-    checks = image_batches(size, data_cfg["mean"], data_cfg["std"])
-    return export_model(model, {"images": example}, ["logits"], folder, meta, checks=checks)
-
-
-@torch.no_grad()
-def predict(cfg: Config, run: Run) -> dict[str, float]:
-    """``predictions.csv`` in the run folder: per image its path and the top-5 class names and probabilities;
-    from ONNX weights, the file runs the model (ONNX Runtime, CPU)."""
-    files, skipped = readable_images(image_files(cfg.predict))
-    model, classes = trained_model(cfg)
-    _, eval_tf = create_transforms(cfg, model)
-    accelerator = run.accelerator
-    model = model.to(accelerator.device).eval()
-    if is_onnx(cfg.weights):
-        onnx_model = OnnxModel(cfg.weights)
-        model = lambda images: onnx_model(images)[0].to(images.device)  # noqa: E731
-    run.begin()
-    if skipped:
-        run.print(skipped)
-    rows, k = [], min(5, len(classes))
-    if accelerator.is_main_process:  # a handful of files: one process reads them all
-        for start in run.progress(range(0, len(files), 64), "predict"):
-            batch = files[start : start + 64]
-            images = torch.stack([eval_tf(decode_image({"path": str(f)}, str(f))) for f in batch])
-            with accelerator.autocast():
-                logits = model(images.to(accelerator.device))
-            probs, index = logits.float().softmax(dim=1).topk(k, dim=1)
-            for f, p, i in zip(batch, probs.tolist(), index.tolist()):
-                row = {"path": str(f)}
-                for rank, (pi, ii) in enumerate(zip(p, i), 1):
-                    row.update({f"class_{rank}": classes[ii], f"prob_{rank}": round(pi, 6)})
-                rows.append(row)
-        save_table_csv(rows, run.dir / "predictions.csv")
-        run.print(format_table(rows[:10], ["path", "class_1", "prob_1", "class_2", "prob_2"]))
-        run.print(f"{len(rows)} predictions: {run.dir / 'predictions.csv'}")
-    run.finish()
-    return {"images": float(len(files))}
-
-
-# ============================================================================================
 # Training
 # ============================================================================================
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -479,10 +290,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     run.notes += [normalization_note] if normalization_note else []
     accelerator = run.accelerator
-    if cfg.predict:
-        return predict(cfg, run)
+    if cfg.predict:  # predictions.csv for the images it names (recipes/classifier_inference.py)
+        return predict(cfg, run, create_model)
     if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W's export, no data read
-        model, classes = trained_model(cfg)
+        model, classes = trained_model(cfg, create_model)
         return export(run, lambda folder: export_files(model, cfg, classes, folder, run.recipe))
 
     # ---- data ------------------------------------------------------------------------------
@@ -497,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- model -----------------------------------------------------------------------------
     if cfg.eval_only:
-        model, trained_classes = trained_model(cfg)
+        model, trained_classes = trained_model(cfg, create_model)
         if trained_classes != data.classes:
             raise UserError(
                 f"weights '{cfg.weights}' were trained on classes {trained_classes[:5]}... "
@@ -605,11 +416,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     total_steps = steps_total(cfg.epochs, steps_in_epoch, cfg.max_steps)
     milestones = [sum(steps_in_epoch(e) for e in range(m)) for m in cfg.decay_milestones]
-    global_batch = cfg.batch_size * accelerator.num_processes * cfg.grad_accum_steps
-    peak_lr = cfg.lr * (global_batch / 256 if cfg.lr_base_scale == "linear" else math.sqrt(global_batch / 256))
     lr_values = schedule(
         cfg.sched,
-        peak_lr,
+        cfg.peak_lr(accelerator.num_processes),  # lr carried from lr_batch images to the global batch
         cfg.min_lr,
         total_steps,
         round(cfg.warmup_epochs * steps_in_epoch(0)),
@@ -711,17 +520,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # what leaves the project is the best (evaluated) weights: a timm folder and the exports. A step that
         # fails is one line after the summary with the command that redoes it; the steps after it still run.
         kept = kept_weights(run.dir)
-        shared = create_model(dataclasses.replace(cfg, pretrained=False, init_weights=""), num_classes)
-        shared.load_state_dict(safetensors.torch.load_file(str(kept)))
+        shared, _ = trained_model(dataclasses.replace(cfg, weights=str(kept)), create_model)
         if not cfg.probe_blocks:  # a probe on blocks is not a timm model
-            with run.guarded("model folder"):
-                sizes = (len(train_set), len(eval_set))
-                best = loop.best_for_card("top1", " (%)")
-                card = model_card(run.recipe, cfg.model, to_dict(cfg), data.classes, sizes, best, data_cfg)
-                meta = weights_metadata(cfg, **saved_as)
-                write_timm_folder(shared, run.dir / "model", data.classes, data_cfg, card, meta)
-                use = "timm.create_model('local-dir:<run>/model', pretrained=True)"
-                run.print(f"model/: the best weights as a timm folder, {use}")
+            with run.guarded("model folder"):  # recipes/classifier_inference.py; --push_to_hub uploads it
+                best, sizes = loop.best_for_card("top1", " (%)"), (len(train_set), len(eval_set))
+                run.print(
+                    write_model_folder(shared, cfg, data.classes, data_cfg, run.dir / "model", run.recipe, sizes, best)
+                )
         if cfg.export:
             with run.guarded("export", run.export_command(kept)):
                 write = lambda folder: export_files(shared, cfg, data.classes, folder, run.recipe)  # noqa: E731

@@ -16,7 +16,7 @@ The built-in demo (README, "DINO"): a half-width resnet10t, 8 epochs (352 steps 
 5 minutes on 2 CPU cores; the teacher's kNN top-1 on the 1,080 held-out images goes from 23.2 %
 (the step-0 network) to 57.4 %, where raw pixels reach 25.3 %.
 The teacher backbone is exported as `teacher_backbone.safetensors` for recipes/classifier.py
-(`--init_weights`, with `--linear_probe` for a linear probe).
+(`--init_backbone`, with `--linear_probe` for a linear probe).
 """
 
 from __future__ import annotations
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if loop.stopped:
         return results
 
-    # ---- saving: the teacher backbone, for --init_weights / --init_backbone, a timm folder, ONNX ----
+    # ---- saving: the teacher backbone, for --init_backbone, a timm folder, ONNX -----------------
     path = run.dir / "teacher_backbone.safetensors"
     average_bn_statistics(teacher.backbone, accelerator)  # every process: without a kNN at the end, still each its own
     if accelerator.is_main_process:

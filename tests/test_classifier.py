@@ -423,7 +423,7 @@ def test_starts_from_a_backbone_weights_file(tmp_path, capsys):
             "1",
             "--lr",
             "0",
-            "--init_weights",
+            "--init_backbone",
             str(backbone),
             "--output_dir",
             str(run),
@@ -441,7 +441,7 @@ def test_starts_from_a_backbone_weights_file(tmp_path, capsys):
             "--max_steps",
             "2",
             "--linear_probe",
-            "--init_weights",
+            "--init_backbone",
             str(backbone),
             "--output_dir",
             str(probe),
@@ -450,7 +450,7 @@ def test_starts_from_a_backbone_weights_file(tmp_path, capsys):
     probed = weights(probe / "final.safetensors")
     assert all(torch.equal(probed[k], v) for k, v in donor.state_dict().items())  # backbone frozen
     assert not torch.equal(probed["head.weight"], trained["head.weight"])  # the head learned
-    bad = TINY + ["--model", "test_resnet", "--init_weights", str(backbone), "--output_dir", str(tmp_path / "bad")]
+    bad = TINY + ["--model", "test_resnet", "--init_backbone", str(backbone), "--output_dir", str(tmp_path / "bad")]
     assert "does not fit model" in error_line(capsys, main, bad)
 
 
@@ -480,9 +480,9 @@ def test_a_backbone_files_normalisation_reaches_the_probe_and_fine_tuning(tmp_pa
     for path in (backbone, old):
         for mode in (["--linear_probe"], []):
             cfg, note = classifier.input_normalization(
-                parse_config(classifier.Config, TINY + mode + ["--init_weights", str(path)])
+                parse_config(classifier.Config, TINY + mode + ["--init_backbone", str(path)])
             )
-            assert (cfg.mean, cfg.std) == imagenet and note.startswith("inputs normalised as init_weights")
+            assert (cfg.mean, cfg.std) == imagenet and note.startswith("inputs normalised as init_backbone")
             for transform in classifier.create_transforms(cfg, classifier.create_model(cfg, 10)):
                 assert _normalize(transform) == imagenet
     plain = parse_config(classifier.Config, TINY)
@@ -492,14 +492,15 @@ def test_a_backbone_files_normalisation_reaches_the_probe_and_fine_tuning(tmp_pa
     )
 
     run = tmp_path / "probe"
-    probe = ["--batch_size", "16", "--max_steps", "1", "--linear_probe", "--init_weights", str(backbone)]
+    probe = ["--batch_size", "16", "--max_steps", "1", "--linear_probe", "--init_backbone", str(backbone)]
     main(TINY + probe + ["--output_dir", str(run)])
     out = capsys.readouterr().out
-    assert "inputs normalised as init_weights was trained: mean [0.485, 0.456, 0.406]" in out
+    assert "inputs normalised as init_backbone was trained: mean [0.485, 0.456, 0.406]" in out
     # the start banner names the file and what it filled: every backbone tensor, a new head
     loaded = len(donor.state_dict())
     assert (
-        f"init_weights '{backbone}' (saved by dino.py for model test_vit): {loaded} tensors loaded, 2 new (head)" in out
+        f"init_backbone '{backbone}' (saved by dino.py for model test_vit): {loaded} tensors loaded, 2 new (head)"
+        in out
     )
     assert [read_metadata(run / "final.safetensors")[k] for k in ("mean", "std")] == list(imagenet)
     restored = config_with_weights(
@@ -507,9 +508,9 @@ def test_a_backbone_files_normalisation_reaches_the_probe_and_fine_tuning(tmp_pa
     )
     assert _normalize(classifier.create_transforms(restored, classifier.create_model(restored, 10))[1]) == imagenet
 
-    explicit = TINY + ["--init_weights", str(backbone), "--mean", "[0.5, 0.5, 0.5]", "--std", "[0.5, 0.5, 0.5]"]
+    explicit = TINY + ["--init_backbone", str(backbone), "--mean", "[0.5, 0.5, 0.5]", "--std", "[0.5, 0.5, 0.5]"]
     cfg, note = classifier.input_normalization(parse_config(classifier.Config, explicit))
-    assert cfg.mean == [0.5] * 3 and note.startswith("warning: init_weights") and "[0.485, 0.456, 0.406]" in note
+    assert cfg.mean == [0.5] * 3 and note.startswith("warning: init_backbone") and "[0.485, 0.456, 0.406]" in note
     bad = TINY + ["--mean", "[0.5, 0.5]", "--std", "[0.5, 0.5]", "--output_dir", str(tmp_path / "bad")]
     assert "mean and std are 3 values each" in error_line(capsys, main, bad)
     assert not (tmp_path / "bad").exists()
@@ -527,10 +528,10 @@ def test_dino_linear_config_uses_plain_momentum_sgd():
 
 def test_weights_of_a_compiled_model_are_saved_with_plain_keys(tmp_path):
     """--compile wraps the model (keys `_orig_mod.*`); the saved weights must still load into the plain
-    model, through timm and --init_weights alike."""
+    model, through timm and --init_backbone alike."""
     import timm
 
-    from common.weights import read_metadata, save_weights
+    from common.weights import load_backbone, read_metadata, save_weights
 
     classifier = load_recipe("classifier")
     cfg = parse_config(classifier.Config, TINY)
@@ -541,9 +542,7 @@ def test_weights_of_a_compiled_model_are_saved_with_plain_keys(tmp_path):
     assert read_metadata(tmp_path / "w.safetensors")["recipe"] == "classifier"
     fresh = timm.create_model("test_vit", num_classes=10, img_size=32, checkpoint_path=str(tmp_path / "w.safetensors"))
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
-    classifier.load_init_weights(
-        timm.create_model("test_vit", num_classes=3, img_size=32), str(tmp_path / "w.safetensors")
-    )
+    load_backbone(timm.create_model("test_vit", num_classes=3, img_size=32), str(tmp_path / "w.safetensors"))
 
 
 @pytest.mark.parametrize(
@@ -581,7 +580,7 @@ def test_the_model_folder_loads_in_timm_with_its_preprocessing(trained):
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
     cfg = parse_config(classifier.Config, TINY + ["--weights", str(trained / "best.safetensors")])
-    ours, classes = classifier.trained_model(cfg)
+    ours, classes = classifier.trained_model(cfg, classifier.create_model)
     images = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(model(images), ours.eval()(images))
@@ -634,14 +633,16 @@ def test_lr_is_per_256_images(trained):
     assert first["train/lr"] == pytest.approx(0.4 * 16 / 256)
 
 
-def test_lr_base_scale_sqrt_follows_the_square_root_of_the_batch(tmp_path):
-    """lr_base_scale sqrt (timm's rule for adam*/lamb): the peak is lr x sqrt(global batch / 256)."""
+def test_lr_scale_sqrt_follows_the_square_root_of_the_batch(tmp_path):
+    """lr_scale sqrt (timm's rule for adam*/lamb): the peak is lr x sqrt(global batch / lr_batch)."""
     run = tmp_path / "sqrt"
-    classifier.main(
-        TINY + ["--batch_size", "16", "--max_steps", "1", "--lr_base_scale", "sqrt", "--output_dir", str(run)]
-    )
+    classifier.main(TINY + ["--batch_size", "16", "--max_steps", "1", "--lr_scale", "sqrt", "--output_dir", str(run)])
     first = next(m for m in metrics(run) if "train/lr" in m)
     assert first["train/lr"] == pytest.approx(0.4 * (16 / 256) ** 0.5)
+    run = tmp_path / "batch"  # lr written for a global batch of 64: the run's 16 peaks at a quarter of it
+    classifier.main(TINY + ["--batch_size", "16", "--max_steps", "1", "--lr_batch", "64", "--output_dir", str(run)])
+    first = next(m for m in metrics(run) if "train/lr" in m)
+    assert first["train/lr"] == pytest.approx(0.4 * 16 / 64)
 
 
 def test_eval_only_reproduces_the_trained_score(trained, tmp_path):
@@ -889,7 +890,7 @@ def test_bn_statistics_are_averaged_over_processes(tmp_path):
 
 def test_dino_linear_evaluation_probes_the_last_blocks(trained, tmp_path):
     """--linear_probe --probe_blocks 2: the head reads the [CLS] tokens of the last 2 blocks (2 x 64 features),
-    only the head trains, the backbone keeps the --init_weights values, and --eval_only rebuilds the probe
+    only the head trains, the backbone keeps the --init_backbone values, and --eval_only rebuilds the probe
     from the saved config."""
     run = tmp_path / "probe"
     classifier.main(
@@ -902,7 +903,7 @@ def test_dino_linear_evaluation_probes_the_last_blocks(trained, tmp_path):
             "--linear_probe",
             "--probe_blocks",
             "2",
-            "--init_weights",
+            "--init_backbone",
             str(trained / "best.safetensors"),
             "--output_dir",
             str(run),

@@ -80,7 +80,7 @@ def test_classifier_failed_end_steps_are_told_after_the_summary_and_their_comman
     run = tmp_path / "run"
     args = TINY_CLASSIFIER + SHORT + ["--log_weights", "--push_to_hub", "me/digits", "--output_dir", str(run)]
     save_for_hf = TypeError("save_for_hf() got an unexpected keyword argument 'data_config'")
-    monkeypatch.setattr(classifier, "write_timm_folder", _fails(save_for_hf))
+    monkeypatch.setattr(sys.modules["classifier_inference"], "write_timm_folder", _fails(save_for_hf))
     monkeypatch.setattr(classifier, "export_files", _fails(RuntimeError("aten.view: no Cast\nand a page more")))
     monkeypatch.setattr(common.run, "log_weights", _fails(OSError("No space left on device")))
     monkeypatch.setattr(common.run, "check_hub_push", lambda repo: None)  # a token and network, as a user has

@@ -9,7 +9,7 @@ import torch
 
 from common import UserError
 from common.config_help import show
-from common.weights import config_with_weights, load_state, mismatch, save_weights
+from common.weights import config_with_weights, load_backbone, load_state, mismatch, save_weights
 
 _loaded: dict = {}
 
@@ -48,13 +48,13 @@ def _one_line(error: pytest.ExceptionInfo) -> str:
     return message
 
 
-def test_init_weights_of_another_size_is_one_line(small_dino_backbone):
-    """Issue 28: the classifier's --init_weights with a DINO backbone of another width (a 59-line size mismatch)."""
+def test_init_backbone_of_another_size_is_one_line(small_dino_backbone):
+    """Issue 28: the classifier's --init_backbone with a DINO backbone of another width (a 59-line size mismatch)."""
     model = timm.create_model("test_vit", num_classes=10)
     with pytest.raises(UserError) as e:
-        recipe("classifier").load_init_weights(model, str(small_dino_backbone))
+        load_backbone(model, str(small_dino_backbone))
     assert _one_line(e) == (
-        f"init_weights '{small_dino_backbone}' (saved by dino.py for model test_vit {{embed_dim: 32}}) does not fit "
+        f"init_backbone '{small_dino_backbone}' (saved by dino.py for model test_vit {{embed_dim: 32}}) does not fit "
         "model 'test_vit': 'cls_token' is [1, 1, 32] in the file, [1, 1, 64] in the model (and 77 more)"
     )
 
