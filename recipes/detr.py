@@ -22,10 +22,11 @@ every box cut out with a little context, resized to a small square and classifie
 plus a linear head; the head is then dropped. From random weights the demo's DETR finds the boxes
 but never learns the classes within its budget (README, "DETR").
 
-Beside this file, one concern each: recipes/detr_model.py (DETR, HungarianMatcher, SetCriterion,
-postprocess), recipes/detr_pretrain.py (the box-crop pre-training), recipes/detr_checkpoint.py (DETR
-checkpoints for ``init_weights``). This file builds them from its Config and runs the loop; a copy of
-the recipe takes all four.
+Beside this file, one concern each: recipes/detr_data.py (DETR's augmentation and collate),
+recipes/detr_model.py (DETR, HungarianMatcher, SetCriterion, postprocess, detect), recipes/detr_pretrain.py
+(the box-crop pre-training), recipes/detr_checkpoint.py (DETR checkpoints for ``init_weights``),
+recipes/detr_inference.py (the trained model loaded back, prediction, export, the model folder). This
+file builds them from its Config and runs the loop; a copy of the recipe takes them all.
 
 Launch (defaults = the built-in ``digits_det`` scenes, a half-width resnet10t at 96 px read at stride
 8 and pre-trained for 6 epochs on 32 px crops of the training boxes, then a 3 + 3-layer transformer
@@ -41,13 +42,11 @@ Expected (defaults, measured): see the README's recipe table (mAP@0.5 on the 400
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -61,32 +60,18 @@ except ModuleNotFoundError:
 import timm
 import torch
 from torch import nn
-from torchvision.ops import box_convert
-from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as TF
 
 from common import UserError
-from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
 from common.data import with_label_fraction
-from common.detection import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    DetectionData,
-    DetectionDataset,
-    collate,
-    load_detection,
-    prediction_batches,
-)
-from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
-from common.export import OnnxModel, export, export_model, is_onnx
-from common.export_check import Detections, batched_checks
+from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
+from common.detection_outputs import per_class_text, report_evaluation
+from common.export import export
 from common.image_cache import cache_images
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
-from common.model_folder import write_detector_folder
 from common.models import (
     average_bn_statistics,
     create_timm_model,
@@ -98,20 +83,13 @@ from common.models import (
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values
-from common.weights import (
-    config_with_weights,
-    kept_weights,
-    load_backbone,
-    load_state,
-    load_weights,
-    read_metadata,
-    save_weights,
-    weights_metadata,
-)
+from common.weights import config_with_weights, kept_weights, load_backbone, save_weights
 
 with own_files("detr_"):  # DETR's own files, beside this one: copy them with it (README, "Your own recipe")
     from detr_checkpoint import load_init_weights  # DETR's checkpoint reader
-    from detr_model import DETR, Exported, HungarianMatcher, SetCriterion, postprocess  # DETR's model and loss
+    from detr_data import data_transforms, detr_collate  # DETR's augmentation and collate
+    from detr_inference import export_files, predict, trained_model, write_model_folder  # what a run ships
+    from detr_model import DETR, HungarianMatcher, SetCriterion, detect  # DETR's model, loss and detections
     from detr_pretrain import pretrain_backbone  # the backbone pre-training on box crops
 
 # The three weighted loss terms, in the order of loss_weights (and, for the costs, of matcher_costs).
@@ -183,10 +161,14 @@ class Config(RunConfig):
     eos_coef: float = 0.1  # cross-entropy weight of the no-object class (DETR: 0.1)
     # optimization
     epochs: int = 12  # training epochs (after pretrain_crops_epochs)
-    lr: float = 5e-4  # peak learning rate of the transformer and heads (DETR: 1e-4; a small model from scratch
-    #   takes more)
-    lr_backbone: float = 2.5e-4  # peak learning rate of the backbone (DETR: 1e-5 for its ImageNet one); here half of
-    #   lr for the crop-pretrained one, which must learn whole scenes after 32 px crops (5e-4 from scratch)
+    lr: float = 5e-4  # peak learning rate of the transformer and heads for a global batch of lr_batch images,
+    #   carried to the run's global batch by lr_scale (DETR: 1e-4 at 64 images; a small model from scratch takes more)
+    lr_batch: int = 16  # the global batch lr and lr_backbone are written for (the demo's: batch_size 16, 1 process)
+    lr_scale: Literal["linear", "sqrt"] = "sqrt"  # sqrt: peak = lr x sqrt(global batch / lr_batch), timm's rule for
+    #   adam-type optimizers; linear: x global batch / lr_batch. lr_backbone is carried by the same factor
+    lr_backbone: float = 2.5e-4  # peak learning rate of the backbone at lr_batch images (DETR: 1e-5 for its ImageNet
+    #   one); here half of lr for the crop-pretrained one, which must learn whole scenes after 32 px crops (5e-4 from
+    #   scratch)
     weight_decay: float = 1e-4  # AdamW weight decay, on every parameter as in DETR (DETR: 1e-4)
     warmup_epochs: float = 1.0  # linear learning-rate warmup from 0, epochs (DETR: none)
     lr_drop_epochs: int = 0  # the lr (both groups) drops x0.1 after this epoch; 0: at 2/3 of epochs
@@ -229,68 +211,9 @@ class Config(RunConfig):
 
 
 # ============================================================================================
-# Data: DETR's augmentation (multi-scale resize, random size crop) with torchvision v2; targets
-# as DETR's loss wants them: normalised (cx, cy, w, h)
+# Data: DETR's augmentation (multi-scale resize, random size crop) with torchvision v2 and targets as
+# DETR's loss wants them, normalised (cx, cy, w, h): recipes/detr_data.py; the datasets are built in main()
 # ============================================================================================
-class RandomSizeCrop:
-    """DETR's crop: width and height drawn uniformly in ``[low, min(image side, high)]``, at a random
-    position. Boxes are clipped to the crop; those left empty go at SanitizeBoundingBoxes (DETR's
-    rule). Called by ``v2.Compose`` with ``(image, target)``; randomness from torch's generator
-    (seeded per sample by DetectionDataset). Written here because v2.RandomCrop takes a fixed size."""
-
-    def __init__(self, low: int, high: int) -> None:
-        self.low, self.high = low, high
-
-    def __call__(self, image, target):
-        h, w = image.shape[-2:]
-        ch = int(torch.randint(min(self.low, h), min(h, self.high) + 1, ()))
-        cw = int(torch.randint(min(self.low, w), min(w, self.high) + 1, ()))
-        top, left = int(torch.randint(h - ch + 1, ())), int(torch.randint(w - cw + 1, ()))
-        return TF.crop(image, top, left, ch, cw), {**target, "boxes": TF.crop(target["boxes"], top, left, ch, cw)}
-
-
-def data_transforms(cfg: Config, train: bool) -> v2.Compose:
-    """Box-aware ``(PIL image, {"boxes", "labels"}) -> (normalised float image [3, H, W], target)``,
-    no padding (the collate pads each batch to its largest image and returns the padding mask).
-
-    train: horizontal flip, then with probability ``crop`` DETR's crop branch, else a resize of the
-    shorter side to one of ``scales`` (longer side at most ``max_size``). eval: the last scale.
-    """
-    steps: list = [v2.ToImage()]
-    if train:
-        if cfg.hflip > 0:
-            steps.append(v2.RandomHorizontalFlip(cfg.hflip))
-        resize = v2.RandomShortestSize(
-            cfg.scales, cfg.max_size, antialias=True
-        )  # DETR's RandomResize(scales, max_size)
-        if cfg.crop > 0:
-            cropped = v2.Compose(
-                [v2.RandomShortestSize(cfg.crop_resize, antialias=True), RandomSizeCrop(*cfg.crop_size), resize]
-            )
-            steps.append(v2.RandomChoice([resize, cropped], p=[1 - cfg.crop, cfg.crop]))
-        else:
-            steps.append(resize)
-    else:
-        steps.append(v2.RandomShortestSize([cfg.scales[-1]], cfg.max_size, antialias=True))  # one choice: deterministic
-    steps += [
-        v2.ClampBoundingBoxes(),
-        v2.SanitizeBoundingBoxes(min_size=1.0),
-        v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ]
-    return v2.Compose(steps)
-
-
-def detr_collate(batch):
-    """common/detection's collate (images [B, 3, H, W] padded right and bottom, mask [B, H, W] True
-    on padding), with each target's ``boxes`` as normalised (cx, cy, w, h) [N, 4] of the image's own
-    unpadded ``size`` (DETR's convention: the padding is not part of the image). Runs in the workers."""
-    images, mask, targets = collate(batch)
-    for t in targets:
-        h, w = t["size"]
-        boxes = box_convert(t["boxes"].as_subclass(torch.Tensor).float(), "xyxy", "cxcywh")
-        t["boxes"] = boxes / torch.tensor([w, h, w, h], dtype=torch.float32)
-    return images, mask, targets
 
 
 # ============================================================================================
@@ -357,26 +280,8 @@ def create_criterion(cfg: Config, num_classes: int) -> SetCriterion:
 
 
 # ============================================================================================
-# Evaluation and saving
+# Evaluation (detect: recipes/detr_model.py)
 # ============================================================================================
-def detect(model: nn.Module | OnnxModel, loader, accelerator) -> Iterator[list[dict[str, Any]]]:
-    """Per batch of ``loader``, per image: ``image_id`` and the detections (``boxes`` XYXY in the original
-    image's pixels, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode, or its ONNX
-    export (boxes in the resized image's pixels, taken back to the original's)."""
-    for images, mask, targets in loader:
-        orig = torch.tensor([t["orig_size"] for t in targets])
-        if isinstance(model, OnnxModel):
-            boxes, scores, labels = (t.to(images.device) for t in model(images, mask))
-            found = [
-                {"boxes": rescale_boxes(b, t["size"], t["orig_size"]), "scores": s, "labels": c}
-                for b, s, c, t in zip(boxes, scores, labels, targets)
-            ]
-        else:
-            with torch.no_grad(), accelerator.autocast():
-                found = postprocess(model(images, mask), orig)
-        yield [{"image_id": t["image_id"], **d} for d, t in zip(found, targets)]
-
-
 def evaluate(
     model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator
 ) -> tuple[dict[str, float], EvalDetails]:
@@ -408,49 +313,6 @@ MODEL_FIELDS = (
 )
 
 
-def trained_model(cfg: Config, data: DetectionData | None = None) -> tuple[nn.Module, dict[str, Any]]:
-    """The DETR of ``cfg.weights`` (eval mode) and the file's metadata (classes, category ids), which
-    must be those of ``data`` when given."""
-    state, meta = load_weights(cfg.weights, "detector")
-    check_classes(cfg.weights, meta, data)
-    plain = dataclasses.replace(cfg, pretrained=False, init_backbone="")
-    return load_state(create_model(plain, len(meta["classes"])), state, cfg.weights, meta["recipe"]).eval(), meta
-
-
-def predict(cfg: Config, run: Run) -> dict[str, float]:
-    """``--predict``: the detections of the ``--weights`` model (or ONNX file) on the images ``cfg.predict`` names."""
-    if is_onnx(cfg.weights):
-        model, meta = OnnxModel(cfg.weights), read_metadata(cfg.weights)
-    else:
-        model, meta = trained_model(cfg)
-        model = model.to(run.accelerator.device)
-    table, batches = prediction_batches(
-        run, cfg.predict, data_transforms(cfg, False), detr_collate, 2 * cfg.batch_size, cfg.num_workers
-    )
-    return save_predictions(run, detect(model, batches, run.accelerator), table, meta, cfg.predict_score, cfg.predict)
-
-
-def export_files(model: nn.Module, cfg: Config, meta: dict[str, Any], folder: Path, recipe: str) -> dict[str, float]:
-    """``model.onnx`` in ``folder``: images [B, 3, H, W] (shorter side resized to the last of ``scales``,
-    normalised with the ImageNet mean and std, padded right and bottom) and mask [B, H, W] (True on the
-    padding) -> boxes [B, Q, 4] XYXY in each unpadded image's pixels, scores [B, Q], labels [B, Q]; any
-    batch and size. Checked against eager on pictures of common.export_check.CHECK_SIZES, alone and in one padded
-    batch: every query's box, score and class."""
-    saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
-    saved["preprocessing"] = json.dumps(
-        {"shorter_side": cfg.scales[-1], "max_size": cfg.max_size, "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
-    )
-    images = torch.randn(2, 3, cfg.scales[-1], cfg.scales[-1] + 32, generator=torch.Generator().manual_seed(0))
-    mask = torch.zeros(2, *images.shape[-2:], dtype=torch.bool)
-    mask[1, :, -32:] = True  # the second image is narrower
-    spatial = {"images": {0: "batch", 2: "height", 3: "width"}, "mask": {0: "batch", 1: "height", 2: "width"}}
-    names = ["boxes", "scores", "labels"]
-    checks = batched_checks(data_transforms(cfg, False), detr_collate, ["images", "mask"])
-    read = Detections(lambda out: list(zip(*out)))  # every query: DETR has no threshold and no NMS
-    example = {"images": images, "mask": mask}
-    return export_model(Exported(model), example, names, folder, saved, spatial, checks=checks, detections=read)
-
-
 # ============================================================================================
 # Training
 # ============================================================================================
@@ -478,10 +340,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     check_config(cfg)
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
-    if cfg.predict:
-        return predict(cfg, run)
+    if cfg.predict:  # detections.json and pictures for the images it names (recipes/detr_inference.py)
+        return predict(cfg, run, create_model)
     if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W's export, no data read
-        model, meta = trained_model(cfg)
+        model, meta = trained_model(cfg, create_model)
         return export(run, lambda folder: export_files(model, cfg, meta, folder, run.recipe))
 
     # ---- data ------------------------------------------------------------------------------
@@ -499,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=detr_collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
-        model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)
+        model, eval_loader = accelerator.prepare(trained_model(cfg, create_model, data)[0], eval_loader)
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
     train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed, max([*cfg.scales, *cfg.crop_resize]))
@@ -541,12 +403,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- optimizer and schedules (AdamW; the backbone at lr_backbone, weight decay on everything) ----
     backbone = [p for p in model.backbone.parameters() if p.requires_grad]
     rest = [p for n, p in model.named_parameters() if not n.startswith("backbone.") and p.requires_grad]
+    # the group's "lr_scale" is its factor on the scheduled lr (common.schedules.set_group_values): the backbone's
+    # peak is lr_backbone carried to the global batch by the same factor as lr
     groups = [
         {"params": rest, "lr_scale": 1.0},
         {"params": backbone, "lr_scale": cfg.lr_backbone / cfg.lr if cfg.lr else 0.0},
     ]
+    peak = cfg.peak_lr(accelerator.num_processes)  # lr carried from lr_batch images to the global batch
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
+    optimizer = torch.optim.AdamW(groups, lr=peak, weight_decay=cfg.weight_decay, **fused)
     mark_fsdp_blocks(model)  # FSDP: each repeated block its own shard unit (configs/accelerate/fsdp.yaml)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     if units := fsdp_units(model):  # FSDP: the root and the blocks marked above
@@ -558,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # DETR: constant, x0.1 after lr_drop epochs (here with an optional linear warmup from 0)
     lr_values = schedule(
         "step",
-        cfg.lr,
+        peak,
         0.0,
         total_steps,
         round(cfg.warmup_epochs * steps_per_epoch),
@@ -626,11 +491,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         save_weights(weights, run.dir / "final.safetensors", cfg, **saved_as)
         sizes = (len(train_set), len(eval_set))
         # a step that fails is one line after the summary with the command that redoes it; the next still runs
-        with run.guarded("model folder"):
-            write_detector_folder(run, to_dict(cfg), data.classes, sizes, loop.best_for_card(cfg.best_metric))
+        with run.guarded("model folder"):  # <run>/model, what --push_to_hub uploads at the run's finish
+            write_model_folder(run, cfg, data.classes, sizes, loop.best_for_card(cfg.best_metric))
     if cfg.export and accelerator.is_main_process:
         with run.guarded("export", run.export_command(kept_weights(run.dir))):
-            kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
+            kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))), create_model)
             write = lambda folder: export_files(kept, cfg, meta, folder, run.recipe)  # noqa: E731
             results.update(export(run, write, loop.step))
     if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)

@@ -6,7 +6,8 @@
 - ``HungarianMatcher``: predictions to targets one to one at the lowest cost (scipy), per layer.
 - ``SetCriterion``: cross-entropy (no-object down-weighted), L1 and GIoU of matched boxes, per layer,
   as a dict of terms with the ``weight_dict`` that sums them.
-- ``postprocess``: outputs -> scores, labels and boxes in each image's original pixels.
+- ``postprocess``: outputs -> scores, labels and boxes in each image's original pixels; ``detect``: a
+  model's (or its ONNX export's) detections on a loader, for the evaluation and ``--predict``.
 
 Tensor shapes are in the docstrings: B images, Q queries, C classes, T_i targets of image i, L decoder
 layers, d the transformer width.
@@ -15,15 +16,20 @@ layers, d the transformer width.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from accelerate import Accelerator
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 from torchvision.ops import box_convert, generalized_box_iou
 
 from common import UserError
+from common.boxes import rescale_boxes
+from common.export import OnnxModel
 
 
 # ============================================================================================
@@ -331,7 +337,7 @@ class SetCriterion(nn.Module):
 
 
 # ============================================================================================
-# Post-processing: outputs -> detections in the original image's pixels
+# Post-processing: outputs -> detections in the original image's pixels (evaluation, --predict)
 # ============================================================================================
 @torch.no_grad()
 def detections(outputs: dict, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -351,6 +357,25 @@ def postprocess(outputs: dict, orig_sizes: torch.Tensor) -> list[dict[str, torch
     ``{scores [Q], labels [Q], boxes [Q, 4]}``."""
     boxes, scores, labels = detections(outputs, orig_sizes)
     return [{"scores": s, "labels": c, "boxes": b} for s, c, b in zip(scores, labels, boxes)]
+
+
+def detect(model: nn.Module | OnnxModel, loader: Iterable, accelerator: Accelerator) -> Iterator[list[dict[str, Any]]]:
+    """Per batch of ``loader`` (recipes/detr_data.py's collate: images, mask, targets), per image: ``image_id``
+    and the detections (``boxes`` XYXY in the original image's pixels, ``scores``, ``labels`` as class indices
+    0..C-1); the model in eval mode, or its ONNX export (boxes in the resized image's pixels, taken back to the
+    original's)."""
+    for images, mask, targets in loader:
+        orig = torch.tensor([t["orig_size"] for t in targets])
+        if isinstance(model, OnnxModel):
+            boxes, scores, labels = (t.to(images.device) for t in model(images, mask))
+            found = [
+                {"boxes": rescale_boxes(b, t["size"], t["orig_size"]), "scores": s, "labels": c}
+                for b, s, c, t in zip(boxes, scores, labels, targets)
+            ]
+        else:
+            with torch.no_grad(), accelerator.autocast():
+                found = postprocess(model(images, mask), orig)
+        yield [{"image_id": t["image_id"], **d} for d, t in zip(found, targets)]
 
 
 class Exported(nn.Module):

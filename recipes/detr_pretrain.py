@@ -33,7 +33,7 @@ from common.schedules import schedule, set_group_values, weight_decay_groups
 # ============================================================================================
 class BoxCropDataset(torch.utils.data.Dataset):
     """Every box of a normalised detection dataset as a classification sample ``(image [3, size, size]
-    float normalised with the ImageNet mean and std as detr.py's data_transforms does, class index)``, cut by
+    float normalised with the ImageNet mean and std as detr_data.py's data_transforms does, class index)``, cut by
     ``crop_box`` (crowd regions and boxes under 1 px left out).
 
     ``shift`` > 0 (training): the window moves by up to that fraction of its side on each axis, drawn

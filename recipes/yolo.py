@@ -9,13 +9,14 @@ that already overlap a ground truth (IoU > ``ignore_iou``) are not punished for 
 four losses are GluonCV's: objectness BCE, centre BCE, scale L1 and class BCE, box terms weighted
 by ``2 - w*h`` (box area over image area) so small boxes count more.
 The model, the target assignment, the losses and NMS are in recipes/yolo_model.py; the transforms,
-the multi-scale sampler and k-means anchors in recipes/yolo_data.py.
+the multi-scale sampler and k-means anchors in recipes/yolo_data.py; loading a trained model back,
+prediction, export and the model folder in recipes/yolo_inference.py.
 
 Training as GluonCV trains YOLOv3: warmup then cosine (or step) learning rate per step, SGD with
 momentum or AdamW, no weight decay on biases and norms, model EMA, mosaic and mixup that switch
 off for the last epochs, multi-scale batches, gradient accumulation, fp16/bf16, clipping.
-Evaluation is COCO mAP (common/coco_eval.py); the best weights by mAP are kept; the final model is
-exported with ``torch.export`` and to ONNX, and both are checked against the eager model.
+Evaluation is COCO mAP (common/coco_eval.py); the best weights by mAP are kept, and they are what is
+exported with ``torch.export`` and to ONNX, both checked against the eager model.
 
 Launch (defaults = the built-in ``digits_det`` scenes, cs3darknet_s at 96 px, strides 4/8/16, one
 anchor per level: digits of 12-47 px are 1-3 cells at strides 8/16/32, too coarse for a cell's
@@ -32,10 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -52,42 +52,29 @@ import random
 
 import numpy as np
 import torch
-from torch import nn
-from torchvision.ops import clip_boxes_to_image
 
 from common import UserError
-from common.boxes import rescale_boxes
 from common.coco_eval import CocoEvaluator, EvalDetails
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, to_dict
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
 from common.data import with_label_fraction
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection, prediction_batches
-from common.detection_outputs import check_classes, per_class_text, report_evaluation, save_predictions
+from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
+from common.detection_outputs import per_class_text, report_evaluation
 from common.ema import ModelEma
-from common.export import OnnxModel, export, export_model, is_onnx
-from common.export_check import Detections, batched_checks
+from common.export import export
 from common.image_cache import cache_images
 from common.loaders import eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
-from common.model_folder import write_detector_folder
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
 from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from common.weights import (
-    config_with_weights,
-    kept_weights,
-    load_backbone,
-    load_state,
-    load_weights,
-    read_metadata,
-    save_weights,
-    weights_metadata,
-)
+from common.weights import config_with_weights, kept_weights, load_backbone, save_weights
 
 with own_files("yolo_"):  # YOLO's own files, beside this one: copy them with it (README, "Your own recipe")
     from yolo_data import MultiScaleBatchSampler, detection_transforms, kmeans_anchors  # its data helpers
-    from yolo_model import LOSS_TERMS, Exported, YOLOv3, postprocess, yolo_loss  # its model and loss
+    from yolo_inference import export_files, predict, trained_model, write_model_folder  # what a run ships
+    from yolo_model import LOSS_TERMS, YOLOv3, detect, yolo_loss  # its model, loss and detections
 
 
 # ============================================================================================
@@ -134,9 +121,13 @@ class Config(RunConfig):
     batch_size: int = 16  # images per process and micro-step, all at one multiscale size; global batch = this x
     #   processes x grad_accum_steps
     opt: Literal["adamw", "sgd"] = "adamw"  # adamw, or sgd with momentum (GluonCV: sgd, lr 1e-3 per 64 images)
-    lr: float = 4e-3  # peak learning rate (not scaled by batch size)
+    lr: float = 4e-3  # peak learning rate for a global batch of lr_batch images, carried to the run's global
+    #   batch by lr_scale
+    lr_batch: int = 16  # the global batch lr is written for (the demo's: batch_size 16, 1 process)
+    lr_scale: Literal["linear", "sqrt"] = "sqrt"  # sqrt: peak = lr x sqrt(global batch / lr_batch), timm's rule for
+    #   adam-type optimizers; linear (peak = lr x global batch / lr_batch) with opt sgd, as GluonCV
     min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules
-    warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to lr over warmup_epochs
+    warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to the peak over warmup_epochs
     warmup_epochs: float = 1.0  # linear warmup length in epochs (fractions allowed)
     sched: Literal["cosine", "step", "linear", "poly", "constant"] = "cosine"  # learning rate after warmup:
     #   cosine to min_lr (GluonCV), x decay_rate at decay_milestones (step), linear (poly = linear here), constant
@@ -334,28 +325,8 @@ def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor, notes: li
 
 
 # ============================================================================================
-# Evaluation (NMS: postprocess in recipes/yolo_model.py), prediction and export
+# Evaluation (detect and its NMS: recipes/yolo_model.py)
 # ============================================================================================
-@torch.no_grad()
-def detect(model: YOLOv3 | OnnxModel, loader, accelerator, cfg: Config) -> Iterator[list[dict[str, Any]]]:
-    """Per batch of ``loader``, per image: ``image_id`` and the detections (``boxes`` XYXY in the original
-    image's pixels, clipped to it, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode,
-    or its ONNX export (the same boxes and scores before NMS)."""
-    unwrapped = accelerator.unwrap_model(model) if isinstance(model, nn.Module) else None
-    for images, _, targets in loader:
-        if unwrapped is None:
-            boxes, scores = (t.to(images.device) for t in model(images))
-        else:
-            with accelerator.autocast():
-                raw = model(images)
-            boxes, scores = unwrapped.decode(raw, images.shape[-2], images.shape[-1])  # fp32
-        predictions = postprocess(boxes, scores, cfg.conf_threshold, cfg.nms_iou, cfg.max_detections)
-        for p, t in zip(predictions, targets):  # letterbox padding and cells at the border reach past the image
-            p["boxes"] = clip_boxes_to_image(rescale_boxes(p["boxes"], t["size"], t["orig_size"]), t["orig_size"])
-            p["image_id"] = t["image_id"]
-        yield predictions
-
-
 def evaluate(
     model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config
 ) -> tuple[dict[str, float], EvalDetails]:
@@ -364,7 +335,8 @@ def evaluate(
     was_training = model.training  # the EMA copy stays in eval mode, the trained model goes back to train
     model.eval()
     average_bn_statistics(model, accelerator)  # each process's BN statistics saw its own batches: their mean
-    results = evaluator.evaluate(detect(model, eval_loader, accelerator, cfg), accelerator, details=True)
+    found = detect(model, eval_loader, accelerator, cfg.conf_threshold, cfg.nms_iou, cfg.max_detections)
+    results = evaluator.evaluate(found, accelerator, details=True)
     model.train(was_training)
     return results
 
@@ -384,52 +356,6 @@ MODEL_FIELDS = (
 )
 
 
-def trained_model(cfg: Config, data: Any = None) -> tuple[YOLOv3, dict[str, Any]]:
-    """The YOLO of ``cfg.weights`` (eval mode) and the file's metadata (classes, category ids), which
-    must be those of ``data`` when given."""
-    state, meta = load_weights(cfg.weights, "YOLO", tensors=["anchors"])
-    check_classes(cfg.weights, meta, data)
-    anchors = state["anchors"].flip(0).reshape(-1, 2)  # stored large-stride level first; create_model takes small first
-    model = create_model(dataclasses.replace(cfg, pretrained=False, init_backbone=""), len(meta["classes"]), anchors)
-    return load_state(model, state, cfg.weights, meta["recipe"]).eval(), meta
-
-
-def predict(cfg: Config, run: Run) -> dict[str, float]:
-    """``--predict``: the detections of the ``--weights`` model (or ONNX file) on the images ``cfg.predict`` names."""
-    if is_onnx(cfg.weights):
-        model, meta = OnnxModel(cfg.weights), read_metadata(cfg.weights)
-    else:
-        model, meta = trained_model(cfg)
-        model = model.to(run.accelerator.device)
-    transform = detection_transforms(False, cfg.img_size, preset=cfg.augment)  # as the evaluation saw images
-    table, batches = prediction_batches(run, cfg.predict, transform, collate, 2 * cfg.batch_size, cfg.num_workers)
-    found = detect(model, batches, run.accelerator, cfg)
-    return save_predictions(
-        run, found, table, meta, cfg.predict_score, cfg.predict, ("conf_threshold", cfg.conf_threshold)
-    )
-
-
-def export_files(model: YOLOv3, cfg: Config, meta: dict[str, Any], folder: Path, recipe: str) -> dict[str, float]:
-    """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S] (letterboxed to img_size,
-    0..1, normalised with the ImageNet mean and std) -> boxes [B, N, 4] XYXY in those pixels and
-    class scores [B, N, C]; NMS (``postprocess``) follows outside the graph. Checked against eager on
-    pictures of common.export_check.CHECK_SIZES letterboxed, alone and in one batch: the detections after NMS."""
-    saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
-    saved["preprocessing"] = json.dumps({"letterbox": cfg.img_size, "mean": IMAGENET_MEAN, "std": IMAGENET_STD})
-    example = torch.rand(2, 3, cfg.img_size, cfg.img_size, generator=torch.Generator().manual_seed(0))
-    checks = batched_checks(detection_transforms(False, cfg.img_size, preset=cfg.augment), collate, ["images"])
-    read = Detections(
-        lambda out: [
-            (d["boxes"], d["scores"], d["labels"])
-            for d in postprocess(*out, cfg.conf_threshold, cfg.nms_iou, cfg.max_detections)
-        ],
-        cfg.conf_threshold,
-        cfg.max_detections,
-    )
-    names, every = ["boxes", "scores"], {"scores": "probability"}  # and every raw score, with or without a box
-    return export_model(Exported(model), {"images": example}, names, folder, saved, None, False, checks, every, read)
-
-
 # ============================================================================================
 # Training
 # ============================================================================================
@@ -443,10 +369,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
     accelerator = run.accelerator
-    if cfg.predict:
-        return predict(cfg, run)
+    if cfg.predict:  # detections.json and pictures for the images it names (recipes/yolo_inference.py)
+        return predict(cfg, run, create_model)
     if cfg.export and cfg.weights and not cfg.eval_only:  # --export --weights W: W's export, no data read
-        model, meta = trained_model(cfg)
+        model, meta = trained_model(cfg, create_model)
         return export(run, lambda folder: export_files(model, cfg, meta, folder, run.recipe))
 
     # ---- data ------------------------------------------------------------------------------
@@ -466,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
-        model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)
+        model, eval_loader = accelerator.prepare(trained_model(cfg, create_model, data)[0], eval_loader)
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
     # the training transforms at an input size: every batch's images are transformed at the size
@@ -516,11 +442,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- optimizer and schedules (no weight decay on biases and norms) --------------------------
     groups = weight_decay_groups(model, cfg.weight_decay)
+    peak = cfg.peak_lr(accelerator.num_processes)  # lr carried from lr_batch images to the global batch
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     if cfg.opt == "adamw":
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **fused)
+        optimizer = torch.optim.AdamW(groups, lr=peak, **fused)
     else:
-        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **fused)
+        optimizer = torch.optim.SGD(groups, lr=peak, momentum=cfg.momentum, **fused)
     if cfg.ema_decay > 0 and accelerator.distributed_type.name == "FSDP":
         raise UserError("model EMA keeps a full replica and cannot follow FSDP's sharded weights; set --ema_decay 0")
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
@@ -537,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
     lr_values = schedule(
         cfg.sched,
-        cfg.lr,
+        peak,
         cfg.min_lr,
         total_steps,
         round(cfg.warmup_epochs * steps_per_epoch),
@@ -608,11 +535,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # what leaves the project is the best (evaluated) weights. A step that fails is one line after the
         # summary with the command that redoes it; the steps after it still run.
         sizes, kept = (len(train_set), len(eval_set)), kept_weights(run.dir)
-        with run.guarded("model folder"):
-            write_detector_folder(run, to_dict(cfg), data.classes, sizes, loop.best_for_card(cfg.best_metric))
+        with run.guarded("model folder"):  # <run>/model, what --push_to_hub uploads at the run's finish
+            write_model_folder(run, cfg, data.classes, sizes, loop.best_for_card(cfg.best_metric))
         if cfg.export:
             with run.guarded("export", run.export_command(kept)):
-                model_kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept)))
+                model_kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept)), create_model)
                 write = lambda folder: export_files(model_kept, cfg, meta, folder, run.recipe)  # noqa: E731
                 results.update(export(run, write, loop.step))
     if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)

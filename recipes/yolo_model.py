@@ -1,19 +1,26 @@
 """YOLO's model and loss, beside recipes/yolo.py (as recipes/yolo_data.py holds its data helpers):
 the YOLOv3 feature pyramid on a timm ``features_only`` backbone with its per-size tables and box
 decoding, the exported wrapper (images -> boxes, scores), GluonCV's target assignment and four
-losses, and the NMS post-processing. recipes/yolo.py builds the model from its Config
-(``create_model``) and imports the rest; copy yolo.py, yolo_data.py and yolo_model.py together.
+losses, the NMS post-processing and ``detect`` (a model's detections on a loader, for the evaluation and
+``--predict``). recipes/yolo.py builds the model from its Config (``create_model``) and imports the rest;
+copy yolo.py and its yolo_*.py files together.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from accelerate import Accelerator
 from torch import nn
-from torchvision.ops import batched_nms
+from torchvision.ops import batched_nms, clip_boxes_to_image
+
+from common.boxes import rescale_boxes
+from common.export import OnnxModel
 
 # YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they
 # are at every input size.
@@ -234,7 +241,7 @@ def yolo_loss(
 
 
 # ============================================================================================
-# Evaluation helpers: NMS post-processing
+# Detection: NMS post-processing, and a model's detections on a loader (evaluation, --predict)
 # ============================================================================================
 @torch.no_grad()
 def postprocess(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: float, max_det: int) -> list[dict]:
@@ -249,3 +256,31 @@ def postprocess(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: flo
         keep = batched_nms(bx[idx], s, cls, iou)[:max_det]
         results.append({"boxes": bx[idx[keep]], "scores": s[keep], "labels": cls[keep]})
     return results
+
+
+@torch.no_grad()
+def detect(
+    model: YOLOv3 | OnnxModel,
+    loader: Iterable,
+    accelerator: Accelerator,
+    conf_threshold: float,
+    nms_iou: float,
+    max_detections: int,
+) -> Iterator[list[dict[str, Any]]]:
+    """Per batch of ``loader`` (common.detection's collate: images, mask, targets), per image: ``image_id``
+    and the detections (``boxes`` XYXY in the original image's pixels, clipped to it, ``scores``, ``labels``
+    as class indices 0..C-1) after :func:`postprocess` with ``conf_threshold``, ``nms_iou`` and
+    ``max_detections``; the model in eval mode, or its ONNX export (the same boxes and scores before NMS)."""
+    unwrapped = accelerator.unwrap_model(model) if isinstance(model, nn.Module) else None
+    for images, _, targets in loader:
+        if unwrapped is None:
+            boxes, scores = (t.to(images.device) for t in model(images))
+        else:
+            with accelerator.autocast():
+                raw = model(images)
+            boxes, scores = unwrapped.decode(raw, images.shape[-2], images.shape[-1])  # fp32
+        predictions = postprocess(boxes, scores, conf_threshold, nms_iou, max_detections)
+        for p, t in zip(predictions, targets):  # letterbox padding and cells at the border reach past the image
+            p["boxes"] = clip_boxes_to_image(rescale_boxes(p["boxes"], t["size"], t["orig_size"]), t["orig_size"])
+            p["image_id"] = t["image_id"]
+        yield predictions

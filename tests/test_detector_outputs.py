@@ -369,7 +369,7 @@ def test_yolo_clips_its_boxes_to_the_original_image(monkeypatch):
     import torch
     from accelerate import Accelerator
 
-    yolo = load_recipe("yolo")
+    import yolo_model  # where detect and its NMS live, beside the recipe
 
     class Model(torch.nn.Module):
         def forward(self, images):
@@ -383,8 +383,8 @@ def test_yolo_clips_its_boxes_to_the_original_image(monkeypatch):
         "scores": torch.tensor([0.9]),
         "labels": torch.tensor([0]),
     }
-    monkeypatch.setattr(yolo, "postprocess", lambda *args: [dict(box)])
+    monkeypatch.setattr(yolo_model, "postprocess", lambda *args: [dict(box)])
     loader = [(torch.zeros(1, 3, 64, 64), None, [{"image_id": 1, "size": (64, 64), "orig_size": (32, 48)}])]
-    (batch,) = list(yolo.detect(Model(), loader, Accelerator(cpu=True), yolo.Config()))
+    (batch,) = list(yolo_model.detect(Model(), loader, Accelerator(cpu=True), 0.01, 0.45, 100))
     # x scales by 48 / 64, y by 32 / 64: [-6, 5, 52.5, 20] before clipping to 48 x 32
     assert batch[0]["boxes"].tolist() == [[0.0, 5.0, 48.0, 20.0]] and batch[0]["image_id"] == 1

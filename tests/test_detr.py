@@ -1,4 +1,4 @@
-"""recipes/detr.py with detr_model.py and detr_pretrain.py beside it: the Hungarian matcher against
+"""recipes/detr.py with detr_data.py, detr_model.py and detr_pretrain.py beside it: the Hungarian matcher against
 brute force, each loss term against hand-computed values, auxiliary losses, the sine position encoding
 under padding, post-processing back to pixels, the box-crop pre-training data, bad input, and a
 shortened default run through the entry point that learns the built-in scenes."""
@@ -26,6 +26,7 @@ from conftest import (
     run_recipe,
     scene_files,
 )
+from detr_data import data_transforms, detr_collate
 from detr_model import HungarianMatcher, SetCriterion, detections, postprocess, sine_position_encoding  # the recipe's
 from detr_pretrain import BoxCropDataset, CropClassifier
 
@@ -208,7 +209,7 @@ def test_postprocess_round_trips_boxes_to_original_pixels():
     from torchvision import tv_tensors
 
     cfg = parse_config(detr.Config, [])
-    transform = detr.data_transforms(cfg, train=False)
+    transform = data_transforms(cfg, train=False)
     boxes = [[[4.0, 6.0, 30.0, 40.0], [50.0, 10.0, 79.0, 59.0]], [[10.0, 20.0, 60.0, 90.0]]]
     sizes = [(60, 80), (120, 70)]  # (h, w)
     batch = []
@@ -222,7 +223,7 @@ def test_postprocess_round_trips_boxes_to_original_pixels():
         assert max(out.shape[-2:]) <= cfg.max_size
         t.update(image_id=0, orig_size=(h, w), dropped=0, size=tuple(out.shape[-2:]))
         batch.append((out, t))
-    images, mask, targets = detr.detr_collate(batch)
+    images, mask, targets = detr_collate(batch)
     assert images.shape[0] == 2 and mask.shape == (2, *images.shape[-2:])
     assert int((~mask[0]).sum()) == batch[0][0].shape[-1] * batch[0][0].shape[-2]  # True on padding only
     queries = 3
@@ -544,3 +545,28 @@ def test_positions_costs_and_detections_are_fp32_under_autocast(dtype):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
     assert float(want[2].max()) > 1000  # boxes in the pixels of the 1216 px wide image
     assert all(torch.equal(a, b) for p, q in zip(pairs, want_pairs) for a, b in zip(p, q))
+
+
+# the processes each shipped config's header writes it for (its batch_size and grad_accum_steps are in the file)
+PROCESSES = {
+    "coco_r50": 16,
+    "cppe5": 8,
+    "digits_det": 1,
+    "digits_det_dino": 1,
+    "digits_det_pretrained": 1,
+    "own_photos": 1,
+}
+
+
+def test_each_config_peaks_at_its_lr_on_the_machine_it_is_written_for():
+    """lr (and lr_backbone, by the same factor) is the peak for lr_batch images: on the machine a config's
+    header names, the run peaks at lr as written; another global batch by the square root of the ratio."""
+    from conftest import ROOT
+
+    folder = ROOT / "configs" / "detr"
+    assert set(PROCESSES) == {p.stem for p in folder.glob("*.yaml")}
+    for name, processes in PROCESSES.items():
+        cfg = parse_config(detr.Config, ["--config", str(folder / f"{name}.yaml")])
+        assert cfg.peak_lr(processes) == cfg.lr and cfg.lr_scale == "sqrt", name
+    cfg = parse_config(detr.Config, ["--batch_size", "4"])  # a quarter of the demo's batch: half its peak
+    assert cfg.peak_lr(1) == pytest.approx(cfg.lr / 2)

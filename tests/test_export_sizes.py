@@ -50,7 +50,7 @@ def _detect(recipe, name: str, cfg, model, accelerator) -> list[dict]:
     for k, (image, target) in enumerate(prepared(transform, photos())):
         target.update(image_id=k, orig_size=CHECK_SIZES[k])
         batches = [collate([(image, target)])]
-        args = (cfg,) if name == "yolo" else ()
+        args = (cfg.conf_threshold, cfg.nms_iou, cfg.max_detections) if name == "yolo" else ()
         found += [d for batch in recipe.detect(model, batches, accelerator, *args) for d in batch]
     return found
 

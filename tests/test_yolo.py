@@ -601,3 +601,22 @@ def test_grids_decoding_and_assignment_are_fp32_under_autocast(dtype):
     for k in want:
         assert got[k].dtype == want[k].dtype, k
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5)
+
+
+# the processes each shipped config's header writes it for (its batch_size and grad_accum_steps are in the file)
+PROCESSES = {"coco_cspdarknet53": 8, "voc_darknet53": 8, "digits_det": 1, "digits_det_dino": 1, "own_photos": 1}
+
+
+def test_each_config_peaks_at_its_lr_on_the_machine_it_is_written_for():
+    """lr is the peak for lr_batch images: on the machine a config's header names, the run peaks at lr as
+    written; SGD carries it to another global batch linearly, AdamW by the square root."""
+    from conftest import ROOT
+
+    folder = ROOT / "configs" / "yolo"
+    assert set(PROCESSES) == {p.stem for p in folder.glob("*.yaml")}
+    for name, processes in PROCESSES.items():
+        cfg = parse_config(yolo.Config, ["--config", str(folder / f"{name}.yaml")])
+        assert cfg.peak_lr(processes) == cfg.lr, name
+        assert cfg.lr_scale == ("linear" if cfg.opt == "sgd" else "sqrt"), name
+    cfg = parse_config(yolo.Config, ["--batch_size", "4"])  # a quarter of the demo's batch: half its AdamW peak
+    assert cfg.peak_lr(1) == pytest.approx(cfg.lr / 2)
