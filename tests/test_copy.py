@@ -68,7 +68,7 @@ def test_without_common_a_copied_recipe_says_how_to_install_it(tmp_path):
     assert list(script.parent.iterdir()) == [script]
 
 
-@pytest.mark.parametrize("name", ["detr", "yolo", "dino"])
+@pytest.mark.parametrize("name", ["detr", "yolo", "dino", "faster_rcnn"])
 def test_a_recipe_copied_without_its_own_files_says_which(name, tmp_path):
     """Copied alone, without the files that carry its name: one line naming the first missing one, exit 2."""
     (tmp_path / "work").mkdir()

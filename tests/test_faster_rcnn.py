@@ -1,6 +1,6 @@
-"""recipes/faster_rcnn.py: the aspect-ratio batch sampler, the weighted loss, the
-model's geometry (boxes back in input pixels, normalisation once), bad input, and the default
-run through the entry point learning the built-in scenes."""
+"""recipes/faster_rcnn.py with faster_rcnn_model.py and faster_rcnn_data.py beside it: the aspect-ratio batch
+sampler, the weighted loss, the model's geometry (boxes back in input pixels, normalisation once), bad input, and
+the default run through the entry point learning the built-in scenes."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 from common.config import parse_config
 from common.weights import read_metadata
 from conftest import assert_pictures, check, error_line, load_recipe, run_recipe
+from faster_rcnn_data import AspectRatioBatchSampler, data_transforms, has_boxes  # the files beside the recipe
+from faster_rcnn_model import LOSS_NAMES, PRESETS, TwoStageDetector, create_model
 
 frcnn = load_recipe("faster_rcnn")
-AspectRatioBatchSampler = frcnn.AspectRatioBatchSampler
 
 # 40 landscape (w / h = 1.5: group 5 of torchvision's 8) and 24 portrait images (0.75: group 2), interleaved
 RATIOS = [1.5 if i % 8 < 5 else 0.75 for i in range(64)]
@@ -87,13 +88,13 @@ def test_model_returns_the_four_terms_under_the_recipes_names():
         {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)},
     ]  # a negative image
     losses = model(images, targets)
-    assert list(losses) == list(frcnn.LOSS_NAMES.values())
+    assert list(losses) == list(LOSS_NAMES.values())
     assert all(v.ndim == 0 and torch.isfinite(v) and v >= 0 for v in losses.values())
 
 
-def _model() -> frcnn.TwoStageDetector:
+def _model() -> TwoStageDetector:
     torch.manual_seed(0)
-    return frcnn.create_model(parse_config(frcnn.Config, []), num_classes=10)
+    return create_model(parse_config(frcnn.Config, []), num_classes=10)
 
 
 def test_model_normalises_once_and_returns_boxes_in_input_pixels():
@@ -102,7 +103,7 @@ def test_model_normalises_once_and_returns_boxes_in_input_pixels():
     from common.detection import IMAGENET_MEAN, IMAGENET_STD
 
     cfg = parse_config(frcnn.Config, ["--min_size", "128", "--max_size", "128"])
-    model = frcnn.create_model(cfg, num_classes=10).eval()
+    model = create_model(cfg, num_classes=10).eval()
     image = torch.rand(3, 96, 64)
     batch, _ = model.transform([image])
     assert tuple(batch.image_sizes[0]) == (128, 85)  # shorter side 64 -> 128 would make 192 > max 128
@@ -114,7 +115,7 @@ def test_model_normalises_once_and_returns_boxes_in_input_pixels():
     ]
     back = model.transform.postprocess(detections, batch.image_sizes, [(96, 64)])
     assert back[0]["boxes"][0].tolist() == pytest.approx([0.0, 0.0, 64.0, 96.0])
-    train_tf = frcnn.data_transforms(True, 0.0, False)
+    train_tf = data_transforms(True, 0.0, False)
     from PIL import Image
     from torchvision import tv_tensors
 
@@ -130,7 +131,7 @@ def test_the_resized_size_is_computed_exactly_in_integers():
     the other side rounded down exactly, on sizes where a float scale rounds a pixel apart (the graph's
     float32 gives 799 rows for 750 x 1000); training resizes the target boxes with the image."""
     cfg = parse_config(frcnn.Config, ["--min_size", "800", "--max_size", "1333"])
-    transform = frcnn.create_model(cfg, num_classes=2).transform.eval()
+    transform = create_model(cfg, num_classes=2).transform.eval()
     for (h, w), expected in {(750, 1000): (800, 1066), (183, 245): (800, 1071), (1000, 100): (1333, 133)}.items():
         batch, _ = transform([torch.rand(3, h, w)])
         assert tuple(batch.image_sizes[0]) == expected, (h, w)
@@ -175,7 +176,7 @@ def test_default_run_learns_the_builtin_scenes(default_run):
     meta = read_metadata(run / "best.safetensors")
     cfg = parse_config(frcnn.Config, [])
     assert meta["recipe"] == "faster_rcnn" and meta["config"]["model"] == cfg.model and len(meta["classes"]) == 10
-    model = frcnn.create_model(cfg, 10)
+    model = create_model(cfg, 10)
     model.load_state_dict(safetensors.torch.load_file(str(run / "best.safetensors")))
 
 
@@ -199,7 +200,7 @@ def test_bad_input_is_a_user_error(args, message):
     cfg = parse_config(frcnn.Config, args)
     with pytest.raises(UserError, match=message):
         frcnn.check_config(cfg)
-        frcnn.create_model(cfg, 10)
+        create_model(cfg, 10)
 
 
 def test_bad_input_is_one_clear_line(tmp_path, capsys):
@@ -212,7 +213,7 @@ def test_proposals_and_boxes_stay_fp32_under_bf16_autocast():
     """torchvision's BoxCoder decodes in the regression's dtype, casting the anchors and proposals to
     it: under bf16 autocast every box would be rounded to 2-8 px on COCO-sized images. The recipe's
     heads hand their regressions over in fp32, so proposals and detections stay fp32."""
-    model = frcnn.create_model(
+    model = create_model(
         parse_config(frcnn.Config, ["--min_size", "800", "--max_size", "1333", "--box_score_thresh", "0"]),
         num_classes=10,
     ).eval()
@@ -237,7 +238,7 @@ def test_anchors_are_fp32_under_autocast(model, dtype):
     from torchvision.models.detection.image_list import ImageList
 
     args = [] if model == "default" else ["--model", model, "--model_kwargs", "{}", "--anchor_sizes", "[]"]
-    generator = frcnn.create_model(parse_config(frcnn.Config, args), num_classes=10).rpn.anchor_generator
+    generator = create_model(parse_config(frcnn.Config, args), num_classes=10).rpn.anchor_generator
     batch = ImageList(torch.zeros(2, 3, 800, 1216), [(800, 1216), (780, 1200)])
     shapes = [(2, 8, 800 // 2**i, 1216 // 2**i) for i in range(2, 2 + len(generator.sizes))]
     reference = generator(batch, [torch.zeros(s) for s in shapes])
@@ -294,12 +295,12 @@ def test_images_without_a_box_to_learn_are_told_apart():
     def objects(boxes, crowd=None):
         return {"bbox": boxes, "iscrowd": crowd or [0] * len(boxes)}
 
-    assert frcnn.has_boxes(objects([[0, 0, 5, 5]]))
-    assert frcnn.has_boxes(objects([[0, 0, 1, 9], [3, 3, 2, 2]]))  # one good box is enough
-    assert not frcnn.has_boxes(objects([]))
-    assert not frcnn.has_boxes(objects([[0, 0, 1, 9], [4, 4, 9, 0.5]]))  # every box at most 1 px on a side
-    assert not frcnn.has_boxes(objects([[0, 0, 20, 20]], [1]))  # crowd regions are never targets
-    assert frcnn.has_boxes(objects([[0, 0, 20, 20], [30, 30, 8, 8]], [1, 0]))
+    assert has_boxes(objects([[0, 0, 5, 5]]))
+    assert has_boxes(objects([[0, 0, 1, 9], [3, 3, 2, 2]]))  # one good box is enough
+    assert not has_boxes(objects([]))
+    assert not has_boxes(objects([[0, 0, 1, 9], [4, 4, 9, 0.5]]))  # every box at most 1 px on a side
+    assert not has_boxes(objects([[0, 0, 20, 20]], [1]))  # crowd regions are never targets
+    assert has_boxes(objects([[0, 0, 20, 20], [30, 30, 8, 8]], [1, 0]))
 
 
 def _saved_detection(folder, train_boxes, train_crowd=None):
@@ -366,15 +367,15 @@ def _sampled(model) -> tuple:
 
 def test_budgets_left_empty_are_the_models_own_and_a_set_value_wins():
     preset = ["--model", "fasterrcnn_resnet50_fpn", "--model_kwargs", "{}", "--anchor_sizes", "[]"]
-    assert _sampled(frcnn.create_model(parse_config(frcnn.Config, preset), 10)) == (
+    assert _sampled(create_model(parse_config(frcnn.Config, preset), 10)) == (
         [2000, 1000],
         [2000, 1000],
         256,
         512,
     )
     mobile = ["--model", "fasterrcnn_mobilenet_v3_large_320_fpn", "--model_kwargs", "{}", "--anchor_sizes", "[]"]
-    assert _sampled(frcnn.create_model(parse_config(frcnn.Config, mobile), 10)) == ([2000, 150], [2000, 150], 256, 512)
-    demo = frcnn.create_model(parse_config(frcnn.Config, []), 10)
+    assert _sampled(create_model(parse_config(frcnn.Config, mobile), 10)) == ([2000, 150], [2000, 150], 256, 512)
+    demo = create_model(parse_config(frcnn.Config, []), 10)
     assert _sampled(demo) == ([200, 200], [100, 100], 128, 32)  # the demo's, as before these fields could be empty
     explicit = [
         "--rpn_pre_nms_top_n",
@@ -388,7 +389,7 @@ def test_budgets_left_empty_are_the_models_own_and_a_set_value_wins():
     ]
     for base in (preset, []):
         cfg = parse_config(frcnn.Config, base + explicit)
-        assert _sampled(frcnn.create_model(cfg, 10)) == ([300, 250], [60, 50], 64, 16)
+        assert _sampled(create_model(cfg, 10)) == ([300, 250], [60, 50], 64, 16)
     from common import UserError
 
     with pytest.raises(UserError, match=r"rpn_pre_nms_top_n takes two positive numbers \[train, eval\], or \[\]"):
@@ -413,7 +414,7 @@ def test_presets_take_the_imagenet_v1_backbone_of_torchvisions_reference(monkeyp
         calls.append(kwargs)
         raise Built
 
-    for name in frcnn.PRESETS:
+    for name in PRESETS:
         monkeypatch.setattr(torchvision.models.detection, name, builder)
     for name, weights in [
         ("fasterrcnn_resnet50_fpn", ResNet50_Weights.IMAGENET1K_V1),
@@ -428,7 +429,7 @@ def test_presets_take_the_imagenet_v1_backbone_of_torchvisions_reference(monkeyp
         ):
             cfg = parse_config(frcnn.Config, ["--model", name, "--model_kwargs", "{}", *flags])
             with pytest.raises(Built):
-                frcnn.create_model(cfg, 10)
+                create_model(cfg, 10)
             assert (calls[-1]["weights"], calls[-1]["weights_backbone"]) == expected, (name, flags)
     assert ResNet50_Weights.DEFAULT != ResNet50_Weights.IMAGENET1K_V1  # why "DEFAULT" would not be the reference's
     assert FasterRCNN_ResNet50_FPN_Weights.DEFAULT == FasterRCNN_ResNet50_FPN_Weights.COCO_V1
@@ -453,7 +454,7 @@ def test_freeze_at_counts_a_presets_stages_as_torchvision_does(monkeypatch):
         calls.append(kwargs)
         raise Built
 
-    for name in frcnn.PRESETS:
+    for name in PRESETS:
         monkeypatch.setattr(torchvision.models.detection, name, builder)
     trainable = {}
     for name in ("fasterrcnn_resnet50_fpn", "fasterrcnn_mobilenet_v3_large_fpn"):
@@ -473,7 +474,7 @@ def test_freeze_at_counts_a_presets_stages_as_torchvision_does(monkeypatch):
             )
             frcnn.check_config(cfg)
             with pytest.raises(Built):
-                frcnn.create_model(cfg, 10)
+                create_model(cfg, 10)
             trainable[name, freeze_at] = calls[-1]["trainable_backbone_layers"]
 
     def frozen(module):
