@@ -1,9 +1,11 @@
 """DETR: recipes/detr.py against a loop written as DETR's reference writes it, side by side.
 
 reference  facebookresearch/detr's ``train_one_epoch`` on the recipe's model and criterion (same initial
-           weights), data (``detr_collate``) and lr schedule: ``AdamW`` on two groups (backbone at
-           ``lr_backbone``), the lr written every step, ``clip_grad_norm_``, fp32, and every step the box
-           count read with ``.item()`` and ``.item()`` of the total and of every term (its MetricLogger).
+           weights), data (``data_transforms``, ``detr_collate`` of recipes/detr_data.py) and lr schedule:
+           ``AdamW`` on two groups (backbone at ``lr_backbone``, both carried from ``lr_batch`` images to the
+           batch as the recipe carries them), the lr written every step, ``clip_grad_norm_``, fp32, and every
+           step the box count read with ``.item()`` and ``.item()`` of the total and of every term (its
+           MetricLogger).
 recipe     its ``main()`` without the backbone pre-training stage: Accelerate, the config's precision,
            on-device meters and guard (the matcher's one copy of the cost matrices to the host is its sync).
 In fp32 the last-interval losses agree closely. Timing and report: benchmarks/timing.py.
@@ -24,7 +26,7 @@ import argparse
 
 import torch
 
-import timing  # same folder; puts the repository root on sys.path
+import timing  # same folder; puts the repository root and recipes/ on sys.path
 
 
 def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
@@ -32,30 +34,35 @@ def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
 
     from common.detection import DetectionDataset, load_detection
     from common.loaders import train_loader_for
+    from common.schedules import schedule
+    from detr_data import data_transforms, detr_collate  # beside the recipe (timing puts recipes/ on sys.path)
 
     device = torch.device(args.device)
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
-    train_set = DetectionDataset(data.train, recipe.data_transforms(cfg, True), cfg.seed)
-    loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1, collate_fn=recipe.detr_collate)
+    side = max([*cfg.scales, *cfg.crop_resize])  # as the recipe: JPEGs decoded reduced to its largest size
+    train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed, side)
+    loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1, collate_fn=detr_collate)
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
     model = recipe.create_model(cfg, len(data.classes)).to(device).train()
     criterion = recipe.create_criterion(cfg, len(data.classes)).to(device)
     weight_dict = criterion.weight_dict
     backbone = [p for p in model.backbone.parameters() if p.requires_grad]
     rest = [p for n, p in model.named_parameters() if not n.startswith("backbone.") and p.requires_grad]
+    peak = cfg.peak_lr(1)  # as the recipe: lr and lr_backbone carried from lr_batch images by one factor
+    peaks = (peak, cfg.lr_backbone * peak / cfg.lr if cfg.lr else 0.0)
     optimizer = torch.optim.AdamW(
-        [{"params": rest, "lr": cfg.lr}, {"params": backbone, "lr": cfg.lr_backbone}],
-        lr=cfg.lr,
+        [{"params": rest, "lr": peaks[0]}, {"params": backbone, "lr": peaks[1]}],
+        lr=peak,
         weight_decay=cfg.weight_decay,
     )
     spe = len(loader)
     drop = (cfg.lr_drop_epochs or -(-2 * cfg.epochs // 3)) * spe
-    factor = recipe.schedule("step", 1.0, 0.0, args.steps, round(cfg.warmup_epochs * spe), 0.0, [drop], 0.1)
+    factor = schedule("step", 1.0, 0.0, args.steps, round(cfg.warmup_epochs * spe), 0.0, [drop], 0.1)
 
     def train_step(step: int, batch) -> tuple[float, int]:
         images, mask = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
         targets = [{"boxes": t["boxes"].to(device), "labels": t["labels"].to(device)} for t in batch[2]]
-        for group, base in zip(optimizer.param_groups, (cfg.lr, cfg.lr_backbone)):
+        for group, base in zip(optimizer.param_groups, peaks):
             group["lr"] = base * float(factor[step])
         outputs = model(images, mask)
         torch.as_tensor(float(sum(len(t["labels"]) for t in targets)), device=device).item()  # num_boxes

@@ -1,11 +1,12 @@
 """DINO: recipes/dino.py against a loop written as the DINO reference code writes it, side by side.
 
 reference  ``main_dino.py``'s ``train_one_epoch`` as written (facebookresearch/dino), on the recipe's
-           student (``create_student``; the teacher a copy without drop path), ``DINOLoss``, data
-           (``MultiCrop``) and schedules: ``AdamW(foreach=False)`` (one parameter at a time, as in its
-           era), lr and weight decay written every step, ``isfinite(loss.item())``, ``clip_gradients`` (a
-           Python loop, one ``.item()`` per parameter), ``cancel_gradients_last_layer``, the teacher EMA
-           as a Python loop, ``synchronize()`` and ``loss.item()`` every step; fp32, or on CUDA under
+           student and teacher (``create_student``, ``create_teacher`` of recipes/dino_model.py), ``DINOLoss``,
+           data (``MultiCrop``, reduced decoding), peak lr and schedules: ``AdamW(foreach=False)`` (one
+           parameter at a time, as in its era), lr and weight decay written every step,
+           ``isfinite(loss.item())``, ``clip_gradients`` (a Python loop, one ``.item()`` per parameter),
+           ``cancel_gradients_last_layer``, the teacher EMA as a Python loop, ``synchronize()`` and
+           ``loss.item()`` every step; fp32, or on CUDA under
            mixed precision fp16 autocast + ``GradScaler`` (the reference's ``--use_fp16``; no bf16).
 recipe     its ``main()``: fused AdamW on CUDA, foreach clipping and EMA, no per-step sync, optional
            ``--compile`` (this side only); its step-0 and final kNN evaluations fall outside the timing.
@@ -24,12 +25,11 @@ model on ``digits``, batch 32, 1 worker, 4 repeats of 20 steps; about 3.5 minute
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 
 import torch
 
-import timing  # same folder; puts the repository root on sys.path
+import timing  # same folder; puts the repository root and recipes/ on sys.path
 
 
 def clip_gradients(model: torch.nn.Module, clip: float) -> None:  # the reference's utils.clip_gradients
@@ -46,23 +46,25 @@ def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
     from common.data import ClassificationDataset, load_classification
+    from common.detection import detection_images
+    from common.images import needed_side
     from common.loaders import train_loader_for
-    from common.schedules import schedule
+    from common.schedules import schedule, weight_decay_groups
+    from dino_model import create_teacher  # beside the recipe (timing puts recipes/ on sys.path)
 
     device = torch.device(args.device)
-    data = load_classification(
-        cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed
+    data = detection_images(cfg.data, cfg.train_split, cfg.seed) or load_classification(
+        cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed, labels=False
+    )  # as the recipe: unlabelled images
+    crops = [(cfg.global_size, cfg.global_scale[0]), (cfg.local_size, cfg.local_scale[0])]
+    side = max(needed_side(size, scale, (3 / 4, 4 / 3)) for size, scale in crops)  # as the recipe decodes
+    train_set = ClassificationDataset(
+        data.train, data.image_column, data.label_column, recipe.MultiCrop(cfg), cfg.seed, side
     )
-    train_set = ClassificationDataset(data.train, data.image_column, data.label_column, recipe.MultiCrop(cfg), cfg.seed)
     data_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1)
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
     student = recipe.create_student(cfg).to(device)
-    teacher = copy.deepcopy(student).requires_grad_(False)  # "no backpropagation through the teacher"
-    for m in teacher.modules():  # the reference builds it without drop path (drop_path_rate 0)
-        if hasattr(m, "drop_prob"):
-            m.drop_prob = 0.0
-        elif isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    teacher = create_teacher(student)  # "no backpropagation through the teacher", no drop path
     dino_loss = recipe.DINOLoss(
         cfg.out_dim,
         2 + cfg.local_crops,
@@ -74,7 +76,7 @@ def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
         cfg.center_momentum,
     )
     dino_loss.to(device)
-    groups = recipe.weight_decay_groups(student, cfg.weight_decay)  # = utils.get_params_groups
+    groups = weight_decay_groups(student, cfg.weight_decay)  # = utils.get_params_groups
     optimizer = (
         torch.optim.AdamW(groups, foreach=False)
         if cfg.opt == "adamw"
@@ -82,9 +84,7 @@ def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     )
     fp16_scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda" and cfg.mixed_precision != "no")
     steps_per_epoch = len(data_loader)
-    lr_schedule = schedule(
-        "cosine", cfg.lr * cfg.batch_size / 256, cfg.min_lr, args.steps, round(cfg.warmup_epochs * steps_per_epoch)
-    )
+    lr_schedule = schedule("cosine", cfg.peak_lr(1), cfg.min_lr, args.steps, round(cfg.warmup_epochs * steps_per_epoch))
     wd_schedule = schedule("cosine", cfg.weight_decay, cfg.weight_decay_end, args.steps)
     momentum_schedule = schedule("cosine", cfg.momentum_teacher, 1.0, args.steps)
     student.train()

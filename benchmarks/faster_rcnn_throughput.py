@@ -1,9 +1,10 @@
 """Faster R-CNN: recipes/faster_rcnn.py against a bare PyTorch loop, side by side.
 
-bare    a plain loop on the recipe's model (``create_model``, same initial weights), data
-        (``AspectRatioBatchSampler``, ``list_collate``), parameter groups and lr schedule: ``SGD``, the lr
-        written every step, the plain sum of the four losses, ``clip_grad_norm_``, fp32, ``loss.item()``
-        every step.
+bare    a plain loop on the recipe's model (``create_model`` of recipes/faster_rcnn_model.py, same initial
+        weights), data (its training images, ``data_transforms``, ``AspectRatioBatchSampler``,
+        ``list_collate`` of recipes/faster_rcnn_data.py), parameter groups and lr schedule: ``SGD``, the lr
+        written every step, the plain sum of the four losses, ``clip_grad_norm_``, fp32, ``loss.item()`` every
+        step.
 recipe  its ``main()``: Accelerate, the config's precision and loss weights, on-device meters and guard.
 In fp32 the last-interval losses agree closely (torchvision's samplers draw from the global RNG, which the
 sides seed alike but do not consume identically). Timing and report: benchmarks/timing.py.
@@ -23,7 +24,7 @@ import argparse
 
 import torch
 
-import timing  # same folder; puts the repository root on sys.path
+import timing  # same folder; puts the repository root and recipes/ on sys.path
 
 
 def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
@@ -31,27 +32,33 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
 
     from common.detection import DetectionDataset, load_detection
     from common.loaders import loader_kwargs
+    from common.schedules import schedule, weight_decay_groups
+    from faster_rcnn_data import AspectRatioBatchSampler, data_transforms, has_boxes, list_collate  # beside the recipe
+    from faster_rcnn_model import create_model
 
     device = torch.device(args.device)
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
-    train_set = DetectionDataset(data.train, recipe.data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed)
-    sampler = recipe.AspectRatioBatchSampler(
-        [w / h for w, h in zip(data.train["width"], data.train["height"])], cfg.batch_size, cfg.seed
-    )
+    if not cfg.keep_empty:  # as the recipe: only images with a box to learn
+        data.train = data.train.select([i for i, o in enumerate(data.train["objects"]) if has_boxes(o)])
+    train_tf = data_transforms(True, cfg.hflip, cfg.color_jitter)
+    train_set = DetectionDataset(data.train, train_tf, cfg.seed, max(cfg.min_size))  # decoded reduced, as the recipe
+    aspect = [w / h for w, h in zip(data.train["width"], data.train["height"])]
+    sampler = AspectRatioBatchSampler(aspect, cfg.batch_size, cfg.seed, True, 1, cfg.aspect_ratio_group_factor)
     loader = torch.utils.data.DataLoader(
-        train_set, batch_sampler=sampler, collate_fn=recipe.list_collate, **loader_kwargs(cfg.num_workers)
+        train_set, batch_sampler=sampler, collate_fn=list_collate, **loader_kwargs(cfg.num_workers)
     )
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
-    model = recipe.create_model(cfg, len(data.classes)).to(device).train()
-    optimizer = torch.optim.SGD(recipe.weight_decay_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=cfg.momentum)
+    model = create_model(cfg, len(data.classes)).to(device).train()
+    peak = cfg.peak_lr(1)  # as the recipe: lr carried from lr_batch images to the batch
+    optimizer = torch.optim.SGD(weight_decay_groups(model, cfg.weight_decay), lr=peak, momentum=cfg.momentum)
     spe = len(loader)
-    lr = recipe.schedule(
+    lr = schedule(
         cfg.sched,
-        cfg.lr,
+        peak,
         0.0,
         args.steps,
         round(cfg.warmup_epochs * spe),
-        cfg.lr * cfg.warmup_factor,
+        peak * cfg.warmup_factor,
         [m * spe for m in cfg.decay_milestones],
         cfg.decay_rate,
         cfg.poly_power,

@@ -1,17 +1,18 @@
 """Peak memory of DINO's kNN evaluation as the bank grows: it must grow with images x feature size.
 
-Each measurement runs in a fresh process: the kNN evaluation of recipes/dino.py (common.knn: fp32
+Each measurement runs in a fresh process: the kNN evaluation of recipes/dino.py (dino_knn.py: fp32
 features of a ViT-Tiny at 224 px, the raw-pixel baseline at 32 px, the query-chunked top k) over a bank
 of N generated 224 px labelled images and 100 queries, and reports how far the process's anonymous
 resident memory rose above where it started (the memory-mapped dataset's file pages left out).
-The same is measured for the whole-image pixel bank that the raw-pixel baseline used to gather
-(N x 3 x 224 x 224 floats). Printed side by side: the extra memory of 1,800 over 300 bank images.
+The same is measured for a whole-image pixel bank (N x 3 x 224 x 224 floats), which the raw-pixel
+baseline at 32 px avoids. Printed side by side: the extra memory of 1,800 over 300 bank images.
 
     python benchmarks/knn_memory.py            # about 3 minutes on 2 CPU cores
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -73,14 +74,13 @@ def measure(folder: str, bank_images: int, mode: str) -> float:
     import torch
 
     from common.data import ClassificationDataset
-    from common.knn import extract, knn_accuracy, knn_predict
     from common.loaders import eval_loader_for
 
     torch.manual_seed(0)
     table = datasets.load_from_disk(folder).cast_column("image", datasets.Image(decode=False))
     total = bank_images + 100
     sys.path.insert(0, str(ROOT / "recipes"))
-    from dino import eval_transform  # the recipe's kNN transform: resize 256, centre crop 224
+    from dino_knn import eval_transform, extract, knn_accuracy, knn_predict  # the recipe's kNN: resize 256, crop 224
 
     tf = eval_transform(224, 256)
     bank = ClassificationDataset(table.select(range(bank_images)), "image", "label", tf)
@@ -103,6 +103,7 @@ def measure(folder: str, bank_images: int, mode: str) -> float:
 def main() -> None:
     import tempfile
 
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options: --help only
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         make_images(Path(tmp) / "images", 1900)

@@ -20,10 +20,9 @@ px) for ``--steps`` steps on the 4032x3024 and on the 1008x756 folders and print
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,9 +30,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: common/, recipes/
-for _key, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("WANDB_MODE", "offline")):
-    os.environ.setdefault(_key, _value)
+import timing  # same folder; puts the repository root and recipes/ on sys.path, the hubs offline
 
 SIZES = {"4032x3024": (4032, 3024), "1008x756": (1008, 756), "500x375": (500, 375)}
 
@@ -62,13 +59,6 @@ def write_sets(root: Path, count: int) -> dict[str, Path]:
                 folder / f"{i}.jpg", quality=92
             )
     return {name: root / name for name in SIZES}
-
-
-def rate(call, count: int) -> float:
-    start = time.perf_counter()
-    for i in range(count):
-        call(i)
-    return count / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -106,11 +96,8 @@ def main() -> None:
                 "full": lambda i, ds=full: ds[(0, i)],
                 "timm": lambda i, files=paths: transform(Image.open(files[i]).convert("RGB")),
             }
-            rates = {k: [] for k in sides}
-            for r in range(args.repeats):
-                for k in list(sides) if r % 2 == 0 else list(sides)[::-1]:
-                    rates[k].append(rate(sides[k], len(table)))
-            med = {k: statistics.median(v) for k, v in rates.items()}
+            passes = {k: functools.partial(timing.per_second, call, len(table)) for k, call in sides.items()}
+            med = timing.alternate(passes, args.repeats)  # one pass over the set per side and repeat, ABBA order
             ours_rates[name] = med["ours"]
             ratio = med["ours"] / med["timm"]
             print(
@@ -118,7 +105,6 @@ def main() -> None:
             )
         print(f"ours, 4032x3024 / 1008x756: {ours_rates['4032x3024'] / ours_rates['1008x756']:.2f}")
         if args.end_to_end:
-            sys.path.append(str(Path(__file__).resolve().parents[1] / "recipes"))
             import classifier
 
             speeds = {}

@@ -1,9 +1,10 @@
 """Classifier: recipes/classifier.py against a bare PyTorch loop, side by side (the recipe's overhead).
 
 bare    the loop a PyTorch tutorial writes, on the recipe's model (``create_model``, same initial weights)
-        and data (the config's dataset and transforms, ``ClassificationDataset``, ``train_loader_for``):
-        ``torch.optim.AdamW`` over timm's no-weight-decay groups (fused on CUDA, as the recipe) at a
-        constant lr, ``CrossEntropyLoss``, ``torch.autocast`` (and a ``GradScaler`` for fp16); no sync.
+        and data (the config's dataset, the recipe's ``create_transforms`` of recipes/classifier_model.py
+        and reduced decoding, ``ClassificationDataset``, ``train_loader_for``): ``torch.optim.AdamW`` over
+        timm's no-weight-decay groups (fused on CUDA, as the recipe) at the recipe's peak lr, constant,
+        ``CrossEntropyLoss``, ``torch.autocast`` (and a ``GradScaler`` for fp16); no sync.
 recipe  its ``main()``: Accelerate's prepared model, optimizer and loader, the per-step lr, meters,
         non-finite guard, progress bar, stop checks. Target: recipe / bare >= 0.97 (images/s).
 ``--synthetic`` (default on CUDA, where 32-px digits starve the GPU): random ``img_size``-px JPEGs,
@@ -22,15 +23,16 @@ import argparse
 
 import torch
 
-import timing  # same folder; puts the repository root on sys.path
+import timing  # same folder; puts the repository root and recipes/ on sys.path
 
 
 def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
-    from timm.data import create_transform, resolve_data_config
     from timm.optim import param_groups_weight_decay
 
+    from classifier_model import create_transforms  # beside the recipe (timing puts recipes/ on sys.path)
     from common.data import ClassificationDataset, load_classification
+    from common.images import needed_side
     from common.loaders import train_loader_for
 
     device = torch.device(args.device)
@@ -40,24 +42,13 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model = recipe.create_model(cfg, len(data.classes)).to(device, memory_format=memory_format).train()
-    data_cfg = resolve_data_config(
-        {"input_size": (3, cfg.img_size, cfg.img_size), "crop_pct": cfg.crop_pct, "interpolation": cfg.interpolation},
-        model=model,
-    )
-    train_tf = create_transform(
-        **data_cfg,
-        is_training=True,
-        scale=tuple(cfg.scale),
-        ratio=tuple(cfg.ratio),
-        hflip=cfg.hflip,
-        color_jitter=cfg.color_jitter or None,
-        auto_augment=cfg.auto_augment or None,
-        re_prob=cfg.reprob,
-    )
-    train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed)
+    train_tf, _ = create_transforms(cfg, model)
+    side = needed_side(cfg.img_size, cfg.scale[0], cfg.ratio)  # as the recipe: JPEGs decoded reduced for the crop
+    train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed, side)
     loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1)
     fused = {"fused": True} if device.type == "cuda" else {}
-    optimizer = torch.optim.AdamW(param_groups_weight_decay(model, cfg.weight_decay), lr=cfg.lr, **fused)
+    lr = cfg.peak_lr(1)  # the recipe's peak: lr carried from lr_batch images to the batch
+    optimizer = torch.optim.AdamW(param_groups_weight_decay(model, cfg.weight_decay), lr=lr, **fused)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.smoothing)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)

@@ -9,6 +9,10 @@ folder's ``metrics.jsonl``; its evaluation, checkpoint and saving at the end fal
 each run's images/s, data wait and last-interval loss; each side's median images/s and the ratio recipe /
 other side (above 1 = the recipe is faster); as checks against bursts of load, the ratio over all
 intervals pooled and the median of the per-repeat ratios.
+
+The benchmarks that time calls rather than training steps (inference.py, loader_throughput.py) share its
+ABBA order and rate: :func:`alternate`, :func:`per_second`. Importing it puts the repository root and
+recipes/ on ``sys.path`` (a bare loop imports the recipe's own pieces) and keeps the hubs offline.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: common/, recipes/
-sys.path.append(str(Path(__file__).resolve().parents[1] / "recipes"))  # the helpers a recipe imports from beside it
+# as pytest.ini's pythonpath: the repository root (common/), then recipes/, where a recipe is a script that
+# imports the files beside it (``yolo_model``) plainly; a benchmark imports a recipe as ``import_module("yolo")``
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "recipes")]
 for _key, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("WANDB_MODE", "offline")):
     os.environ.setdefault(_key, _value)
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -47,6 +53,29 @@ def total(run: Intervals, i: int) -> float:
 
 def rate(run: Intervals) -> float:
     return total(run, 1) / total(run, 0)
+
+
+def abba(sides: list[str], r: int) -> list[str]:
+    """The order of the sides in repeat ``r`` (from 0): as given, then reversed, and so on (A B, B A, A B, ...),
+    so that a drift of the machine's speed over the run weighs on every side alike."""
+    return sides if r % 2 == 0 else sides[::-1]
+
+
+def alternate(sides: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Median over ``repeats`` of each side's measurement (a rate: higher is faster), the sides in ABBA order."""
+    results: dict[str, list[float]] = {side: [] for side in sides}
+    for r in range(repeats):
+        for side in abba(list(sides), r):
+            results[side].append(sides[side]())
+    return {side: statistics.median(values) for side, values in results.items()}
+
+
+def per_second(call: Callable[[int], object], calls: int, items_per_call: int = 1) -> float:
+    """Items per second of ``call(0)``, ``call(1)``, ... ``call(calls - 1)``, host wall clock (no device sync)."""
+    start = time.perf_counter()
+    for i in range(calls):
+        call(i)
+    return calls * items_per_call / (time.perf_counter() - start)
 
 
 def timed_loop(args: argparse.Namespace, loader: Any, train_step: Callable[[int, Any], tuple[Any, int]]) -> Intervals:
@@ -97,7 +126,7 @@ def compare(
     the timing (no tracker, evaluation or checkpoint before the end). ``synthetic``: the config field giving
     the image size of ``--synthetic`` data (empty: no such flag)."""
     args = parse(doc, argv, steps, log_every, repeats, synthetic)
-    recipe = importlib.import_module(f"recipes.{recipe_name}")
+    recipe = importlib.import_module(recipe_name)  # recipes/<recipe_name>.py, the script (no side effects)
     from common import UserError
     from common.config import parse_config
 
@@ -138,7 +167,7 @@ def compare(
             n, size = (args.synthetic_batches or args.steps + 1) * cfg.batch_size, getattr(cfg, synthetic)
             argv, cfg = config(["--data", synthetic_images(Path(work) / "data", n, size)])
         for r in range(args.repeats):
-            for side in (other, "recipe")[:: -1 if r % 2 else 1]:
+            for side in abba([other, "recipe"], r):
                 torch.set_num_threads(args.threads)
                 wall = time.perf_counter()
                 run = other_run(args, recipe, cfg) if side == other else run_recipe(recipe, argv, work, r, args)

@@ -1,10 +1,10 @@
 """YOLO: recipes/yolo.py against a bare PyTorch loop, side by side.
 
 bare    the loop the usual YOLO training scripts write, on the recipe's model (``create_model`` with the
-        same anchors and initial weights), data (``YoloTrainSet``, ``train_collate``), loss (``yolo_loss``
-        of recipes/yolo_model.py, terms summed), parameter groups and lr schedule: ``AdamW`` (or SGD),
-        the lr written every step, ``clip_grad_norm_``, the same ``ModelEma``, fp32, and ``loss.item()``
-        every step.
+        same anchors and initial weights), data (``detection_transforms`` of recipes/yolo_data.py,
+        ``YoloTrainSet``, ``train_collate``), loss (``yolo_loss`` of recipes/yolo_model.py, terms summed),
+        parameter groups, peak lr and schedule: ``AdamW`` (or SGD), the lr written every step,
+        ``clip_grad_norm_``, the same ``ModelEma``, fp32, and ``loss.item()`` every step.
 recipe  its ``main()``: Accelerate, the config's precision and multi-scale (the bare side trains at
         ``img_size`` only: compare without it), on-device meters and guard (no per-step sync); no export.
 In fp32 the last-interval losses agree closely. Timing and report: benchmarks/timing.py.
@@ -19,10 +19,12 @@ Reproduce benchmarks/RESULTS.md (offline; the demo config, 4 repeats of 60 steps
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 
 import torch
 
-import timing  # same folder; puts the repository root on sys.path
+import timing  # same folder; puts the repository root and recipes/ on sys.path
 
 
 def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
@@ -31,35 +33,46 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from common.detection import DetectionDataset, load_detection
     from common.ema import ModelEma
     from common.loaders import train_loader_for
-    from yolo_model import yolo_loss  # beside the recipe (timing puts recipes/ on sys.path)
+    from common.schedules import schedule, weight_decay_groups
+    from yolo_data import detection_transforms  # beside the recipe (timing puts recipes/ on sys.path)
+    from yolo_model import yolo_loss
 
     device = torch.device(args.device)
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
-    train_tf = recipe.detection_transforms(
-        True, cfg.img_size, scale_range=tuple(cfg.scale_range), hflip=cfg.hflip, color_jitter=cfg.color_jitter
+    transform_at = functools.partial(  # the recipe's training transforms at an input size
+        detection_transforms,
+        True,
+        scale_range=tuple(cfg.scale_range),
+        hflip=cfg.hflip,
+        color_jitter=cfg.color_jitter,
+        preset=cfg.augment,
     )
+    # JPEGs decoded reduced as the recipe decodes them (its largest multi-scale size: the same decoding work)
+    largest = math.ceil(max([cfg.img_size, *cfg.multiscale]) * cfg.scale_range[1]) if cfg.augment == "letterbox" else 0
     train_set = recipe.YoloTrainSet(
-        DetectionDataset(data.train, train_tf, cfg.seed),
+        DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed, largest),
         cfg.img_size,
         cfg.mosaic,
         cfg.mixup,
         cfg.epochs - cfg.no_aug_epochs,
         cfg.seed,
+        transform_at,
     )
     loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1, collate_fn=recipe.train_collate)
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
     model = recipe.create_model(cfg, len(data.classes), recipe.anchors_for(cfg, data.train)).to(device).train()
-    groups = recipe.weight_decay_groups(model, cfg.weight_decay)
+    groups = weight_decay_groups(model, cfg.weight_decay)
+    peak = cfg.peak_lr(1)  # as the recipe: lr carried from lr_batch images to the batch
     optimizer = (
-        torch.optim.AdamW(groups, lr=cfg.lr)
+        torch.optim.AdamW(groups, lr=peak)
         if cfg.opt == "adamw"
-        else torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        else torch.optim.SGD(groups, lr=peak, momentum=cfg.momentum)
     )
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
     spe = len(loader)
-    lr = recipe.schedule(
+    lr = schedule(
         cfg.sched,
-        cfg.lr,
+        peak,
         cfg.min_lr,
         args.steps,
         round(cfg.warmup_epochs * spe),
