@@ -32,7 +32,7 @@ import timing  # same folder; puts the repository root and recipes/ on sys.path
 def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.detection import DetectionDataset, load_detection
+    from common.detection.data import DetectionDataset, load_detection
     from common.loaders import train_loader_for
     from common.schedules import schedule
     from detr_data import data_transforms, detr_collate  # beside the recipe (timing puts recipes/ on sys.path)

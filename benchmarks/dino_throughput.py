@@ -45,9 +45,9 @@ def clip_gradients(model: torch.nn.Module, clip: float) -> None:  # the referenc
 def reference_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.data import ClassificationDataset, load_classification
-    from common.detection import detection_images
-    from common.images import needed_side
+    from common.data.classification import ClassificationDataset, load_classification
+    from common.data.images import needed_side
+    from common.detection.data import detection_images
     from common.loaders import train_loader_for
     from common.schedules import schedule, weight_decay_groups
     from dino_model import create_teacher  # beside the recipe (timing puts recipes/ on sys.path)

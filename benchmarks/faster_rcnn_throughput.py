@@ -30,7 +30,7 @@ import timing  # same folder; puts the repository root and recipes/ on sys.path
 def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.detection import DetectionDataset, load_detection
+    from common.detection.data import DetectionDataset, load_detection
     from common.loaders import loader_kwargs
     from common.schedules import schedule, weight_decay_groups
     from faster_rcnn_data import AspectRatioBatchSampler, data_transforms, has_boxes, list_collate  # beside the recipe

@@ -130,7 +130,7 @@ def _write_class(job: tuple[Path, int, int, int, int]) -> None:
 def image_folder(train: int, val: int, size: int) -> Path:
     """The imagefolder ``train/<class>/*.jpg`` + ``validation/<class>/*.jpg`` (``train`` and ``val`` images in
     all, ``size`` px squares), written once into the built-in sets' cache and reused."""
-    from common.builtin.cache import cached_folder
+    from common.data.builtin.cache import cached_folder
 
     def write(folder: Path) -> None:
         jobs = [
@@ -146,7 +146,7 @@ def image_folder(train: int, val: int, size: int) -> Path:
 
 def tiny_coco(folder: Path) -> Path:
     """A COCO-json folder of the first scenes of the built-in digits_det (TINY_DETECTION of each split)."""
-    from common.builtin import DETECTION
+    from common.data.builtin import DETECTION
 
     source = DETECTION["digits_det"]()
     for split, count in TINY_DETECTION.items():

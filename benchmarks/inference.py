@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 import timing  # same folder; puts the repository root and recipes/ on sys.path
+from common.artifacts.export import OnnxModel
 from common.config import parse_config
-from common.export import OnnxModel
 
 RECIPES = ("classifier", "dino", "yolo", "detr", "faster_rcnn")
 CLASSES = [str(i) for i in range(10)]

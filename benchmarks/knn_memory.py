@@ -73,7 +73,7 @@ def measure(folder: str, bank_images: int, mode: str) -> float:
     import timm
     import torch
 
-    from common.data import ClassificationDataset
+    from common.data.classification import ClassificationDataset
     from common.loaders import eval_loader_for
 
     torch.manual_seed(0)

@@ -73,8 +73,8 @@ def main() -> None:
     import torch
     from timm.data import create_transform
 
-    from common.data import ClassificationDataset, load_classification
-    from common.images import needed_side
+    from common.data.classification import ClassificationDataset, load_classification
+    from common.data.images import needed_side
 
     torch.set_num_threads(1)  # one worker's share
     with tempfile.TemporaryDirectory() as tmp:

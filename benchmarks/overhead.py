@@ -31,8 +31,8 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from timm.optim import param_groups_weight_decay
 
     from classifier_model import create_transforms  # beside the recipe (timing puts recipes/ on sys.path)
-    from common.data import ClassificationDataset, load_classification
-    from common.images import needed_side
+    from common.data.classification import ClassificationDataset, load_classification
+    from common.data.images import needed_side
     from common.loaders import train_loader_for
 
     device = torch.device(args.device)

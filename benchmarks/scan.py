@@ -1,7 +1,7 @@
-"""The start's scan of every image (common/scan.py): seconds per 10,000 files, cold and cached.
+"""The start's scan of every image (common/data/scan.py): seconds per 10,000 files, cold and cached.
 
 Writes ``--files`` JPEGs of ``--size`` (default 500x375, ImageNet's typical size; a few of them broken)
-into a temporary folder once, then times :func:`common.scan.scan_files` on them: cold (no cache) with 1
+into a temporary folder once, then times :func:`common.data.scan.scan_files` on them: cold (no cache) with 1
 process and with ``--workers`` processes, then a second start (every answer from the cache, one
 ``stat`` per file). The cache lives in a temporary ``CV_RECIPES_CACHE`` for the run. Printed: seconds,
 and seconds per 10,000 files.
@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["CV_RECIPES_CACHE"] = str(Path(tmp) / "cache")
-        from common.scan import _cache_file, scan_files
+        from common.data.scan import _cache_file, scan_files
 
         start = time.perf_counter()
         paths = write_photos(Path(tmp), args.files, tuple(args.size))

@@ -30,7 +30,7 @@ import timing  # same folder; puts the repository root and recipes/ on sys.path
 def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from accelerate.utils import set_seed
 
-    from common.detection import DetectionDataset, load_detection
+    from common.detection.data import DetectionDataset, load_detection
     from common.ema import ModelEma
     from common.loaders import train_loader_for
     from common.schedules import schedule, weight_decay_groups

@@ -280,7 +280,9 @@ class Loop:
         means = self.meters.summary(self.accelerator, steps_left=self.total_steps - self.step)
         self.run.guard.check(self.accelerator, self.run.last_checkpoint)
         means.update({k: float(v) for k, v in values.items()})
-        replaced = getattr(getattr(self.train_loader.dataset, "replaced", None), "value", 0)  # common.data.ImageRows
+        replaced = getattr(
+            getattr(self.train_loader.dataset, "replaced", None), "value", 0
+        )  # common.data.classification.ImageRows
         if replaced:  # images that broke during the run, replaced (this process's count, since the start)
             means["replaced_images"] = float(replaced)
         if self.accelerator.device.type == "cuda":  # this process's peak since the start, GiB

@@ -80,11 +80,9 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     """The metadata of a weights file written by :func:`save_weights`: ``recipe`` (str), ``config``
     (dict), ``classes`` (list), ``category_ids`` (list; the class indices where the file has none) and
     ``mean``, ``std`` (the input normalisation, lists of 3 floats; None where the file does not say);
-    an unreadable file is one :class:`UserError`. An exported ONNX file (:mod:`common.export`) carries the
+    an unreadable file is one :class:`UserError`. An exported ONNX file (:mod:`common.artifacts.export`) carries the
     same metadata; a model folder's is that of its ``model.safetensors``."""
     import safetensors
-
-    from common.export import is_onnx, read_onnx_metadata
 
     path = weights_file(path)
     if is_onnx(path):
@@ -127,8 +125,6 @@ def load_weights(
     ``--predict``; a missing or unreadable file is one :class:`UserError`. With ``model_of`` (what the
     recipe trains, for the message), the file must be one: class names, and the ``tensors`` named."""
     import safetensors.torch
-
-    from common.export import is_onnx
 
     path = weights_file(path)
     if not path.is_file():
@@ -278,8 +274,6 @@ def weights_line(path: str | Path) -> str:
     it, and its tensor count (all of them load, or the model refuses the file)."""
     import safetensors
 
-    from common.export import is_onnx
-
     path = weights_file(path)
     if is_onnx(path):
         return f"weights '{path}'{saved_by(path)}: an ONNX file, run by ONNX Runtime"
@@ -292,3 +286,19 @@ def loaded_line(field: str, path: str | Path, loaded: int, new: int, what_new: s
     the model's tensors it filled and how many start new (``what_new`` names them)."""
     line = f"{field} '{path}'{saved_by(path)}: {counted(loaded, 'tensor')} loaded"
     return line + (f", {new} new ({what_new})" if new else "")
+
+
+def is_onnx(path: str | Path) -> bool:
+    """Whether ``path`` names an ONNX file (by its suffix), as ``--weights`` may."""
+    return Path(path).suffix.lower() == ".onnx"
+
+
+def read_onnx_metadata(path: str | Path) -> dict[str, str]:
+    """The ``metadata_props`` of an ONNX file (strings); an unreadable file is one :class:`UserError`."""
+    import onnx
+
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as e:
+        raise UserError(f"weights '{path}' could not be read as ONNX: {type(e).__name__}: {e}") from None
+    return {p.key: p.value for p in proto.metadata_props}

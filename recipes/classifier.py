@@ -40,19 +40,19 @@ from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTarget
 from timm.optim import create_optimizer_v2
 
 from common import UserError
+from common.artifacts.export import export
+from common.artifacts.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optimizers
 from common.console import cli_main, own_files
-from common.data import ClassificationDataset, load_classification, with_label_fraction
+from common.data.classification import ClassificationDataset, load_classification, with_label_fraction
+from common.data.image_cache import cache_images
+from common.data.images import needed_side
+from common.data.scan import without_unreadable
 from common.ema import ModelEma
-from common.export import export
-from common.figures import format_table, plot_confusion_matrix, save_table_csv
-from common.image_cache import cache_images
-from common.images import needed_side
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
-from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values
 from common.weights import config_with_weights, kept_weights, load_backbone, read_metadata, save_weights
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data = load_classification(
             cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed
         )
-    # every image checked once before the first step: unreadable ones are left out and listed (common/scan.py)
+    # every image checked once before the first step: unreadable ones are left out and listed (common/data/scan.py)
     data = without_unreadable(run, data, data.image_column, train=not cfg.eval_only)
     data = with_label_fraction(run, data, data.label_column)  # --train_fraction: a seeded share of the labels
     num_classes = len(data.classes)
@@ -323,11 +323,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_tf, eval_tf = create_transforms(cfg, model)
     data_cfg = data_config(cfg, model)  # the weights files record the normalisation, for whoever starts from them
     saved_as = {"classes": data.classes, "recipe": run.recipe, "normalization": (data_cfg["mean"], data_cfg["std"])}
-    # camera-size JPEGs decoded reduced, as far as the crops still find img_size pixels (common/images.py)
+    # camera-size JPEGs decoded reduced, as far as the crops still find img_size pixels (common/data/images.py)
     sides = needed_side(cfg.img_size, cfg.scale[0], cfg.ratio), needed_side(cfg.img_size, crop_pct=data_cfg["crop_pct"])
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed, sides[0])
     eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed, sides[1])
-    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/image_cache.py)
+    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
     train_loader = train_loader_for(
         train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, repeats=cfg.aug_repeats
     )

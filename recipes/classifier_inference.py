@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from classifier_model import create_transforms, data_config
+from common.artifacts.export import OnnxModel, export_model
+from common.artifacts.export_check import image_batches
+from common.artifacts.figures import format_table, save_table_csv
+from common.artifacts.model_folder import model_card, write_timm_folder
 from common.config import to_dict
-from common.export import OnnxModel, export_model, is_onnx
-from common.export_check import image_batches
-from common.figures import format_table, save_table_csv
-from common.images import decode_image, image_files, readable_images
-from common.model_folder import model_card, write_timm_folder
+from common.data.images import decode_image, image_files, readable_images
 from common.run import Run
-from common.weights import load_state, load_weights, read_metadata, weights_metadata
+from common.weights import is_onnx, load_state, load_weights, read_metadata, weights_metadata
 
 #: What ``--weights`` restores from the file's saved config (flags still override them).
 MODEL_FIELDS = (
@@ -93,8 +93,8 @@ def predict(cfg: Any, run: Run, create_model: CreateModel) -> dict[str, float]:
 
 def export_files(model: torch.nn.Module, cfg: Any, classes: list[str], folder: Path, recipe: str) -> dict[str, float]:
     """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S], preprocessed as the metadata's
-    ``preprocessing`` (timm's data config) says, -> logits [B, C]; checked against eager (common/export.py) on
-    batches of one and several, to 1e-3 of the logits' scale. The writer that :func:`common.export.export`
+    ``preprocessing`` (timm's data config) says, -> logits [B, C]; checked against eager (common/artifacts/export.py) on
+    batches of one and several, to 1e-3 of the logits' scale. The writer that :func:`common.artifacts.export.export`
     calls."""
     data_cfg = data_config(cfg, model)
     size = data_cfg["input_size"][-1]

@@ -14,7 +14,7 @@ GIoU, normalised by the number of boxes over all processes) and class, the rest 
 (cross-entropy weight ``eos_coef``). Every decoder layer gets the same losses (auxiliary losses),
 each matched on its own. AdamW with a tenth of the learning rate for the backbone, one step drop,
 gradient clipping at 0.1, DETR's multi-scale resize and random crop. Evaluation is COCO mAP
-(common/coco_eval.py); the best weights by mAP@0.5 are kept. No NMS: the set loss removes duplicates.
+(common/detection/coco_eval.py); the best weights by mAP@0.5 are kept. No NMS: the set loss removes duplicates.
 
 DETR starts from a pretrained backbone (ImageNet weights at scale, ``pretrained``). Without network
 the backbone is first pre-trained on the training set's own ground-truth boxes (``pretrain_crops_*``):
@@ -62,14 +62,15 @@ import torch
 from torch import nn
 
 from common import UserError
-from common.coco_eval import CocoEvaluator, EvalDetails
+from common.artifacts.export import export
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
-from common.data import with_label_fraction
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
-from common.detection_outputs import per_class_text, report_evaluation
-from common.export import export
-from common.image_cache import cache_images
+from common.data.classification import with_label_fraction
+from common.data.image_cache import cache_images
+from common.data.scan import without_unreadable
+from common.detection.coco_eval import CocoEvaluator, EvalDetails
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
+from common.detection.outputs import per_class_text, report_evaluation
 from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop, steps_total
 from common.models import (
@@ -81,7 +82,6 @@ from common.models import (
     sync_batchnorm,
 )
 from common.run import Run
-from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values
 from common.weights import config_with_weights, kept_weights, load_backbone, save_weights
 
@@ -286,7 +286,7 @@ def evaluate(
     model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator
 ) -> tuple[dict[str, float], EvalDetails]:
     """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
-    predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
+    predictions: common/detection/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training
     model.eval()
     average_bn_statistics(model, accelerator)  # each process's BN statistics saw its own batches: their mean
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
     train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed, max([*cfg.scales, *cfg.crop_resize]))
-    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/image_cache.py)
+    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
     train_loader = train_loader_for(
         train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, collate_fn=detr_collate
     )

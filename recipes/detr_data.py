@@ -14,7 +14,7 @@ from torchvision.ops import box_convert
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, collate
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, collate
 
 
 class TransformSettings(Protocol):
@@ -78,7 +78,7 @@ def data_transforms(cfg: TransformSettings, train: bool) -> v2.Compose:
 
 
 def detr_collate(batch):
-    """common/detection's collate (images [B, 3, H, W] padded right and bottom, mask [B, H, W] True
+    """common/detection/data's collate (images [B, 3, H, W] padded right and bottom, mask [B, H, W] True
     on padding), with each target's ``boxes`` as normalised (cx, cy, w, h) [N, 4] of the image's own
     unpadded ``size`` (DETR's convention: the padding is not part of the image). Runs in the workers."""
     images, mask, targets = collate(batch)

@@ -20,14 +20,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from common.artifacts.export import OnnxModel, export_model
+from common.artifacts.export_check import Detections, batched_checks
+from common.artifacts.model_folder import write_detector_folder
 from common.config import to_dict
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionData, prediction_batches
-from common.detection_outputs import check_classes, save_predictions
-from common.export import OnnxModel, export_model, is_onnx
-from common.export_check import Detections, batched_checks
-from common.model_folder import write_detector_folder
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionData, prediction_batches
+from common.detection.outputs import check_classes, save_predictions
 from common.run import Run
-from common.weights import load_state, load_weights, read_metadata, weights_metadata
+from common.weights import is_onnx, load_state, load_weights, read_metadata, weights_metadata
 from detr_data import TransformSettings, data_transforms, detr_collate
 from detr_model import Exported, detect
 
@@ -78,9 +78,9 @@ def export_files(
     """``model.onnx`` in ``folder``: images [B, 3, H, W] (shorter side resized to the last of ``scales``,
     normalised with the ImageNet mean and std, padded right and bottom) and mask [B, H, W] (True on the
     padding) -> boxes [B, Q, 4] XYXY in each unpadded image's pixels, scores [B, Q], labels [B, Q]; any
-    batch and size. Checked against eager on pictures of common.export_check.CHECK_SIZES, alone and in one
+    batch and size. Checked against eager on pictures of common.artifacts.export_check.CHECK_SIZES, alone and in one
     padded batch: every query's box, score and class. ``meta``: the weights' metadata (classes, category ids).
-    The writer that common.export.export calls."""
+    The writer that common.artifacts.export.export calls."""
     saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
     saved["preprocessing"] = json.dumps(
         {"shorter_side": cfg.scales[-1], "max_size": cfg.max_size, "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
@@ -101,5 +101,5 @@ def write_model_folder(
 ) -> None:
     """``<run>/model``: the kept weights (best, else final) with ``config.json`` and a model card giving the
     training and evaluation sets' ``sizes`` (images) and the run's ``results``; ``--weights <run>/model``
-    loads it and ``--push_to_hub`` uploads it (common.model_folder.write_detector_folder)."""
+    loads it and ``--push_to_hub`` uploads it (common.artifacts.model_folder.write_detector_folder)."""
     write_detector_folder(run, to_dict(cfg), classes, sizes, results)

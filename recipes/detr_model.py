@@ -28,8 +28,8 @@ from torch import nn
 from torchvision.ops import box_convert, generalized_box_iou
 
 from common import UserError
-from common.boxes import rescale_boxes
-from common.export import OnnxModel
+from common.artifacts.export import OnnxModel
+from common.detection.boxes import rescale_boxes
 
 
 # ============================================================================================

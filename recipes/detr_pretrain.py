@@ -19,9 +19,9 @@ from torchvision.transforms.v2 import functional as TF
 from tqdm.auto import tqdm
 
 from common import UserError
-from common.boxes import crop_box
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionData
-from common.images import decode_image
+from common.data.images import decode_image
+from common.detection.boxes import crop_box
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionData
 from common.loaders import eval_loader_for, sample_seed, train_loader_for
 from common.meters import Meters, prefixed
 from common.run import Run

@@ -47,21 +47,21 @@ from torch import nn
 from torchvision import transforms as T
 
 from common import UserError
+from common.artifacts.export import export
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
-from common.data import ClassificationDataset, load_classification
-from common.detection import detection_images
+from common.data.classification import ClassificationDataset, load_classification
+from common.data.image_cache import cache_images
+from common.data.images import needed_side
+from common.data.scan import without_unreadable
+from common.detection.data import detection_images
 from common.ema import ema_update_
-from common.export import export, is_onnx
-from common.image_cache import cache_images
-from common.images import needed_side
 from common.loaders import train_loader_for
 from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
-from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from common.weights import config_with_weights, save_weights
+from common.weights import config_with_weights, is_onnx, save_weights
 
 with own_files("dino_"):  # DINO's own files, beside this one: copy them with it (README, "Your own recipe")
     from dino_inference import export_files, load_teacher_backbone, predict, write_model_folder  # what a run ships
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed, labels=False
         )
         knn_set = load_classification(cfg.knn_data, seed=cfg.seed) if cfg.knn_data else data
-    # every image checked once before the first step: unreadable ones are left out and listed (common/scan.py)
+    # every image checked once before the first step: unreadable ones are left out and listed (common/data/scan.py)
     checked = without_unreadable(run, data, data.image_column, train=not cfg.eval_only)
     knn_set = checked if knn_set is data else without_unreadable(run, knn_set, knn_set.image_column)
     data = checked
@@ -373,17 +373,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         knn_set = None
         if cfg.eval_only:
             raise UserError(f"eval_only needs labels: '{cfg.data}' has none; name a labelled set with --knn_data")
-    # camera-size JPEGs decoded reduced, as far as every crop still finds its pixels (common/images.py)
+    # camera-size JPEGs decoded reduced, as far as every crop still finds its pixels (common/data/images.py)
     crops = [(cfg.global_size, cfg.global_scale[0]), (cfg.local_size, cfg.local_scale[0])]
     side = max(needed_side(size, scale, (3 / 4, 4 / 3)) for size, scale in crops)  # torchvision's default ratio
     train_set = ClassificationDataset(data.train, data.image_column, data.label_column, MultiCrop(cfg), cfg.seed, side)
-    cache_images(run, train_set)  # --cache_images: each image decoded once (common/image_cache.py)
+    cache_images(run, train_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
     train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes)
     if knn_set is not None:  # each process reads its own share of the bank and of the queries
         bank_set, query_set, bank_loader, query_loader, pixel_loader = knn_loaders(
             cfg, knn_set, accelerator.process_index, accelerator.num_processes
         )
-        cache_images(run, bank_set, query_set)  # --cache_images: each image decoded once (common/image_cache.py)
+        cache_images(run, bank_set, query_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
 
     # ---- model: the student; the teacher is copied from it once prepared (the same on every process) --
     student = create_student(cfg)

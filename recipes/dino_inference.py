@@ -22,12 +22,12 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 
 from common import UserError
+from common.artifacts.export import OnnxModel, export_model
+from common.artifacts.export_check import image_batches
+from common.artifacts.model_folder import model_card, write_timm_folder
 from common.config import to_dict
-from common.export import OnnxModel, export_model, is_onnx
-from common.export_check import image_batches
-from common.images import decode_image, image_files, readable_images
-from common.model_folder import model_card, write_timm_folder
-from common.weights import load_weights, mismatch, saved_by, weights_metadata
+from common.data.images import decode_image, image_files, readable_images
+from common.weights import is_onnx, load_weights, mismatch, saved_by, weights_metadata
 
 
 class BackboneSettings(Protocol):
@@ -68,7 +68,7 @@ def export_files(backbone: nn.Module, cfg: BackboneSettings, folder: Path, recip
     """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S] (S = global_size, normalised as
     :func:`backbone_data_config` says) -> the pooled features [B, D] the kNN evaluation compares. Checked
     against eager on batches of one and several, to 1e-3 of the features' scale. The writer that
-    :func:`common.export.export` calls."""
+    :func:`common.artifacts.export.export` calls."""
     meta = weights_metadata(cfg, recipe=recipe, normalization=(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD))
     meta["preprocessing"] = json.dumps(backbone_data_config(cfg))
     example = torch.randn(2, 3, cfg.global_size, cfg.global_size, generator=torch.Generator().manual_seed(0))

@@ -29,8 +29,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 from torchvision import transforms as T
 
-from common.data import ClassificationData, ClassificationDataset
-from common.images import needed_side
+from common.data.classification import ClassificationData, ClassificationDataset
+from common.data.images import needed_side
 from common.loaders import eval_loader_for
 from common.models import average_bn_statistics
 from common.run import Run

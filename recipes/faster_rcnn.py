@@ -16,7 +16,7 @@ Training as torchvision's and seamseg's references train it: SGD with momentum a
 (none on biases and norms), linear warmup, then step drops at epoch milestones or poly decay, per
 step; batches grouped by aspect ratio (torchvision's 8 groups); training images without boxes left
 out; optional frozen early backbone stages and frozen batch norm; fp16/bf16 and gradient clipping
-through Accelerate. Evaluation is COCO mAP (common/coco_eval.py); the best weights by mAP@0.5 are
+through Accelerate. Evaluation is COCO mAP (common/detection/coco_eval.py); the best weights by mAP@0.5 are
 kept.
 
 Launch (defaults = the built-in ``digits_det`` scenes, a thin resnet10t from scratch at 96 px):
@@ -50,19 +50,19 @@ import torch
 from torch import nn
 
 from common import UserError
-from common.coco_eval import CocoEvaluator, EvalDetails
+from common.artifacts.export import export
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
-from common.data import with_label_fraction
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
-from common.detection_outputs import per_class_text, report_evaluation
-from common.export import export
-from common.image_cache import cache_images
+from common.data.classification import with_label_fraction
+from common.data.image_cache import cache_images
+from common.data.scan import without_unreadable
+from common.detection.coco_eval import CocoEvaluator, EvalDetails
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
+from common.detection.outputs import per_class_text, report_evaluation
 from common.loaders import eval_loader_for, loader_kwargs
 from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
-from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, kept_weights, save_weights
 
@@ -184,7 +184,7 @@ def evaluate(
     model: nn.Module, eval_loader, evaluator: CocoEvaluator, accelerator
 ) -> tuple[dict[str, float], EvalDetails]:
     """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
-    predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
+    predictions: common/detection/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training
     model.eval()
     average_bn_statistics(model, accelerator)  # each process's BN statistics saw its own batches: their mean
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_set = DetectionDataset(
         data.train, data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed, max(cfg.min_size)
     )
-    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/image_cache.py)
+    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
     aspect = [w / h for w, h in zip(data.train["width"], data.train["height"])]  # from the table: nothing decoded
     sampler = AspectRatioBatchSampler(
         aspect, cfg.batch_size, cfg.seed, True, accelerator.num_processes, cfg.aspect_ratio_group_factor

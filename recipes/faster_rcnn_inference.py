@@ -17,14 +17,14 @@ from typing import Any, Protocol
 
 import torch
 
+from common.artifacts.export import OnnxModel, export_model
+from common.artifacts.export_check import Detections, photos
+from common.artifacts.model_folder import write_detector_folder
 from common.config import to_dict
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, prediction_batches
-from common.detection_outputs import check_classes, save_predictions
-from common.export import OnnxModel, export_model, is_onnx
-from common.export_check import Detections, photos
-from common.model_folder import write_detector_folder
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, prediction_batches
+from common.detection.outputs import check_classes, save_predictions
 from common.run import Run
-from common.weights import load_state, load_weights, read_metadata, weights_metadata
+from common.weights import is_onnx, load_state, load_weights, read_metadata, weights_metadata
 from faster_rcnn_data import data_transforms, list_collate
 from faster_rcnn_model import Exported, ModelSettings, TwoStageDetector, create_model, detect
 
@@ -41,7 +41,7 @@ class ShippingSettings(ModelSettings, Protocol):
 
 def trained_model(cfg: ShippingSettings, data: Any = None) -> tuple[TwoStageDetector, dict[str, Any]]:
     """The detector of ``cfg.weights`` (eval mode), built without any starting weights, and the file's metadata
-    (classes, category ids), which must be those of ``data`` (common.detection.DetectionData) when given."""
+    (classes, category ids), which must be those of ``data`` (common.detection.data.DetectionData) when given."""
     state, meta = load_weights(cfg.weights, "detector")
     check_classes(cfg.weights, meta, data)
     plain = dataclasses.replace(cfg, pretrained=False, pretrained_backbone=False, init_backbone="")
@@ -79,9 +79,10 @@ def export_files(
     """``model.onnx`` in ``folder`` (TorchScript exporter: NMS has outputs of data-dependent size, which
     torch.export cannot trace): one image [3, H, W] in 0..1, any size -> boxes [K, 4] XYXY in its pixels,
     scores [K], labels [K]; checked against eager (detections above box_score_thresh) on ``image`` (default:
-    a synthetic picture) resized to each of common.export_check.CHECK_SIZES (upscaled small ones, large ones, odd
+    a synthetic picture) resized to each of
+    common.artifacts.export_check.CHECK_SIZES (upscaled small ones, large ones, odd
     aspect ratios). ``meta``: the weights' metadata (classes, category ids). The writer that
-    common.export.export calls."""
+    common.artifacts.export.export calls."""
     saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
     saved["preprocessing"] = json.dumps({"inside the graph": "resize (min_size, max_size), ImageNet mean and std"})
     checks = [{"image": picture} for picture in photos(image)]
@@ -97,5 +98,5 @@ def write_model_folder(
 ) -> None:
     """``<run>/model``: the kept weights (best, else final) with ``config.json`` and a model card giving the
     training and evaluation sets' ``sizes`` (images) and the run's ``results``; ``--weights <run>/model``
-    loads it and ``--push_to_hub`` uploads it (common.model_folder.write_detector_folder)."""
+    loads it and ``--push_to_hub`` uploads it (common.artifacts.model_folder.write_detector_folder)."""
     write_detector_folder(run, to_dict(cfg), classes, sizes, results)

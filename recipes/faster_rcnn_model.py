@@ -29,9 +29,9 @@ from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 from common import UserError
-from common.boxes import rescale_boxes
-from common.detection import IMAGENET_MEAN, IMAGENET_STD
-from common.export import OnnxModel
+from common.artifacts.export import OnnxModel
+from common.detection.boxes import rescale_boxes
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD
 from common.models import create_timm_model, freeze_stages, hub_offline
 from common.weights import load_backbone
 

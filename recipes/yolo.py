@@ -15,7 +15,7 @@ prediction, export and the model folder in recipes/yolo_inference.py.
 Training as GluonCV trains YOLOv3: warmup then cosine (or step) learning rate per step, SGD with
 momentum or AdamW, no weight decay on biases and norms, model EMA, mosaic and mixup that switch
 off for the last epochs, multi-scale batches, gradient accumulation, fp16/bf16, clipping.
-Evaluation is COCO mAP (common/coco_eval.py); the best weights by mAP are kept, and they are what is
+Evaluation is COCO mAP (common/detection/coco_eval.py); the best weights by mAP are kept, and they are what is
 exported with ``torch.export`` and to ONNX, both checked against the eager model.
 
 Launch (defaults = the built-in ``digits_det`` scenes, cs3darknet_s at 96 px, strides 4/8/16, one
@@ -54,20 +54,20 @@ import numpy as np
 import torch
 
 from common import UserError
-from common.coco_eval import CocoEvaluator, EvalDetails
+from common.artifacts.export import export
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
-from common.data import with_label_fraction
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
-from common.detection_outputs import per_class_text, report_evaluation
+from common.data.classification import with_label_fraction
+from common.data.image_cache import cache_images
+from common.data.scan import without_unreadable
+from common.detection.coco_eval import CocoEvaluator, EvalDetails
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
+from common.detection.outputs import per_class_text, report_evaluation
 from common.ema import ModelEma
-from common.export import export
-from common.image_cache import cache_images
 from common.loaders import eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
-from common.scan import without_unreadable
 from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, kept_weights, load_backbone, save_weights
 
@@ -207,7 +207,8 @@ class YoloTrainSet(torch.utils.data.Dataset):
 
     @property
     def replaced(self) -> Any:
-        """The images replaced during the run (common.data.ImageRows): the base's count, for every size."""
+        """The images replaced during the run (common.data.classification.ImageRows): the base's count,
+        for every size."""
         return self.base.replaced
 
     def _item(self, epoch: int, index: int, size: int):
@@ -331,7 +332,7 @@ def evaluate(
     model: YOLOv3, eval_loader, evaluator: CocoEvaluator, accelerator, cfg: Config
 ) -> tuple[dict[str, float], EvalDetails]:
     """COCO mAP over the evaluation split, and the pass's details (per-class AP, PR curves, confusion,
-    predictions: common/coco_eval.py); boxes go to the evaluator in original-image pixels."""
+    predictions: common/detection/coco_eval.py); boxes go to the evaluator in original-image pixels."""
     was_training = model.training  # the EMA copy stays in eval mode, the trained model goes back to train
     model.eval()
     average_bn_statistics(model, accelerator)  # each process's BN statistics saw its own batches: their mean
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cfg.seed,
         transform_at,
     )
-    cache_images(run, train_set.base, eval_set)  # --cache_images: each image decoded once (common/image_cache.py)
+    cache_images(run, train_set.base, eval_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
     sampler = MultiScaleBatchSampler(
         len(train_set),
         cfg.batch_size,

@@ -17,8 +17,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from common import UserError
-from common.boxes import areas
-from common.detection import IMAGENET_MEAN, IMAGENET_STD
+from common.detection.boxes import areas
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD
 from common.loaders import EpochBatchSampler
 
 

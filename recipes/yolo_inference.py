@@ -17,14 +17,14 @@ from typing import Any, Protocol
 
 import torch
 
+from common.artifacts.export import OnnxModel, export_model
+from common.artifacts.export_check import Detections, batched_checks
+from common.artifacts.model_folder import write_detector_folder
 from common.config import to_dict
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, collate, prediction_batches
-from common.detection_outputs import check_classes, save_predictions
-from common.export import OnnxModel, export_model, is_onnx
-from common.export_check import Detections, batched_checks
-from common.model_folder import write_detector_folder
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, collate, prediction_batches
+from common.detection.outputs import check_classes, save_predictions
 from common.run import Run
-from common.weights import load_state, load_weights, read_metadata, weights_metadata
+from common.weights import is_onnx, load_state, load_weights, read_metadata, weights_metadata
 from yolo_data import detection_transforms
 from yolo_model import Exported, YOLOv3, detect, postprocess
 
@@ -53,7 +53,7 @@ def trained_model(
 ) -> tuple[YOLOv3, dict[str, Any]]:
     """The YOLO of ``cfg.weights`` (eval mode), built by recipes/yolo.py's ``create_model(cfg, num_classes,
     anchors)`` without any starting weights, and the file's metadata (classes, category ids), which must be
-    those of ``data`` (common.detection.DetectionData) when given."""
+    those of ``data`` (common.detection.data.DetectionData) when given."""
     state, meta = load_weights(cfg.weights, "YOLO", tensors=["anchors"])
     check_classes(cfg.weights, meta, data)
     anchors = state["anchors"].flip(0).reshape(-1, 2)  # stored large-stride level first; create_model takes small first
@@ -83,8 +83,9 @@ def export_files(
     """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S] (letterboxed to img_size,
     0..1, normalised with the ImageNet mean and std) -> boxes [B, N, 4] XYXY in those pixels and
     class scores [B, N, C]; NMS (``postprocess``) follows outside the graph. Checked against eager on
-    pictures of common.export_check.CHECK_SIZES letterboxed, alone and in one batch: the detections after
-    NMS. ``meta``: the weights' metadata (classes, category ids). The writer that common.export.export calls."""
+    pictures of common.artifacts.export_check.CHECK_SIZES letterboxed, alone and in one batch: the detections after
+    NMS. ``meta``: the weights' metadata (classes, category ids). The writer that
+    common.artifacts.export.export calls."""
     saved = weights_metadata(cfg, meta["classes"], recipe, meta["category_ids"], (IMAGENET_MEAN, IMAGENET_STD))
     saved["preprocessing"] = json.dumps({"letterbox": cfg.img_size, "mean": IMAGENET_MEAN, "std": IMAGENET_STD})
     example = torch.rand(2, 3, cfg.img_size, cfg.img_size, generator=torch.Generator().manual_seed(0))
@@ -106,5 +107,5 @@ def write_model_folder(
 ) -> None:
     """``<run>/model``: the kept weights (best, else final) with ``config.json`` and a model card giving the
     training and evaluation sets' ``sizes`` (images) and the run's ``results``; ``--weights <run>/model``
-    loads it and ``--push_to_hub`` uploads it (common.model_folder.write_detector_folder)."""
+    loads it and ``--push_to_hub`` uploads it (common.artifacts.model_folder.write_detector_folder)."""
     write_detector_folder(run, to_dict(cfg), classes, sizes, results)

@@ -19,8 +19,8 @@ from accelerate import Accelerator
 from torch import nn
 from torchvision.ops import batched_nms, clip_boxes_to_image
 
-from common.boxes import rescale_boxes
-from common.export import OnnxModel
+from common.artifacts.export import OnnxModel
+from common.detection.boxes import rescale_boxes
 
 # YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they
 # are at every input size.
@@ -267,7 +267,7 @@ def detect(
     nms_iou: float,
     max_detections: int,
 ) -> Iterator[list[dict[str, Any]]]:
-    """Per batch of ``loader`` (common.detection's collate: images, mask, targets), per image: ``image_id``
+    """Per batch of ``loader`` (common.detection.data's collate: images, mask, targets), per image: ``image_id``
     and the detections (``boxes`` XYXY in the original image's pixels, clipped to it, ``scores``, ``labels``
     as class indices 0..C-1) after :func:`postprocess` with ``conf_threshold``, ``nms_iou`` and
     ``max_detections``; the model in eval mode, or its ONNX export (the same boxes and scores before NMS)."""

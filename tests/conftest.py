@@ -46,14 +46,14 @@ def load_recipe(name: str):
 def detection_table(
     images: list, boxes: list[list], categories: list[list] | None = None, crowd: list[list] | None = None
 ):
-    """A detection split in the normalised schema (common/detection_sources.py) from images (PIL or
+    """A detection split in the normalised schema (common/detection/sources.py) from images (PIL or
     datasets.Image values) and per-image COCO boxes; image ids from 1, classes 0 unless given."""
     import io
 
     import datasets
     from PIL import Image
 
-    from common.detection_sources import features
+    from common.detection.sources import features
 
     def value(image):
         if isinstance(image, dict):
@@ -247,7 +247,7 @@ def scene_files(folder: Path, count: int = 4) -> Path:
     """``count`` of the built-in digits_det evaluation scenes copied as image files into ``folder``."""
     import shutil
 
-    from common.builtin import DETECTION
+    from common.data.builtin import DETECTION
 
     folder.mkdir(parents=True, exist_ok=True)
     for source in sorted((DETECTION["digits_det"]() / "val").iterdir())[:count]:

@@ -1,6 +1,6 @@
-"""common/builtin: the registry and the built-in sets. digits (schema, fixed split), digits_ssl
+"""common/data/builtin: the registry and the built-in sets. digits (schema, fixed split), digits_ssl
 (schema, determinism, no leakage, speed, difficulty), digits_det (schema, boxes, determinism, no
-leakage, speed, cache) and digits_det_crops (every box of digits_det, cut as common.boxes.crop_box
+leakage, speed, cache) and digits_det_crops (every box of digits_det, cut as common.detection.boxes.crop_box
 cuts)."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import pytest
 import torch
 from PIL import Image
 
-from common.boxes import crop_box
-from common.builtin import CLASSIFICATION, DETECTION, digits_det, digits_ssl
-from common.builtin.digits import digits_dataset
-from common.data import load_classification
-from common.detection import load_detection
-from common.detection_sources import features
-from common.images import decode_image
+from common.data.builtin import CLASSIFICATION, DETECTION, digits_det, digits_ssl
+from common.data.builtin.digits import digits_dataset
+from common.data.classification import load_classification
+from common.data.images import decode_image
+from common.detection.boxes import crop_box
+from common.detection.data import load_detection
+from common.detection.sources import features
 
 
 def test_registry_names_every_builtin_set():
@@ -231,7 +231,7 @@ def test_digits_det_is_cached(scenes, cache, monkeypatch):
 
 def test_digits_det_crops_are_every_box_cut_as_crop_box_cuts(scenes, cache):
     """The crops set (a detector backbone's pretraining data) holds every box of each split once, in
-    order, with its category; each crop is common.boxes.crop_box of its box (32 px, margin 0.15), which
+    order, with its category; each crop is common.detection.boxes.crop_box of its box (32 px, margin 0.15), which
     the leaf package cannot import and repeats: the same pixels. It loads as a built-in classification set."""
     crops = digits_det.digits_det_crops_dataset()
     for split, table in (("train", scenes.data.train), ("test", scenes.data.eval)):

@@ -93,7 +93,7 @@ def test_digits_config_reaches_97_percent(tmp_path):
     import timm
     from timm.data import create_transform, resolve_data_config
 
-    from common.builtin import digits_dataset
+    from common.data.builtin import digits_dataset
 
     model = timm.create_model("resnet18", num_classes=10, checkpoint_path=str(run / "best.safetensors")).eval()
     tf = create_transform(
@@ -305,7 +305,7 @@ def test_corrupted_image_is_named_and_left_out(tmp_path):
             str(tmp_path / "run"),
         ],
     )
-    # found by the scan before the first step (common/scan.py): named, listed, left out, and the run ends
+    # found by the scan before the first step (common/data/scan.py): named, listed, left out, and the run ends
     check(proc)
     assert "cannot be read and are skipped: 3.png (not an image PIL can identify)" in " ".join(proc.stdout.split())
     assert str(Path("train") / "b" / "3.png") in (tmp_path / "run" / "bad_images.txt").read_text()
@@ -603,7 +603,7 @@ def test_the_exported_onnx_predicts_what_the_weights_predict(trained, tmp_path):
     names and probabilities within 1e-3 as the safetensors, and so does the model folder as --weights."""
     import csv
 
-    from common.builtin import CLASSIFICATION
+    from common.data.builtin import CLASSIFICATION
     from common.weights import read_metadata
 
     images = tmp_path / "images"
@@ -732,7 +732,7 @@ def test_predict_skips_broken_images_with_one_line(trained, tmp_path, capsys):
 def test_predict_writes_top5_per_image(trained, tmp_path, capsys):
     """--predict FOLDER --weights: one CSV row per image, top-5 class names (from the weights) and
     probabilities in descending order; no dataset is read."""
-    from common.builtin import CLASSIFICATION
+    from common.data.builtin import CLASSIFICATION
 
     folder = tmp_path / "new_images" / "nested"
     folder.mkdir(parents=True)
@@ -774,7 +774,7 @@ def test_predict_reads_a_photo_turned_by_its_orientation_tag_as_displayed(traine
 
     from PIL import ExifTags
 
-    from common.builtin import CLASSIFICATION
+    from common.data.builtin import CLASSIFICATION
 
     exif = Image.Exif()
     exif[ExifTags.Base.Orientation] = 6
@@ -810,7 +810,7 @@ def test_weights_of_other_classes_are_refused_for_eval(trained, tmp_path, capsys
             (folder / split / name).mkdir(parents=True)
             for i in range(2):
                 Image.new("RGB", (32, 32), (i * 90, 30, 60)).save(folder / split / name / f"{i}.png")
-    from common.data import load_classification
+    from common.data.classification import load_classification
 
     load_classification(str(folder))  # datasets reports building its cache once, on stderr: not the error line
     line = error_line(

@@ -1,4 +1,4 @@
-"""common/data.py: local folders, saved and hub-layout datasets, reproducible sampling, clear errors."""
+"""common/data/classification.py: local folders, saved and hub-layout datasets, reproducible sampling, clear errors."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 
 from common import UserError
-from common.builtin import digits_dataset
-from common.data import ClassificationDataset, load_classification
-from common.images import decode_image
+from common.data.builtin import digits_dataset
+from common.data.classification import ClassificationDataset, load_classification
+from common.data.images import decode_image
 from common.loaders import EpochBatchSampler
 
 
@@ -197,7 +197,7 @@ def _paths(table) -> set[Path]:
 def test_a_flat_folder_loads_every_photo_whatever_its_name(tmp_path):
     """A flat folder of photos (DINO's unlabelled data, --predict's input): each file is one training image,
     none taken for a split by its name; a hidden file and a __MACOSX copy are not photos."""
-    from common.images import image_files
+    from common.data.images import image_files
 
     files = _photos(tmp_path / "flat", SPLIT_LIKE_NAMES)
     _photos(tmp_path / "flat" / "__MACOSX", ["._IMG_0001.jpg"])

@@ -1,4 +1,4 @@
-"""Camera-size JPEGs decoded reduced (common.images.decode_image with ``shorter``, issue 25, item 2): the
+"""Camera-size JPEGs decoded reduced (common.data.images.decode_image with ``shorter``, issue 25, item 2): the
 crops the classifier's and DINO's transforms cut are the same pictures as from the full decode (PSNR at
 least 35 dB for the same random draws: the same crop box, flip and jitter), small images and other
 formats are decoded as before, and the sides the transforms need are what their geometry says."""
@@ -14,7 +14,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFilter
 from timm.data import create_transform
 
-from common.images import decode_image, needed_side
+from common.data.images import decode_image, needed_side
 from common.loaders import sample_seed, seeded
 
 
@@ -87,7 +87,7 @@ def test_a_detectors_boxes_follow_a_reduced_decode(photo):
     """DETR's evaluation resize (shorter side to 96) of a 4032x3024 photo decoded at 1/8: the same picture
     (35 dB), the box in the same place within 0.5 px, and ``orig_size`` still the file's own, so that the
     detections are taken back to the photo's pixels."""
-    from common.detection import DetectionDataset
+    from common.detection.data import DetectionDataset
     from conftest import detection_table, load_recipe
 
     detr = load_recipe("detr")
@@ -111,8 +111,8 @@ def test_cached_images_are_the_decoded_ones_and_a_cache_too_large_is_refused(pho
     from types import SimpleNamespace
 
     from common import UserError
-    from common.data import ClassificationDataset
-    from common.image_cache import cache_images
+    from common.data.classification import ClassificationDataset
+    from common.data.image_cache import cache_images
     from conftest import detection_table
 
     monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache"))
@@ -127,7 +127,7 @@ def test_cached_images_are_the_decoded_ones_and_a_cache_too_large_is_refused(pho
         assert cached.cache.images[0].shape == (378, 504, 3) and cached.cache.sizes[0] == (4032, 3024)
         assert torch.equal(cached[0][0], expected) and "1 images decoded once" in run.notes[0]
     assert len(list((tmp_path / "cache" / "images").rglob("*.npy"))) == 1  # disk: kept for the next run
-    monkeypatch.setattr("common.image_cache.available_memory", lambda: 100_000)
+    monkeypatch.setattr("common.data.image_cache.available_memory", lambda: 100_000)
     run = SimpleNamespace(cfg=SimpleNamespace(cache_images="ram", num_workers=1), notes=[])
     with pytest.raises(UserError, match=r"cache_images ram needs 0.0 GiB for 1 images; 0.0 GiB of available memory"):
         cache_images(run, ClassificationDataset(table, "image", "", transform, shorter=256))
@@ -157,7 +157,7 @@ def test_a_photo_with_an_orientation_tag_decodes_as_displayed_full_and_reduced(p
     """Orientation 6: the decode is the displayed picture (the same as the untagged photo through the
     classifier's evaluation transform), its size the displayed one, and the reduced decoding (1/8 in the
     JPEG decoder) still gives the full decode's picture within the tolerance of the tests above."""
-    from common.data import ClassificationDataset
+    from common.data.classification import ClassificationDataset
     from conftest import detection_table
 
     with Image.open(turned_photo) as stored:
@@ -182,8 +182,8 @@ def test_the_image_cache_keeps_a_tagged_photo_upright(photo, turned_photo, tmp_p
     file's size are the displayed ones, and the estimate from the headers counts the displayed size."""
     from types import SimpleNamespace
 
-    from common.data import ClassificationDataset
-    from common.image_cache import cache_images
+    from common.data.classification import ClassificationDataset
+    from common.data.image_cache import cache_images
     from conftest import detection_table
 
     monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache"))
@@ -207,8 +207,8 @@ def test_a_detectors_boxes_land_on_a_tagged_photos_objects(tmp_path, reduced):
     the displayed size; --predict's table of new images takes the displayed sizes from the headers."""
     import json
 
-    from common.detection import DetectionDataset, load_detection
-    from common.detection_sources import image_table
+    from common.detection.data import DetectionDataset, load_detection
+    from common.detection.sources import image_table
     from conftest import bright_rectangle, load_recipe
 
     box = (500, 150, 200, 300)  # x, y, w, h in the displayed 800x600 picture

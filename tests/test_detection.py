@@ -1,4 +1,4 @@
-"""common/detection, detection_sources, boxes, coco_eval and plots: COCO-json and hub sources,
+"""common/detection/data, detection_sources, boxes, coco_eval and plots: COCO-json and hub sources,
 the dataset and collate, box helpers, COCO evaluation, drawing."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from common import UserError
-from common.boxes import areas, rescale_boxes
-from common.builtin import DETECTION
-from common.coco_eval import CocoEvaluator
-from common.detection import DetectionDataset, collate, load_detection
-from common.detection_figures import class_colour, draw_detections, save_detections, wandb_boxes
-from common.detection_sources import features
-from common.images import decode_image
+from common.data.builtin import DETECTION
+from common.data.images import decode_image
+from common.detection.boxes import areas, rescale_boxes
+from common.detection.coco_eval import CocoEvaluator
+from common.detection.data import DetectionDataset, collate, load_detection
+from common.detection.figures import class_colour, draw_detections, save_detections, wandb_boxes
+from common.detection.sources import features
 from conftest import ROOT, bright_rectangle, detection_table, free_port, load_recipe, recipe_env
 
 
@@ -211,7 +211,7 @@ def test_shipped_coco_configs_read_a_folder_of_train_and_val(tmp_path):
     """The README's example: a COCO config names COCO's train2017 / val2017, the user's folder (or a
     Roboflow export) has train / val (valid): the same splits are read, with or without the year."""
     from common.config import parse_config
-    from common.data import same_split
+    from common.data.classification import same_split
 
     splits = _scenes()
     for layout in ("coco", "roboflow"):
@@ -709,8 +709,8 @@ _TWO_PROCESS_SCRIPT = """
 import json, sys
 import torch
 from accelerate import Accelerator
-from common.coco_eval import CocoEvaluator
-from common.detection import load_detection
+from common.detection.coco_eval import CocoEvaluator
+from common.detection.data import load_detection
 
 accelerator = Accelerator(cpu=True)
 data = load_detection("digits_det")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from common.builtin import DETECTION
+from common.data.builtin import DETECTION
 from common.weights import read_metadata
 from conftest import assert_same_detections, check, error_line, export_and_predict, load_recipe, run_recipe
 

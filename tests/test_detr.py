@@ -251,8 +251,8 @@ def test_box_crop_dataset_is_the_crops_set_normalised_and_shifts_reproducibly():
     the window moves by a draw fixed per (epoch, index); crowd regions are left out."""
     from torchvision.transforms.v2 import functional as TF
 
-    from common.builtin import digits_det_crops_dataset
-    from common.detection import IMAGENET_MEAN, IMAGENET_STD, load_detection
+    from common.data.builtin import digits_det_crops_dataset
+    from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, load_detection
 
     train = load_detection("digits_det").train
     crops = digits_det_crops_dataset()

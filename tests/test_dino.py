@@ -260,7 +260,7 @@ def test_the_backbone_leaves_as_a_timm_folder_and_an_onnx_file(one_process, tmp_
     """<run>/model: timm.create_model("local-dir:...", pretrained=True) is the teacher backbone (the same
     features, no head), with the kNN evaluation's preprocessing and a card; --export --weights
     teacher_backbone.safetensors (no data read) writes model.onnx giving those features for any batch."""
-    from common.export import OnnxModel
+    from common.artifacts.export import OnnxModel
 
     run = one_process
     model = timm.create_model(f"local-dir:{run / 'model'}", pretrained=True).eval()

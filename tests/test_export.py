@@ -1,4 +1,4 @@
-"""common/export.py and the hub upload of common/model_folder.py: an export keeps its dynamic batch
+"""common/artifacts/export.py and the hub upload of common/artifacts/model_folder.py: an export keeps its dynamic batch
 from an example of one, carries the weights' metadata, and is refused (no file left) when it does not
 reproduce the eager model; --push_to_hub is refused up front without network or token, and uploads the
 model folder to the repository named."""
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from common import UserError
+from common.artifacts.export import OnnxModel, export_model
 from common.config import RunConfig
-from common.export import OnnxModel, export_model
 from common.trackers import check_hub_push, push_folder
 from common.weights import read_metadata, weights_metadata
 
@@ -120,10 +120,10 @@ def test_an_onnx_file_is_refused_where_tensors_are_needed(tmp_path):
 
 
 def test_detections_agree_up_to_a_tie_at_the_score_floor_and_no_further():
-    """The detector check's rule (common/export.py): paired boxes within 0.5 px and scores within 1e-3; a
+    """The detector check's rule (common/artifacts/export.py): paired boxes within 0.5 px and scores within 1e-3; a
     detection scoring within 1e-3 of the floor (or of the last score kept at the detection limit) may be
     on one side only; any other detection without its pair refuses the file."""
-    from common.export_check import Detections, detections_agree
+    from common.artifacts.export_check import Detections, detections_agree
 
     boxes = torch.tensor([[10.0, 10, 50, 60], [100, 20, 140, 90], [30, 30, 80, 70]])
     eager = (boxes, torch.tensor([0.9, 0.6, 0.3005]), torch.tensor([1, 2, 1]))

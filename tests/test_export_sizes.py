@@ -1,5 +1,5 @@
 """Every detector's exported ONNX file detects what its eager model detects on photos of the six sizes of
-common.export_check.CHECK_SIZES, from 60 x 45 to 1000 x 750 (small ones the graph upscales, large ones, a tall
+common.artifacts.export_check.CHECK_SIZES, from 60 x 45 to 1000 x 750 (small ones the graph upscales, large ones, a tall
 and a wide one), through the recipe's own prediction path: the same detections above the model's score
 floor, boxes within 0.5 px in the original photo's pixels, scores within 1e-3. One export per detector,
 of its demo model (random weights; YOLO's output layers scaled so that it detects). Faster R-CNN with
@@ -14,8 +14,8 @@ from accelerate import Accelerator
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from common import UserError
-from common.export import OnnxModel
-from common.export_check import CHECK_SIZES, photos, prepared
+from common.artifacts.export import OnnxModel
+from common.artifacts.export_check import CHECK_SIZES, photos, prepared
 from conftest import load_recipe
 
 META = {"classes": [str(d) for d in range(10)], "category_ids": list(range(10))}

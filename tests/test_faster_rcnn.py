@@ -100,7 +100,7 @@ def _model() -> TwoStageDetector:
 def test_model_normalises_once_and_returns_boxes_in_input_pixels():
     """The data pipeline gives 0..1 images; the model's transform normalises with ImageNet mean/std
     (once) and resizes to min_size; detections come back in the pixels of the image as given."""
-    from common.detection import IMAGENET_MEAN, IMAGENET_STD
+    from common.detection.data import IMAGENET_MEAN, IMAGENET_STD
 
     cfg = parse_config(frcnn.Config, ["--min_size", "128", "--max_size", "128"])
     model = create_model(cfg, num_classes=10).eval()

@@ -1,6 +1,6 @@
-"""The pictures of an evaluation: common/figures (curves, confusion matrix, tables),
-common/detection_figures (detections, PR curves) and the set one detection evaluation writes
-(common/detection_outputs), and the details of one COCO evaluation pass (common/coco_eval). DINO's
+"""The pictures of an evaluation: common/artifacts/figures (curves, confusion matrix, tables),
+common/detection/figures (detections, PR curves) and the set one detection evaluation writes
+(common/detection/outputs), and the details of one COCO evaluation pass (common/detection/coco_eval). DINO's
 pictures (attention, neighbours) are tested beside its recipe, in tests/test_dino.py."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from common.coco_eval import CocoEvaluator, detection_confusion
-from common.detection_figures import class_colour, font, plot_pr_curves, save_detections
-from common.detection_outputs import evaluation_samples, save_evaluation_figures
+from common.artifacts.figures import confusion_counts, format_table, plot_confusion_matrix, save_table_csv
 from common.curves import _panels, plot_curves, read_metrics
-from common.figures import confusion_counts, format_table, plot_confusion_matrix, save_table_csv
+from common.detection.coco_eval import CocoEvaluator, detection_confusion
+from common.detection.figures import class_colour, font, plot_pr_curves, save_detections
+from common.detection.outputs import evaluation_samples, save_evaluation_figures
 from conftest import ROOT, detection_table
 
 
@@ -326,7 +326,8 @@ def test_save_evaluation_figures_sends_box_overlays_to_wandb(tmp_path, split):
 def test_figures_do_not_import_matplotlib_until_they_draw():
     """Recipes import these modules; matplotlib's import time is paid only by a run that plots."""
     code = (
-        "import sys\nimport common.figures, common.coco_eval, common.detection_figures, common.detection_outputs\n"
+        "import sys\nimport common.artifacts.figures, common.detection.coco_eval\n"
+        "import common.detection.figures, common.detection.outputs\n"
         "assert 'matplotlib' not in sys.modules, 'imported'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

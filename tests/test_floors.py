@@ -33,7 +33,7 @@ def _images(recipe: str, folder: Path) -> Path:
     """A few images of the recipe's built-in data as files, for --predict."""
     if recipe != "classifier":
         return scene_files(folder)
-    from common.builtin import CLASSIFICATION
+    from common.data.builtin import CLASSIFICATION
 
     folder.mkdir(parents=True)
     digits = CLASSIFICATION["digits"]()["test"]

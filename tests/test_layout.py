@@ -14,7 +14,7 @@ MAX_LINES = 400  # as ruff format writes them (120 columns, one argument a line 
 
 
 def module_name(path: Path, root: Path) -> str:
-    """``common/builtin/__init__.py`` -> ``common.builtin``; ``common/data.py`` -> ``common.data``."""
+    """``common/data/builtin/__init__.py`` -> ``common.data.builtin``; ``common/run.py`` -> ``common.run``."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -80,15 +80,16 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str]:
 
 
 def leaf_violations(root: Path) -> list[str]:
-    """Imports in common/builtin of anything in common/ but its own modules and ``from common import UserError``."""
+    """Imports in common/data/builtin of anything in common/ but its own modules and ``from common import
+    UserError``."""
     wrong = []
-    for f in sorted((root / "common" / "builtin").rglob("*.py")):
+    for f in sorted((root / "common" / "data" / "builtin").rglob("*.py")):
         for base, names in imports(f, root):
             if (
                 base == "common"
                 and names == ["UserError"]
-                or base == "common.builtin"
-                or base.startswith("common.builtin.")
+                or base == "common.data.builtin"
+                or base.startswith("common.data.builtin.")
             ):
                 continue
             if base == "common" or base.startswith("common."):
@@ -107,14 +108,14 @@ def long_files(root: Path) -> dict[str, int]:
 
 def test_common_has_no_import_cycle():
     edges = graph(ROOT)
-    assert "common.builtin" in edges["common.data"]  # the graph is the real one
+    assert "common.data.builtin" in edges["common.data.classification"]  # the graph is the real one
     cycle = find_cycle(edges)
     assert not cycle, "import cycle in common/: " + " -> ".join(cycle)
 
 
 def test_builtin_is_a_leaf():
     wrong = leaf_violations(ROOT)
-    assert not wrong, "common/builtin must import nothing from common/ but UserError:\n" + "\n".join(wrong)
+    assert not wrong, "common/data/builtin must import nothing from common/ but UserError:\n" + "\n".join(wrong)
 
 
 def test_every_file_in_common_is_short():
@@ -149,11 +150,11 @@ def test_a_function_level_cycle_through_a_package_is_found(tmp_path):
 @pytest.mark.parametrize(
     "line",
     [
-        "import common.data",
-        "from common.data import x",
-        "from common import data",
-        "from ..data import x",
-        "from .. import data",
+        "import common.data.classification",
+        "from common.data.classification import x",
+        "from common.data import classification",
+        "from ..classification import x",
+        "from .. import classification",
     ],
 )
 def test_every_import_form_is_seen(tmp_path, line):
@@ -161,13 +162,14 @@ def test_every_import_form_is_seen(tmp_path, line):
         tmp_path,
         {
             "common/__init__.py": "",
-            "common/data.py": "",
-            "common/builtin/__init__.py": "",
-            "common/builtin/x.py": f"def f():\n    {line}\n",
+            "common/data/__init__.py": "",
+            "common/data/classification.py": "",
+            "common/data/builtin/__init__.py": "",
+            "common/data/builtin/x.py": f"def f():\n    {line}\n",
         },
     )
-    assert graph(root)["common.builtin.x"] == {"common.data"}
-    assert len(leaf_violations(root)) == 1  # common.data is outside the leaf
+    assert graph(root)["common.data.builtin.x"] == {"common.data.classification"}
+    assert len(leaf_violations(root)) == 1  # common.data.classification is outside the leaf
 
 
 def test_a_leaf_import_and_a_long_file_are_found(tmp_path):
@@ -175,12 +177,46 @@ def test_a_leaf_import_and_a_long_file_are_found(tmp_path):
         tmp_path,
         {
             "common/__init__.py": "",
-            "common/builtin/__init__.py": "from common import UserError\n",
-            "common/builtin/x.py": "from .y import z\nfrom common.builtin import w\n",
-            "common/builtin/y.py": "\n" * MAX_LINES,
+            "common/data/builtin/__init__.py": "from common import UserError\n",
+            "common/data/builtin/x.py": "from .y import z\nfrom common.data.builtin import w\n",
+            "common/data/builtin/y.py": "\n" * MAX_LINES,
         },
     )
     assert leaf_violations(root) == [] and long_files(root) == {}
-    (root / "common/builtin/y.py").write_text("from common import UserError, schedules\n" + "\n" * MAX_LINES)
-    assert leaf_violations(root) == ["common/builtin/y.py: from common import UserError, schedules"]
-    assert long_files(root) == {"common/builtin/y.py": MAX_LINES + 1}
+    (root / "common/data/builtin/y.py").write_text("from common import UserError, schedules\n" + "\n" * MAX_LINES)
+    assert leaf_violations(root) == ["common/data/builtin/y.py: from common import UserError, schedules"]
+    assert long_files(root) == {"common/data/builtin/y.py": MAX_LINES + 1}
+
+
+FOLDERS = ("common.data", "common.detection", "common.artifacts")  # what a reader of the loop core can skip
+
+
+def core_reaches(root: Path) -> list[str]:
+    """Imports, by a module at the top of common/ (the loop core), of anything in its folders."""
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph(root).items()
+        if module.count(".") == 1
+        for target in targets
+        if target in FOLDERS or target.startswith(tuple(f + "." for f in FOLDERS))
+    )
+
+
+def test_the_core_imports_none_of_the_folders():
+    """DESIGN.md, "What it is": the loop core at the top of common/, the data, detection and artifact helpers
+    in folders below it that a reader can skip; the core imports none of them (the artifacts least of all)."""
+    assert {m.split(".")[1] for m in graph(ROOT) if m.count(".") >= 2} >= {"data", "detection", "artifacts"}
+    assert core_reaches(ROOT) == []
+
+
+def test_a_core_import_of_a_folder_is_found(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "common/__init__.py": "",
+            "common/run.py": "def f():\n    from common.artifacts import figures\n",
+            "common/artifacts/__init__.py": "",
+            "common/artifacts/figures.py": "from common import run\n",
+        },
+    )
+    assert core_reaches(root) == ["common.run imports common.artifacts.figures"]

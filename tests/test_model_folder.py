@@ -1,4 +1,4 @@
-"""common/model_folder.py's timm folder with every timm from the floor (requirements.txt) up: the
+"""common/artifacts/model_folder.py's timm folder with every timm from the floor (requirements.txt) up: the
 preprocessing goes into config.json without save_for_hf's data_config keyword, which older timm lacks."""
 
 import inspect

@@ -1,4 +1,4 @@
-"""Unreadable images found before the first step (common/scan.py, issue 25): every kind of broken file
+"""Unreadable images found before the first step (common/data/scan.py, issue 25): every kind of broken file
 is found, listed in bad_images.txt and left out, and the run goes to its end; --bad_images error refuses
 before anything is written; the scan's answers are cached by size and modification time; processes
 split the scan; a file that breaks during the run is replaced by a sample drawn from the seed; a
@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from common import UserError
-from common.scan import scan_files, scan_table, without_unreadable
+from common.data.scan import scan_files, scan_table, without_unreadable
 from conftest import TINY_CLASSIFIER, check, load_recipe, recipe_cmd, recipe_env
 
 BROKEN = {  # file name -> what the scan says
@@ -142,7 +142,7 @@ def _detection_folder(root: Path) -> Path:
 
 
 def test_a_detection_image_takes_its_boxes_and_processes_share_the_scan(tmp_path):
-    from common.detection import load_detection
+    from common.detection.data import load_detection
 
     data = load_detection(str(_detection_folder(tmp_path / "coco")), seed=0)
     shares = [scan_table(data.train, "image", share=(i, 2))[0] for i in range(2)]
@@ -155,7 +155,7 @@ def test_a_detection_image_takes_its_boxes_and_processes_share_the_scan(tmp_path
 
 
 def test_an_image_broken_during_the_run_is_replaced_from_the_seed(photos, tmp_path, capsys):
-    from common.data import ClassificationDataset, load_classification
+    from common.data.classification import ClassificationDataset, load_classification
 
     data = load_classification(str(photos), seed=0)
     rows = [i for i in range(len(data.train)) if Path(data.train[i]["image"]["path"]).name == "dog_3.jpg"]
@@ -228,7 +228,7 @@ def test_train_fraction_gives_the_stated_seeded_stratified_counts(tmp_path, caps
     train, and a resumed run may not change it."""
     import datasets
 
-    from common.data import label_fraction
+    from common.data.classification import label_fraction
 
     labels = [0] * 50 + [1] * 30 + [2] * 3
     table = datasets.Dataset.from_dict({"label": labels, "x": list(range(len(labels)))})

@@ -14,10 +14,10 @@ import safetensors.torch
 import torch
 
 from common import UserError
-from common.boxes import rescale_boxes
-from common.coco_eval import CocoEvaluator
 from common.config import parse_config
-from common.detection import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
+from common.detection.boxes import rescale_boxes
+from common.detection.coco_eval import CocoEvaluator
+from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
 from common.weights import read_metadata
 from conftest import (
     assert_pictures,
@@ -523,16 +523,16 @@ def test_gluoncv_preset_boxes_follow_the_pixels():
 def test_mosaic_decodes_each_piece_once_and_counts_each_dropped_box_once(monkeypatch, mixup):
     import collections
 
-    import common.data
+    import common.data.classification
 
     decoded = collections.Counter()
-    real_decode = common.data.decode_sized
+    real_decode = common.data.classification.decode_sized
 
     def counting_decode(value, name, shorter=0):
         decoded[int(re.match(r"row (\d+) ", name).group(1))] += 1
         return real_decode(value, name, shorter)
 
-    monkeypatch.setattr(common.data, "decode_sized", counting_decode)
+    monkeypatch.setattr(common.data.classification, "decode_sized", counting_decode)
     rows = load_detection("digits_det").train.select(range(64))
     boxes_in_row = [sum(not crowd for crowd in o["iscrowd"]) for o in rows["objects"]]
     # zoomed in 1.5-2.5x: the crop loses boxes in most pieces
@@ -557,16 +557,16 @@ def test_mosaic_decodes_each_piece_once_and_counts_each_dropped_box_once(monkeyp
 def test_an_image_broken_at_another_input_size_is_counted_where_the_loop_reads(monkeypatch):
     """Multi-scale training reads through a dataset per input size; an image replaced there is counted in
     the one count the training set exposes as ``replaced`` (what common.loop logs as train/replaced_images)."""
-    import common.data
+    import common.data.classification
 
-    real_decode = common.data.decode_sized
+    real_decode = common.data.classification.decode_sized
 
     def broken_row_3(value, name, shorter=0):
         if name.startswith("row 3 "):
             raise UserError(f"cannot read image '{name}': deleted during the run")
         return real_decode(value, name, shorter)
 
-    monkeypatch.setattr(common.data, "decode_sized", broken_row_3)
+    monkeypatch.setattr(common.data.classification, "decode_sized", broken_row_3)
 
     def transform_at(size: int):
         return yolo.detection_transforms(True, size, scale_range=(1.0, 1.0), hflip=0.0)

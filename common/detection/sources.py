@@ -1,6 +1,6 @@
 """Detection sources read into one normalised schema: COCO-json folders (the COCO and the Roboflow
 layout) and tables with an ``objects`` column (hub datasets such as cppe-5, ``save_to_disk`` folders,
-local copies of hub repositories). :func:`common.detection.load_detection` picks the reader.
+local copies of hub repositories). :func:`common.detection.data.load_detection` picks the reader.
 
 The normalised schema of every split, a ``datasets.Dataset``::
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from common import UserError
-from common.images import upright_size
+from common.data.images import upright_size
 
 if TYPE_CHECKING:
     import datasets
@@ -52,7 +52,7 @@ def features() -> datasets.Features:
 
 
 def _image_size(value: dict[str, Any] | Image.Image, name: str) -> tuple[int, int]:
-    """(width, height) as displayed (EXIF orientation applied: :func:`common.images.upright_size`) from an
+    """(width, height) as displayed (EXIF orientation applied: :func:`common.data.images.upright_size`) from an
     image's header, without decoding its pixels."""
     if isinstance(value, Image.Image):
         return upright_size(value)
@@ -243,7 +243,7 @@ def check_box_format(table: dict[str, list], where: str) -> None:
 
 
 def image_table(files: Sequence[Path]) -> Any:
-    """Image files (``common.images.image_files``) as a normalised split without objects, for a
+    """Image files (``common.data.images.image_files``) as a normalised split without objects, for a
     detector's ``--predict``: ``image_id`` is the file's position; sizes come from the headers."""
     import datasets
 

@@ -1,6 +1,6 @@
 """Figures a recipe draws after an evaluation: a confusion matrix, and small result tables (CSV and
 fixed-width text). The training curves and the figure helpers are :mod:`common.curves`; pictures of
-detections are :mod:`common.detection_figures`.
+detections are :mod:`common.detection.figures`.
 
 Pure functions of host values; each figure is written as a PNG and returned as a PIL image (for the
 trackers); matplotlib is imported inside the functions.

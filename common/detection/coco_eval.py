@@ -75,7 +75,7 @@ class EvalDetails:
         ]
 
     def table(self) -> list[dict[str, Any]]:
-        """One row per class (class, instances, ap50, ap), for :func:`common.figures.format_table`."""
+        """One row per class (class, instances, ap50, ap), for :func:`common.artifacts.figures.format_table`."""
         return [
             {"class": name, "instances": int(n), "ap50": float(a50), "ap": float(a)}
             for name, n, a50, a in zip(self.classes, self.instances, self.ap50, self.ap)

@@ -5,12 +5,12 @@ HTML saved as ``.jpg``). Found by the loader, one ends a run hours in; found her
 left out before anything is trained (or, with ``--bad_images error``, the run is refused before anything
 is written).
 
-- What is checked: :func:`common.images.unreadable` (the file opens, its header gives a size, its data
+- What is checked: :func:`common.data.images.unreadable` (the file opens, its header gives a size, its data
   is complete), for images stored as files and as bytes in a dataset alike.
 - In parallel: files are checked by a pool of processes (``workers``); under several training
   processes each checks its own share and the lists are gathered, so no file is read twice.
 - Cached: the answer for each file is kept with its size and modification time in
-  ``<cache root>/scans/`` (:func:`common.builtin.cache.cache_root`), one file per list of paths, so a
+  ``<cache root>/scans/`` (:func:`common.data.builtin.cache.cache_root`), one file per list of paths, so a
   second start re-reads only the files that changed. Images stored as bytes are scanned every time
   (they come from datasets, hub or saved, whose files do not change under a run).
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 from common import UserError
 from common.console import counted
-from common.images import listing, unreadable
+from common.data.images import listing, unreadable
 
 #: The checker's version, part of every cache file's name: a change to what is checked starts afresh.
 VERSION = "v1"
@@ -51,7 +51,7 @@ def _check_files(paths: Sequence[str]) -> list[tuple[int, int, str]]:
 
 
 def _cache_file(paths: Sequence[str]) -> Path:
-    from common.builtin.cache import cache_root
+    from common.data.builtin.cache import cache_root
 
     digest = hashlib.sha1("\n".join(paths).encode()).hexdigest()[:20]
     return cache_root() / "scans" / f"{VERSION}-{digest}.json"
@@ -126,7 +126,7 @@ def scan_table(
     # saved dataset, whose fingerprint names its files), else read again
     cache = None
     if inside and getattr(table, "cache_files", None):
-        from common.builtin.cache import cache_root
+        from common.data.builtin.cache import cache_root
 
         name = f"{VERSION}-table-{table._fingerprint}-{column}-{share[0]}of{share[1]}.json"
         cache = cache_root() / "scans" / name
@@ -170,7 +170,8 @@ def bad_images_policy(
 
 
 def without_unreadable(run: Any, data: Any, column: str, train: bool = True) -> Any:
-    """``data`` (a :class:`common.data.ClassificationData` or :class:`common.detection.DetectionData`) with
+    """``data`` (a :class:`common.data.classification.ClassificationData` or
+    :class:`common.detection.data.DetectionData`) with
     its unreadable images left out of ``train`` (when ``train``) and ``eval`` (``run``: the
     :class:`common.run.Run`, not begun; its config's ``bad_images``, ``num_workers`` (the processes that check
     files) and ``batch_size`` apply). Every process scans its share and all take the gathered list;

@@ -3,16 +3,16 @@
 
 Every source (the built-in ``digits_det``, a local COCO-json folder, or a dataset with an ``objects``
 column: hub name, ``save_to_disk`` folder or local copy of a hub repository, as ``cppe-5``) becomes a
-``datasets.Dataset`` in one normalised schema (:mod:`common.detection_sources`): per image its id,
+``datasets.Dataset`` in one normalised schema (:mod:`common.detection.sources`): per image its id,
 size, and COCO ``[x, y, w, h]`` boxes in original pixels with class indices, areas and crowd flags.
 
 Inside a recipe, :class:`DetectionDataset` yields ``(image, target)`` with boxes as
 ``tv_tensors.BoundingBoxes`` (XYXY, pixels of the transformed image) and :func:`collate` pads a
-batch. Evaluation (:mod:`common.coco_eval`) takes predictions back in original pixels
-(:func:`common.boxes.rescale_boxes`). :func:`prediction_batches` serves ``--predict`` the same way:
+batch. Evaluation (:mod:`common.detection.coco_eval`) takes predictions back in original pixels
+(:func:`common.detection.boxes.rescale_boxes`). :func:`prediction_batches` serves ``--predict`` the same way:
 new images as a split without objects, through the recipe's evaluation transform and collate.
 
-Reproducibility is that of :mod:`common.data`: each sample's augmentation is seeded from
+Reproducibility is that of :mod:`common.data.classification`: each sample's augmentation is seeded from
 ``(seed, epoch, index)``, so resumed runs and any number of workers or processes see the same crops.
 """
 
@@ -28,10 +28,10 @@ from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
 from common import UserError
-from common.builtin import DETECTION
-from common.data import EVAL_SPLITS, ClassificationData, ImageRows, load_saved_or_hub, same_split
-from common.detection_sources import coco_splits, image_table, load_coco_split, normalise
-from common.images import image_files, readable_images
+from common.data.builtin import DETECTION
+from common.data.classification import EVAL_SPLITS, ClassificationData, ImageRows, load_saved_or_hub, same_split
+from common.data.images import image_files, readable_images
+from common.detection.sources import coco_splits, image_table, load_coco_split, normalise
 from common.loaders import eval_loader_for, sample_seed, seeded
 
 # Per-channel RGB mean and std (0..1) that ImageNet-pretrained backbones expect; the detection
@@ -82,7 +82,7 @@ def _sources(data: str) -> tuple[dict[str, Callable[[], tuple[Any, list[str] | N
 def detection_images(data: str, train_split: str = "train", seed: int = 0) -> ClassificationData | None:
     """The training images of a built-in detection set or a COCO-json folder as unlabelled data (the boxes
     unused), for self-supervised training; None when ``data`` names neither (a hub dataset with an
-    ``objects`` column reads as unlabelled images through :func:`common.data.load_classification`)."""
+    ``objects`` column reads as unlabelled images through :func:`common.data.classification.load_classification`)."""
     path = Path(DETECTION[data]()) if data in DETECTION else Path(data)
     if not (path.is_dir() and ((path / "annotations").is_dir() or any(path.glob("*/_annotations.coco.json")))):
         return None
@@ -164,7 +164,7 @@ class DetectionDataset(ImageRows):
     """
 
     def __init__(self, ds: Any, transform: Callable, seed: int = 0, shorter: int = 0) -> None:
-        # shorter > 0: large JPEGs decoded reduced (common.data.ImageRows), the boxes scaled with them;
+        # shorter > 0: large JPEGs decoded reduced (common.data.classification.ImageRows), the boxes scaled with them;
         # ``orig_size`` stays the file's own
         super().__init__(ds, "image", seed, shorter)
         self.transform = transform
@@ -217,10 +217,10 @@ def prediction_batches(
     run: Any, path: str, transform: Callable, collate: Callable, batch_size: int, num_workers: int
 ) -> tuple[Any, Iterator[Any]]:
     """``--predict``'s input: the images ``path`` names (one file or a folder) as a split without objects
-    (:func:`common.detection_sources.image_table`) and its batches through the recipe's evaluation
+    (:func:`common.detection.sources.image_table`) and its batches through the recipe's evaluation
     ``transform`` and ``collate``, on the run's device (``run``: :class:`common.run.Run`), with a progress
     bar. Prepared by Accelerate: each process gets its share of the images (the last round padded with
-    repeats), so every process must pass its batches to :func:`common.detection_outputs.save_predictions`."""
+    repeats), so every process must pass its batches to :func:`common.detection.outputs.save_predictions`."""
     files, skipped = readable_images(image_files(path))
     if skipped:
         run.print(skipped)

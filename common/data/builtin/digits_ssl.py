@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
-from common.builtin.cache import cached_folder
-from common.builtin.digits import blend, coverage, digits_dataset
+from common.data.builtin.cache import cached_folder
+from common.data.builtin.digits import blend, coverage, digits_dataset
 
 if TYPE_CHECKING:
     import datasets

@@ -1,6 +1,6 @@
 """Decoded images kept for a whole run (``--cache_images ram|disk``), as Ultralytics' ``cache=ram|disk``:
 for a small dataset trained for many epochs, each image is decoded once (reduced to the size its
-transforms need, :func:`common.images.decode_sized`) instead of once per epoch.
+transforms need, :func:`common.data.images.decode_sized`) instead of once per epoch.
 
 - ``ram``: one ``uint8`` array per image, filled in the training process before its loader workers
   start; the workers inherit them (fork, copy-on-write), so they are held once per training process.
@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from common import UserError
-from common.images import decode_sized, open_reduced, upright_size
+from common.data.images import decode_sized, open_reduced, upright_size
 
 #: Part of every disk cache folder's name: a change to how images are decoded (reduction, EXIF
 #: orientation) starts a new cache rather than reading pictures decoded another way.
@@ -96,14 +96,15 @@ class ImageCache:
 
 def cache_images(run: Any, *datasets: Any) -> None:
     """With ``run.cfg.cache_images`` (``ram`` or ``disk``), give each dataset (a
-    :class:`common.data.ClassificationDataset` or :class:`common.detection.DetectionDataset`: its ``ds``,
+    :class:`common.data.classification.ClassificationDataset` or
+    :class:`common.detection.data.DetectionDataset`: its ``ds``,
     ``image_column`` and ``shorter``) an :class:`ImageCache`, filled now. All are estimated first: more
     than 80 % of the available memory (``ram``, times the training processes on this machine) or of the
     cache folder's free disk (``disk``) is one :class:`UserError`, before any is filled."""
     where = run.cfg.cache_images
     if not where:
         return
-    from common.builtin.cache import cache_root
+    from common.data.builtin.cache import cache_root
 
     caches = []
     for ds in datasets:

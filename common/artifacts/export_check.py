@@ -1,4 +1,4 @@
-"""The check an exported file passes before it is kept (:mod:`common.export`): the inputs it runs on and
+"""The check an exported file passes before it is kept (:mod:`common.artifacts.export`): the inputs it runs on and
 the tolerances it must meet.
 
 Every file is written under a temporary name, run beside the eager wrapper (ONNX Runtime on the CPU,

@@ -1,9 +1,9 @@
 """What the detection recipes write about their detections, the same for all three: the report of one
-evaluation (metrics; its pictures, drawn by :mod:`common.detection_figures`; the per-class AP table;
+evaluation (metrics; its pictures, drawn by :mod:`common.detection.figures`; the per-class AP table;
 ``predictions.json`` in the COCO results format) and, for ``--predict``, the detections on new images
 (``detections.json``, another format, and the images with their boxes).
 
-Both use the dataset's own category ids (:attr:`common.detection.DetectionData.category_ids`, kept in
+Both use the dataset's own category ids (:attr:`common.detection.data.DetectionData.category_ids`, kept in
 the weights' metadata), so the files can be scored or used with the user's own tools.
 """
 
@@ -18,10 +18,10 @@ import numpy as np
 from PIL import Image
 
 from common import UserError
+from common.artifacts.figures import format_table, plot_confusion_matrix, save_table_csv
 from common.console import counted
-from common.detection_figures import draw_detections, plot_pr_curves, save_detections
-from common.figures import format_table, plot_confusion_matrix, save_table_csv
-from common.images import decode_image
+from common.data.images import decode_image
+from common.detection.figures import draw_detections, plot_pr_curves, save_detections
 
 PREDICTIONS = "predictions.json"  # in the run folder: an evaluation's detections, the COCO results format
 DETECTIONS = "detections.json"  # in the run folder: --predict's, per image file, corner boxes
@@ -47,7 +47,7 @@ def report_evaluation(
     final: bool = False,
 ) -> dict[str, float]:
     """Everything one evaluation pass leaves behind: ``eval/<metric>`` (and ``best``) logged at ``step``;
-    on the main process ``predictions.json`` (:meth:`common.coco_eval.EvalDetails.coco_results` in
+    on the main process ``predictions.json`` (:meth:`common.detection.coco_eval.EvalDetails.coco_results` in
     ``data.category_ids``) and the pictures (:func:`save_evaluation_figures`),
     sent to the trackers. ``final`` (``--eval_only``): then the per-class AP table and the end of the
     run. Call on every process. Returns the logged metrics (without ``epoch``)."""
@@ -81,9 +81,9 @@ def save_evaluation_figures(
     row and column), ``per_class_ap.csv`` and, with ``eval_split`` (the normalised dataset that was
     evaluated) and ``plot_images`` > 0, ``detections.png``: its first ``plot_images`` images with ground
     truth and the predictions of this same pass (no second forward pass). ``details``:
-    :class:`common.coco_eval.EvalDetails`. With ``wandb_run``, those images also go to W&B at ``step``
+    :class:`common.detection.coco_eval.EvalDetails`. With ``wandb_run``, those images also go to W&B at ``step``
     with their boxes as interactive overlays. Returns the pictures by name for ``Run.log_plots``."""
-    from common.coco_eval import CONFUSION_IOU, CONFUSION_SCORE
+    from common.detection.coco_eval import CONFUSION_IOU, CONFUSION_SCORE
 
     folder = Path(folder)
     pictures = {
@@ -108,9 +108,9 @@ def evaluation_samples(
     ds: Any, predictions: dict[int, dict[str, Any]], count: int
 ) -> tuple[list[Image.Image], list[dict[str, Any]], list[dict[str, Any]]]:
     """The first ``count`` images of a normalised detection split ``ds``
-    (:mod:`common.detection_sources`), their ground truth (XYXY, crowd regions left out, ``image_id``)
-    and their ``predictions`` (:attr:`common.coco_eval.EvalDetails.predictions`; none where an image
-    has no entry): what :func:`common.detection_figures.save_detections` takes, with no second forward
+    (:mod:`common.detection.sources`), their ground truth (XYXY, crowd regions left out, ``image_id``)
+    and their ``predictions`` (:attr:`common.detection.coco_eval.EvalDetails.predictions`; none where an image
+    has no entry): what :func:`common.detection.figures.save_detections` takes, with no second forward
     pass."""
     images, targets, found = [], [], []
     for row in ds.select(range(min(count, len(ds)))):
@@ -162,7 +162,8 @@ def save_predictions(
     model_threshold: tuple[str, float] | None = None,
 ) -> dict[str, float]:
     """``--predict``: the detections of ``batches`` (the recipe's detection pass over ``table``,
-    :func:`common.detection.prediction_batches`: per image ``image_id``, ``boxes`` XYXY in original pixels, ``scores``,
+    :func:`common.detection.data.prediction_batches`:
+    per image ``image_id``, ``boxes`` XYXY in original pixels, ``scores``,
     ``labels`` as class indices of ``meta["classes"]``, the weights' metadata) scoring at least
     ``score_threshold`` go to ``detections.json`` (one entry per image: ``file``, ``width``, ``height``,
     ``detections``: ``class``, ``category_id``, ``score``, ``box`` [x0, y0, x1, y1] in the original
@@ -252,7 +253,7 @@ def _below(value: float, threshold: float) -> str:
 
 def check_classes(weights: str, meta: Mapping[str, Any], data: Any) -> None:
     """``--eval_only``: the weights' classes and category ids (``meta``, :func:`common.weights.read_metadata`)
-    must be those of ``data`` (:class:`common.detection.DetectionData`; None: nothing to check);
+    must be those of ``data`` (:class:`common.detection.data.DetectionData`; None: nothing to check);
     otherwise one :class:`common.UserError`."""
     if data is None:
         return

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, ImageDraw
 
-from common.builtin.cache import cached_folder
-from common.builtin.digits import blend, coverage, digits_dataset
+from common.data.builtin.cache import cached_folder
+from common.data.builtin.digits import blend, coverage, digits_dataset
 
 if TYPE_CHECKING:
     import datasets
@@ -222,7 +222,7 @@ def digits_det_crops_dataset(seed: int = 0, size: int = 32, margin: float = 0.15
     so that ``recipes/classifier.py`` can pretrain a detector's backbone on the detection demo's own
     data (DETR's demo does; ImageNet weights play that part with network). Each crop is the box grown
     by ``margin`` of its longer side on every side (clipped to the scene), resized to ``size`` px
-    square (bicubic; the arithmetic of ``common.boxes.crop_box``, which this leaf package cannot
+    square (bicubic; the arithmetic of ``common.detection.boxes.crop_box``, which this leaf package cannot
     import): splits ``train`` (the train scenes' digits) and ``test`` (the val scenes'), columns
     ``image`` and ``label`` (``ClassLabel`` '0'..'9'), as :func:`.digits.digits_dataset`. Built from the
     cached scenes and their annotations in seconds; not cached itself."""

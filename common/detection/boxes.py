@@ -16,7 +16,7 @@ def areas(boxes: torch.Tensor) -> torch.Tensor:
 
 def rescale_boxes(boxes_xyxy: torch.Tensor, size: tuple[int, int], orig_size: tuple[int, int]) -> torch.Tensor:
     """Map XYXY boxes (N, 4) from the transformed image (``target["size"]``: the unpadded (h, w)) to the
-    original image (``target["orig_size"]``), per axis: what :class:`common.coco_eval.CocoEvaluator`
+    original image (``target["orig_size"]``), per axis: what :class:`common.detection.coco_eval.CocoEvaluator`
     expects. Not clipped."""
     (h, w), (oh, ow) = size, orig_size
     scale = torch.tensor([ow / w, oh / h, ow / w, oh / h], dtype=torch.float32, device=boxes_xyxy.device)

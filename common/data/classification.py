@@ -2,7 +2,7 @@
 
 Everything becomes a ``datasets.Dataset`` with an image column and a label column, whatever the
 source, so one code path serves a hub dataset, an imagefolder on disk and the built-in sets
-(:mod:`common.builtin`). The samplers and loaders below serve the detection recipes too.
+(:mod:`common.data.builtin`). The samplers and loaders below serve the detection recipes too.
 
 Reproducibility: the training order is a function of ``(seed, epoch)`` only, and every sample's
 augmentation randomness is seeded from ``(seed, epoch, index)``. A batch is therefore the same
@@ -25,8 +25,8 @@ import torch
 from PIL import Image
 
 from common import UserError
-from common.builtin import CLASSIFICATION
-from common.images import decode_sized
+from common.data.builtin import CLASSIFICATION
+from common.data.images import decode_sized
 from common.loaders import KeyedDataset, replacement, sample_seed, seeded, shared_count
 
 EVAL_SPLITS = ("validation", "val", "valid", "test")
@@ -291,8 +291,8 @@ class ImageRows(KeyedDataset):
     """What the image datasets share: the rows of ``ds``, whose ``image_column`` holds undecoded images.
 
     :meth:`read` gives a row with its image decoded: reduced where ``shorter`` > 0 (large JPEGs, to that
-    shorter side: :func:`common.images.decode_sized`), from ``cache`` where one is set (an
-    :class:`common.image_cache.ImageCache`, ``--cache_images``), and, for an image that became unreadable
+    shorter side: :func:`common.data.images.decode_sized`), from ``cache`` where one is set (an
+    :class:`common.data.image_cache.ImageCache`, ``--cache_images``), and, for an image that became unreadable
     after the start's scan, another row drawn from the seed (:func:`common.loaders.replacement`), counted
     in ``replaced`` (shared with the DataLoader workers forked from this process).
     """
@@ -367,7 +367,7 @@ def label_fraction(table: Any, fraction: float, seed: int, label_column: str = "
 
 
 def with_label_fraction(run: Any, data: Any, label_column: str = "") -> Any:
-    """``data`` with its training split cut to ``run.cfg.train_fraction`` (:func:`common.data.label_fraction`:
+    """``data`` with its training split cut to ``run.cfg.train_fraction`` (:func:`label_fraction`:
     stratified by ``label_column`` where given), and a line under the banner saying how many images train."""
     fraction = run.cfg.train_fraction
     if fraction >= 1.0 or run.cfg.eval_only:

@@ -19,7 +19,7 @@ Two exporters:
 
 Every file is written under a temporary name, run beside the eager wrapper (ONNX Runtime on the CPU,
 fp32) on the example input and on the recipe's check inputs, and renamed only when every output is within
-its tolerance (:mod:`common.export_check`); otherwise nothing is kept and the export is refused in one line
+its tolerance (:mod:`common.artifacts.export_check`); otherwise nothing is kept and the export is refused in one line
 naming the input, the output and the difference.
 """
 
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from common import UserError
-from common.export_check import Detections, checked, export_metrics, tensors
+from common.artifacts.export_check import Detections, checked, export_metrics, tensors
 
 #: The largest batch the exported graphs are traced for (``torch.export``'s dynamic batch dimension).
 MAX_BATCH = 1024
@@ -202,17 +202,6 @@ def differences(diffs: Mapping[str, float]) -> str:
     return ", ".join(f"{name} {value:.2g}{unit}" for name, (value, unit) in worst.items())
 
 
-def read_onnx_metadata(path: str | Path) -> dict[str, str]:
-    """The ``metadata_props`` of an ONNX file (strings); an unreadable file is one :class:`UserError`."""
-    import onnx
-
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception as e:
-        raise UserError(f"weights '{path}' could not be read as ONNX: {type(e).__name__}: {e}") from None
-    return {p.key: p.value for p in proto.metadata_props}
-
-
 class OnnxModel:
     """An ONNX file run with ONNX Runtime on the CPU, called as the wrapper it was exported from: its
     input tensors by position in, the list of output tensors (CPU, as the file gives them) out."""
@@ -231,8 +220,3 @@ class OnnxModel:
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         feed = {n: t.detach().cpu().numpy() for n, t in zip(self.input_names, inputs)}
         return [torch.from_numpy(np.asarray(o)) for o in self.session.run(None, feed)]
-
-
-def is_onnx(path: str | Path) -> bool:
-    """Whether ``path`` names an ONNX file (by its suffix), as ``--weights`` may."""
-    return Path(path).suffix.lower() == ".onnx"

@@ -1,6 +1,6 @@
 """Pictures of detections, for the three detection recipes: ground truth and predictions drawn on the
 original images (a grid in one PNG with a legend, and W&B box overlays), and precision-recall curves
-per class. Which of them one evaluation writes: :func:`common.detection_outputs.save_evaluation_figures`.
+per class. Which of them one evaluation writes: :func:`common.detection.outputs.save_evaluation_figures`.
 
 Boxes are drawn with PIL and the DejaVu Sans font that matplotlib ships (a scalable font: PIL's bitmap
 default is 7 px high), at a fixed drawing size whatever the image's own: a 96-px scene is enlarged, a
@@ -316,7 +316,7 @@ def plot_pr_curves(precision: Any, classes: Sequence[str], ap50: Any, path: Path
     otherwise), and their mean in bold, "all classes mAP@0.5 x.xxx".
 
     ``precision``: COCOeval's ``eval["precision"]`` [T=10 IoUs, R=101 recall points, K, A=4 areas,
-    M=3 maxDets] (:attr:`common.coco_eval.EvalDetails.precision`), of which IoU 0.5, all areas and
+    M=3 maxDets] (:attr:`common.detection.coco_eval.EvalDetails.precision`), of which IoU 0.5, all areas and
     100 detections are drawn; or those curves already taken, [R, K]. -1 marks a class without ground
     truth: it is left out. ``ap50``: per-class AP@0.5 [K] (NaN without ground truth), or None to
     take it from ``precision``."""

@@ -10,7 +10,7 @@ Built-in sets need no network, are deterministic, are generated in seconds and c
   folder (:mod:`.digits_det`).
 
 A leaf package: it imports nothing from ``common`` but :class:`common.UserError`, so that the
-data layers above it (``common.data``, ``common.detection``) can name it without a cycle.
+data layers above it (``common.data.classification``, ``common.detection.data``) can name it without a cycle.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common.builtin.digits import digits_dataset
-from common.builtin.digits_det import digits_det_crops_dataset, digits_det_folder
-from common.builtin.digits_ssl import digits_ssl_dataset
+from common.data.builtin.digits import digits_dataset
+from common.data.builtin.digits_det import digits_det_crops_dataset, digits_det_folder
+from common.data.builtin.digits_ssl import digits_ssl_dataset
 
 # Name -> a function of no argument returning the set: a hub-style datasets.DatasetDict with
 # ``image`` and ``label`` (ClassLabel) columns for classification, a COCO-json folder for detection.

@@ -1,0 +1,4 @@
+"""Data helpers a recipe calls while building its datasets, and a reader of the loop can skip: classification
+and unlabelled sources (:mod:`.classification`), image decoding and the files ``--predict`` names
+(:mod:`.images`), the scan for unreadable images before the first step (:mod:`.scan`), ``--cache_images``
+(:mod:`.image_cache`) and the built-in sets (:mod:`.builtin`, a leaf: it imports nothing else of ``common``)."""
