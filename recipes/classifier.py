@@ -174,6 +174,8 @@ def create_model(cfg: Config, num_classes: int, notes: list[str] | None = None) 
     notes = [] if notes is None else notes
     if cfg.probe_blocks > 0 and not cfg.linear_probe:
         raise UserError("probe_blocks is DINO's linear evaluation: it needs --linear_probe")
+    if cfg.probe_blocks > 0 and cfg.push_to_hub:  # checked before training: the push would find no folder
+        raise UserError("a probe on blocks is not a timm model and writes no model folder: drop --push_to_hub")
     # transformers build their position embeddings for img_size; convnets take no such argument
     model = create_timm_model(
         cfg.model,

@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 from PIL import Image
 
+from common import UserError
 from common.config import parse_config
 from conftest import (
     ROOT,
@@ -923,6 +924,12 @@ def test_dino_linear_evaluation_probes_the_last_blocks(trained, tmp_path):
     )
     features = torch.cat([levels[0][1][:, 0], levels[1][1][:, 0]], dim=1)
     assert torch.allclose(model.eval()(images), model.head(features), atol=1e-5)
+    # a probe is not a timm model: it has no model folder, so a hub push is refused before anything trains
+    with pytest.raises(UserError, match="drop --push_to_hub"):
+        classifier.create_model(
+            parse_config(classifier.Config, TINY + ["--linear_probe", "--probe_blocks", "2", "--push_to_hub", "me/x"]),
+            10,
+        )
     out = classifier.main(
         [
             "--eval_only",
