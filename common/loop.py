@@ -63,6 +63,9 @@ class Loop:
     ``train_loader`` is the prepared loader; its batch sampler must have ``set_epoch`` (as
     :class:`common.loaders.EpochBatchSampler`). ``total_steps`` is the run's optimizer-step count
     (:func:`steps_total`). ``eval_images`` and ``classes`` describe the data in the start banner.
+    ``replaced``: the training dataset's count of images replaced during the run
+    (:attr:`common.data.classification.ImageRows.replaced`, a :func:`common.loaders.shared_count`), logged as
+    ``train/replaced_images`` once it is above 0; None for a dataset without one.
     Here the run folder is created (``run.begin()``), the banner printed, and the state to continue
     from read with ``run.resume()``.
     """
@@ -74,9 +77,10 @@ class Loop:
         total_steps: int,
         eval_images: int | None = None,
         classes: Sequence[str] | None = None,
+        replaced: Any = None,
     ) -> None:
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
-        self.train_loader, self.total_steps = train_loader, total_steps
+        self.train_loader, self.total_steps, self.replaced = train_loader, total_steps, replaced
         run.begin()
         self._banner(eval_images, classes)
         # From here on each process draws its own random numbers (dropout, drop path, Mixup/CutMix),
@@ -280,9 +284,7 @@ class Loop:
         means = self.meters.summary(self.accelerator, steps_left=self.total_steps - self.step)
         self.run.guard.check(self.accelerator, self.run.last_checkpoint)
         means.update({k: float(v) for k, v in values.items()})
-        replaced = getattr(
-            getattr(self.train_loader.dataset, "replaced", None), "value", 0
-        )  # common.data.classification.ImageRows
+        replaced = self.replaced.value if self.replaced is not None else 0
         if replaced:  # images that broke during the run, replaced (this process's count, since the start)
             means["replaced_images"] = float(replaced)
         if self.accelerator.device.type == "cuda":  # this process's peak since the start, GiB

@@ -91,7 +91,7 @@ class Run:
         cfg.output_dir = str(self.dir)
         if cfg.num_workers < 0:  # -1: what this machine has per process (common.loaders.auto_workers)
             cfg.num_workers = auto_workers(cfg.num_workers)
-            self.notes.append(
+            self.note(
                 f"  workers   {cfg.num_workers} loader workers per process (num_workers -1: the cores, at most 8)"
             )
         self.resume_changes: dict[str, tuple[Any, Any]] = {}
@@ -109,7 +109,7 @@ class Run:
             dataloader_config=DataLoaderConfiguration(non_blocking=True),
         )
         set_seed(cfg.seed)  # the same on every process: model initialisation agrees before prepare()
-        self.notes += filter(None, [emulated_bf16_note(self.accelerator.mixed_precision, self.accelerator.device.type)])
+        self.note(emulated_bf16_note(self.accelerator.mixed_precision, self.accelerator.device.type))
         # CUDA: TF32 tensor-core matmuls and convolutions, and cuDNN's autotuned convolution algorithms
         # (fixed input sizes); cfg.tf32 false: full fp32 precision and a fixed algorithm choice. The
         # flags change nothing on a CPU.
@@ -159,6 +159,11 @@ class Run:
             )
 
     # -- output -----------------------------------------------------------------------------
+    def note(self, *lines: str) -> None:
+        """Lines for under the start banner (:class:`common.loop.Loop` prints them, in order): what a recipe
+        or a data helper says about this run's settings; empty lines (a helper with nothing to say) are left out."""
+        self.notes += [line for line in lines if line]
+
     def print(self, *args: Any) -> None:
         """Print on the main process only, without breaking a progress bar."""
         if self.accelerator.is_main_process:

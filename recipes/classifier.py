@@ -45,7 +45,7 @@ from common.artifacts.figures import format_table, plot_confusion_matrix, save_t
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optimizers
 from common.console import cli_main, own_files
 from common.data.classification import ClassificationDataset, load_classification, with_label_fraction
-from common.data.image_cache import cache_images
+from common.data.image_cache import image_caches
 from common.data.images import needed_side
 from common.data.scan import without_unreadable
 from common.ema import ModelEma
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "(each new momentum value would force torch.compile to recompile)"
         )
     run = Run(cfg, Path(__file__).stem)  # runs/<this file's name>/..., the Accelerator, the seeds (common/run.py)
-    run.notes += [normalization_note] if normalization_note else []
+    run.note(normalization_note)
     accelerator = run.accelerator
     if cfg.predict:  # predictions.csv for the images it names (recipes/classifier_inference.py)
         return predict(cfg, run, create_model)
@@ -303,9 +303,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data = load_classification(
             cfg.data, cfg.image_column, cfg.label_column, cfg.train_split, cfg.eval_split, seed=cfg.seed
         )
+    column = data.image_column  # the undecoded images
     # every image checked once before the first step: unreadable ones are left out and listed (common/data/scan.py)
-    data = without_unreadable(run, data, data.image_column, train=not cfg.eval_only)
-    data = with_label_fraction(run, data, data.label_column)  # --train_fraction: a seeded share of the labels
+    scan = without_unreadable(
+        data, column, accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir, train=not cfg.eval_only
+    )
+    data = scan.data
+    run.note(*scan.notes)
+    run.files.update(scan.files)  # bad_images.txt, where some are left out
+    if not cfg.eval_only:  # --train_fraction: a seeded share of the labels
+        data, fraction_line = with_label_fraction(data, cfg.train_fraction, cfg.seed, data.label_column)
+        run.note(fraction_line)
     num_classes = len(data.classes)
 
     # ---- model -----------------------------------------------------------------------------
@@ -327,9 +335,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     saved_as = {"classes": data.classes, "recipe": run.recipe, "normalization": (data_cfg["mean"], data_cfg["std"])}
     # camera-size JPEGs decoded reduced, as far as the crops still find img_size pixels (common/data/images.py)
     sides = needed_side(cfg.img_size, cfg.scale[0], cfg.ratio), needed_side(cfg.img_size, crop_pct=data_cfg["crop_pct"])
-    train_set = ClassificationDataset(data.train, data.image_column, data.label_column, train_tf, cfg.seed, sides[0])
-    eval_set = ClassificationDataset(data.eval, data.image_column, data.label_column, eval_tf, cfg.seed, sides[1])
-    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
+    # --cache_images: each image decoded once, at the side its dataset decodes it (common/data/image_cache.py)
+    (train_cache, eval_cache), cache_line = image_caches(
+        cfg.cache_images, cfg.num_workers, (data.train, column, sides[0]), (data.eval, column, sides[1])
+    )
+    run.note(cache_line)
+    train_set = ClassificationDataset(data.train, column, data.label_column, train_tf, cfg.seed, sides[0], train_cache)
+    eval_set = ClassificationDataset(data.eval, column, data.label_column, eval_tf, cfg.seed, sides[1], eval_cache)
     train_loader = train_loader_for(
         train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, repeats=cfg.aug_repeats
     )
@@ -430,7 +442,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
+    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced)
     meters, results = loop.meters, {}
     for epoch in loop.epochs():
         accelerator.gradient_accumulation_steps = accum_steps(epoch)

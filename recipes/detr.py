@@ -66,7 +66,7 @@ from common.artifacts.export import export
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
 from common.data.classification import with_label_fraction
-from common.data.image_cache import cache_images
+from common.data.image_cache import image_caches
 from common.data.scan import without_unreadable
 from common.detection.coco_eval import CocoEvaluator, EvalDetails
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
@@ -350,22 +350,37 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
-    data = without_unreadable(run, data, "image", train=not cfg.eval_only)
-    data = with_label_fraction(run, data)  # --train_fraction: a seeded share of the labelled images
+    scan = without_unreadable(
+        data, "image", accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir, train=not cfg.eval_only
+    )
+    data = scan.data
+    run.note(*scan.notes)
+    run.files.update(scan.files)  # bad_images.txt, where some are left out
+    if not cfg.eval_only:  # --train_fraction: a seeded share of the labelled images
+        data, fraction_line = with_label_fraction(data, cfg.train_fraction, cfg.seed)
+        run.note(fraction_line)
     # what every weights file records: classes, the dataset's ids, the input normalisation (common/weights.py)
     saved_as = {"classes": data.classes, "recipe": run.recipe, "category_ids": data.category_ids}
     saved_as["normalization"] = (IMAGENET_MEAN, IMAGENET_STD)
     num_classes = len(data.classes)
-    # camera-size JPEGs decoded reduced, as far as the resizes (and the crop branch's) still find their pixels
-    eval_set = DetectionDataset(data.eval, data_transforms(cfg, False), cfg.seed, cfg.scales[-1])
-    eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=detr_collate)
+    eval_tf = data_transforms(cfg, False)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
+        eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, cfg.scales[-1])
+        eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=detr_collate)
         model, eval_loader = accelerator.prepare(trained_model(cfg, create_model, data)[0], eval_loader)
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
-    train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed, max([*cfg.scales, *cfg.crop_resize]))
-    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
+    # camera-size JPEGs decoded reduced, as far as the resizes (and the crop branch's) still find their pixels
+    sides = max([*cfg.scales, *cfg.crop_resize]), cfg.scales[-1]
+    # --cache_images: each image decoded once, at the side its dataset decodes it (common/data/image_cache.py)
+    (train_cache, eval_cache), cache_line = image_caches(
+        cfg.cache_images, cfg.num_workers, (data.train, "image", sides[0]), (data.eval, "image", sides[1])
+    )
+    run.note(cache_line)
+    train_set = DetectionDataset(data.train, data_transforms(cfg, True), cfg.seed, sides[0], train_cache)
+    eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, sides[1], eval_cache)
+    eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=detr_collate)
     train_loader = train_loader_for(
         train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes, collate_fn=detr_collate
     )
@@ -395,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             return {}
     model = create_model(cfg, num_classes, backbone)
     if cfg.init_weights:  # the whole detector from a DETR checkpoint (a resumed run's checkpoint overrides it)
-        run.notes.append(load_init_weights(model, cfg.init_weights, data.classes, data.category_ids))
+        run.note(load_init_weights(model, cfg.init_weights, data.classes, data.category_ids))
     criterion = create_criterion(cfg, num_classes).to(accelerator.device)
     weight_dict = criterion.weight_dict  # the total loss: sum of weight x term (auxiliary layers' terms too)
     model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch
@@ -433,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
+    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced)
     meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
         model.train()

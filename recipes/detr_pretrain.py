@@ -22,7 +22,7 @@ from common import UserError
 from common.data.images import decode_image
 from common.detection.boxes import crop_box
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionData
-from common.loaders import eval_loader_for, sample_seed, train_loader_for
+from common.loaders import KeyedDataset, eval_loader_for, sample_seed, train_loader_for
 from common.meters import Meters, prefixed
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
@@ -31,15 +31,16 @@ from common.schedules import schedule, set_group_values, weight_decay_groups
 # ============================================================================================
 # Data: every box of the detection set as a classification sample
 # ============================================================================================
-class BoxCropDataset(torch.utils.data.Dataset):
+class BoxCropDataset(KeyedDataset):
     """Every box of a normalised detection dataset as a classification sample ``(image [3, size, size]
     float normalised with the ImageNet mean and std as detr_data.py's data_transforms does, class index)``, cut by
     ``crop_box`` (crowd regions and boxes under 1 px left out).
 
     ``shift`` > 0 (training): the window moves by up to that fraction of its side on each axis, drawn
-    per ``(epoch, index)`` (keys as DetectionDataset's), so that the classifier does not learn that a
-    digit always sits in the middle. Scenes are decoded per crop, nothing is cached: any size of
-    dataset stays on disk, and DataLoader workers do the decoding.
+    per ``(epoch, index)`` (keys as DetectionDataset's: a :class:`common.loaders.KeyedDataset`, so each
+    epoch draws anew), so that the classifier does not learn that a digit always sits in the middle.
+    Scenes are decoded per crop, nothing is cached: any size of dataset stays on disk, and DataLoader
+    workers do the decoding.
     """
 
     def __init__(self, ds: Any, size: int = 32, margin: float = 0.15, shift: float = 0.0, seed: int = 0) -> None:

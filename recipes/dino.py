@@ -51,7 +51,7 @@ from common.artifacts.export import export
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
 from common.data.classification import ClassificationDataset, load_classification
-from common.data.image_cache import cache_images
+from common.data.image_cache import image_caches
 from common.data.images import needed_side
 from common.data.scan import without_unreadable
 from common.detection.data import detection_images
@@ -366,9 +366,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
         knn_set = load_classification(cfg.knn_data, seed=cfg.seed) if cfg.knn_data else data
     # every image checked once before the first step: unreadable ones are left out and listed (common/data/scan.py)
-    checked = without_unreadable(run, data, data.image_column, train=not cfg.eval_only)
-    knn_set = checked if knn_set is data else without_unreadable(run, knn_set, knn_set.image_column)
-    data = checked
+    settings = accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir  # what the scan reads
+    scans = [without_unreadable(data, data.image_column, *settings, train=not cfg.eval_only)]
+    if knn_set is not data:
+        scans.append(without_unreadable(knn_set, knn_set.image_column, *settings))
+    for scan in scans:
+        run.note(*scan.notes)
+        run.files.update(scan.files)  # bad_images.txt, where some are left out
+    data, knn_set = scans[0].data, scans[-1].data
     if not knn_set.classes:
         knn_set = None
         if cfg.eval_only:
@@ -376,14 +381,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # camera-size JPEGs decoded reduced, as far as every crop still finds its pixels (common/data/images.py)
     crops = [(cfg.global_size, cfg.global_scale[0]), (cfg.local_size, cfg.local_scale[0])]
     side = max(needed_side(size, scale, (3 / 4, 4 / 3)) for size, scale in crops)  # torchvision's default ratio
-    train_set = ClassificationDataset(data.train, data.image_column, data.label_column, MultiCrop(cfg), cfg.seed, side)
-    cache_images(run, train_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
+    # --cache_images: each image decoded once, at that side (common/data/image_cache.py)
+    (train_cache,), cache_line = image_caches(cfg.cache_images, cfg.num_workers, (data.train, data.image_column, side))
+    run.note(cache_line)
+    columns = data.image_column, data.label_column
+    train_set = ClassificationDataset(data.train, *columns, MultiCrop(cfg), cfg.seed, side, train_cache)
     train_loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, accelerator.num_processes)
     if knn_set is not None:  # each process reads its own share of the bank and of the queries
-        bank_set, query_set, bank_loader, query_loader, pixel_loader = knn_loaders(
+        bank_set, query_set, bank_loader, query_loader, pixel_loader, cache_line = knn_loaders(
             cfg, knn_set, accelerator.process_index, accelerator.num_processes
         )
-        cache_images(run, bank_set, query_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
+        run.note(cache_line)  # --cache_images: the bank's and the queries' images decoded once
 
     # ---- model: the student; the teacher is copied from it once prepared (the same on every process) --
     student = create_student(cfg)
@@ -444,7 +452,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- resume, or the step-0 baselines ---------------------------------------------------------
     loop = Loop(
-        run, train_loader, total_steps, len(query_set) if knn_set else None, knn_set.classes if knn_set else None
+        run,
+        train_loader,
+        total_steps,
+        len(query_set) if knn_set else None,
+        knn_set.classes if knn_set else None,
+        train_set.replaced,
     )
     meters = loop.meters
     if knn_set is None and "baseline" not in loop.extra:

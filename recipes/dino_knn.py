@@ -30,6 +30,7 @@ from torch import nn
 from torchvision import transforms as T
 
 from common.data.classification import ClassificationData, ClassificationDataset
+from common.data.image_cache import image_caches
 from common.data.images import needed_side
 from common.loaders import eval_loader_for
 from common.models import average_bn_statistics
@@ -43,6 +44,7 @@ class KnnSettings(Protocol):
     seed: int
     batch_size: int  # images per batch of the bank and query loaders, per process
     num_workers: int
+    cache_images: str  # '', ram or disk (common/data/image_cache.py)
     global_size: int
     knn_resize: int
     knn_train_limit: int
@@ -82,19 +84,28 @@ def knn_loaders(
     torch.utils.data.DataLoader,
     torch.utils.data.DataLoader,
     torch.utils.data.DataLoader,
+    str,
 ]:
-    """The kNN evaluation's data: ``(bank_set, query_set, bank_loader, query_loader, pixel_loader)``.
+    """The kNN evaluation's data: ``(bank_set, query_set, bank_loader, query_loader, pixel_loader,
+    cache_line)``.
 
     The sets are whole (knn_set's training split as the bank, at most knn_train_limit images, seeded; its
-    evaluation split as the queries), at eval_transform. Each loader reads only this process's shard:
-    of the bank, of the queries, and of the raw-pixel baseline's bank (at most knn_pixel_limit, seeded)."""
+    evaluation split as the queries), at eval_transform, their images decoded once where ``cache_images``
+    says (``cache_line``: the line for under the start banner, '' without). Each loader reads only this
+    process's shard: of the bank, of the queries, and of the raw-pixel baseline's bank (at most
+    knn_pixel_limit, seeded)."""
     bank = knn_set.train
     if 0 < cfg.knn_train_limit < len(bank):
         bank = bank.shuffle(seed=cfg.seed).select(range(cfg.knn_train_limit))
     knn_tf = eval_transform(cfg.global_size, cfg.knn_resize)
     side = needed_side(cfg.global_size, crop_pct=cfg.global_size / (cfg.knn_resize or cfg.global_size))
-    bank_set = ClassificationDataset(bank, knn_set.image_column, knn_set.label_column, knn_tf, shorter=side)
-    query_set = ClassificationDataset(knn_set.eval, knn_set.image_column, knn_set.label_column, knn_tf, shorter=side)
+    column = knn_set.image_column
+    (bank_cache, query_cache), cache_line = image_caches(
+        cfg.cache_images, cfg.num_workers, (bank, column, side), (knn_set.eval, column, side)
+    )
+    columns = column, knn_set.label_column
+    bank_set = ClassificationDataset(bank, *columns, knn_tf, shorter=side, cache=bank_cache)
+    query_set = ClassificationDataset(knn_set.eval, *columns, knn_tf, shorter=side, cache=query_cache)
     here = (process_index, num_processes)
     bank_loader = eval_loader_for(shard(bank_set, *here), cfg.batch_size, cfg.num_workers)
     query_loader = eval_loader_for(shard(query_set, *here), cfg.batch_size, cfg.num_workers)
@@ -103,7 +114,7 @@ def knn_loaders(
         chosen = torch.randperm(len(bank_set), generator=torch.Generator().manual_seed(cfg.seed))
         pixel_bank = torch.utils.data.Subset(bank_set, chosen[: cfg.knn_pixel_limit].tolist())
     pixel_loader = eval_loader_for(shard(pixel_bank, *here), cfg.batch_size, cfg.num_workers)
-    return bank_set, query_set, bank_loader, query_loader, pixel_loader
+    return bank_set, query_set, bank_loader, query_loader, pixel_loader, cache_line
 
 
 # ============================================================================================

@@ -54,7 +54,7 @@ from common.artifacts.export import export
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
 from common.data.classification import with_label_fraction
-from common.data.image_cache import cache_images
+from common.data.image_cache import image_caches
 from common.data.scan import without_unreadable
 from common.detection.coco_eval import CocoEvaluator, EvalDetails
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
@@ -261,17 +261,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
-    data = without_unreadable(run, data, "image", train=not cfg.eval_only)
-    data = with_label_fraction(run, data)  # --train_fraction: a seeded share of the labelled images
+    scan = without_unreadable(
+        data, "image", accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir, train=not cfg.eval_only
+    )
+    data = scan.data
+    run.note(*scan.notes)
+    run.files.update(scan.files)  # bad_images.txt, where some are left out
+    if not cfg.eval_only:  # --train_fraction: a seeded share of the labelled images
+        data, fraction_line = with_label_fraction(data, cfg.train_fraction, cfg.seed)
+        run.note(fraction_line)
     # what every weights file records: classes, the dataset's ids, the input normalisation (common/weights.py)
     saved_as = {"classes": data.classes, "recipe": run.recipe, "category_ids": data.category_ids}
     saved_as["normalization"] = (IMAGENET_MEAN, IMAGENET_STD)
     num_classes = len(data.classes)
     # camera-size JPEGs decoded reduced, as far as the model's resize to min_size still finds its pixels
-    eval_set = DetectionDataset(data.eval, data_transforms(False, 0.0, False), cfg.seed, max(cfg.min_size))
-    eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=list_collate)
+    side, eval_tf = max(cfg.min_size), data_transforms(False, 0.0, False)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
+        eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, side)
+        eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=list_collate)
         model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
@@ -288,10 +296,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 "box to learn left out (--keep_empty true keeps them)"
             )
             data.train = data.train.select(keep)
-    train_set = DetectionDataset(
-        data.train, data_transforms(True, cfg.hflip, cfg.color_jitter), cfg.seed, max(cfg.min_size)
+    # --cache_images: each image decoded once, at that side (common/data/image_cache.py)
+    (train_cache, eval_cache), cache_line = image_caches(
+        cfg.cache_images, cfg.num_workers, (data.train, "image", side), (data.eval, "image", side)
     )
-    cache_images(run, train_set, eval_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
+    run.note(cache_line)
+    train_tf = data_transforms(True, cfg.hflip, cfg.color_jitter)
+    train_set = DetectionDataset(data.train, train_tf, cfg.seed, side, train_cache)
+    eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, side, eval_cache)
+    eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=list_collate)
     aspect = [w / h for w, h in zip(data.train["width"], data.train["height"])]  # from the table: nothing decoded
     sampler = AspectRatioBatchSampler(
         aspect, cfg.batch_size, cfg.seed, True, accelerator.num_processes, cfg.aspect_ratio_group_factor
@@ -331,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
+    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced)
     meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
         model.train()

@@ -58,13 +58,13 @@ from common.artifacts.export import export
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
 from common.console import cli_main, own_files
 from common.data.classification import with_label_fraction
-from common.data.image_cache import cache_images
+from common.data.image_cache import image_caches
 from common.data.scan import without_unreadable
 from common.detection.coco_eval import CocoEvaluator, EvalDetails
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
 from common.detection.outputs import per_class_text, report_evaluation
 from common.ema import ModelEma
-from common.loaders import eval_loader_for, loader_kwargs, sample_seed
+from common.loaders import KeyedDataset, eval_loader_for, loader_kwargs, sample_seed
 from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
@@ -174,14 +174,16 @@ class Config(RunConfig):
 # ============================================================================================
 # Data: box-aware transforms (recipes/yolo_data.py), then the method's own mosaic and mixup
 # ============================================================================================
-class YoloTrainSet(torch.utils.data.Dataset):
+class YoloTrainSet(KeyedDataset):
     """Training samples, each a plain, a 4-image mosaic or a mixed-up image, decided by the
     sample's own seeded random numbers, so resume and process count do not change a batch.
 
     Keys: ``(epoch, index, size)`` from :class:`MultiScaleBatchSampler`, ``size`` being the batch's input
     size, at which every piece of the sample (mosaic and mixup partners included) is transformed;
-    ``(epoch, index)`` or a plain index: at ``size``. ``base`` transforms at ``size``; ``transform_at(s)``
-    gives the training transforms at another size ``s``.
+    ``(epoch, index)`` or a plain index: at ``size`` (a :class:`common.loaders.KeyedDataset` whose third key
+    is the input size, not a repeat: no repeated augmentation here). ``base`` transforms at ``size``;
+    ``transform_at(s)`` gives the training transforms at another size ``s``, over ``base``'s rows, decoded
+    images and count of replaced images.
 
     Every target gets per-box ``weights``: 1, or the mixup ratio of the image the box came from
     (GluonCV weights the objectness and box losses of a mixed box by its ratio), and ``dropped``: the
@@ -205,22 +207,15 @@ class YoloTrainSet(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.base)
 
-    @property
-    def replaced(self) -> Any:
-        """The images replaced during the run (common.data.classification.ImageRows): the base's count,
-        for every size."""
-        return self.base.replaced
-
     def _item(self, epoch: int, index: int, size: int):
         """One image decoded and transformed at ``size``: image, boxes, labels, weights (1), dropped."""
         if size not in self._at_size:
             if self.transform_at is None:
                 raise ValueError(f"input size {size} asked of a YoloTrainSet made for {self.size} only")
+            base = self.base  # the same rows: its decoded images (--cache_images), one count of those replaced
             self._at_size[size] = DetectionDataset(
-                self.base.ds, self.transform_at(size), self.base.seed, self.base.shorter
+                base.ds, self.transform_at(size), base.seed, base.shorter, base.cache, base.replaced
             )
-            self._at_size[size].cache = self.base.cache  # --cache_images: the decoded images are the same
-            self._at_size[size].replaced = self.base.replaced  # one count of the images broken during the run
         image, target = self._at_size[size][(epoch, index)]
         boxes = target["boxes"].as_subclass(torch.Tensor).float()
         return image, boxes, target["labels"], torch.ones(len(boxes)), target["dropped"]
@@ -380,19 +375,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
-    data = without_unreadable(run, data, "image", train=not cfg.eval_only)
-    data = with_label_fraction(run, data)  # --train_fraction: a seeded share of the labelled images
+    scan = without_unreadable(
+        data, "image", accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir, train=not cfg.eval_only
+    )
+    data = scan.data
+    run.note(*scan.notes)
+    run.files.update(scan.files)  # bad_images.txt, where some are left out
+    if not cfg.eval_only:  # --train_fraction: a seeded share of the labelled images
+        data, fraction_line = with_label_fraction(data, cfg.train_fraction, cfg.seed)
+        run.note(fraction_line)
     # what every weights file records: classes, the dataset's ids, the input normalisation (common/weights.py)
     saved_as = {"classes": data.classes, "recipe": run.recipe, "category_ids": data.category_ids}
     saved_as["normalization"] = (IMAGENET_MEAN, IMAGENET_STD)
     num_classes = len(data.classes)
     eval_tf = detection_transforms(False, cfg.img_size, preset=cfg.augment)
-    eval_set = DetectionDataset(
-        data.eval, eval_tf, cfg.seed, cfg.img_size
-    )  # large JPEGs decoded reduced to the letterbox
-    eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=collate)
     evaluator = CocoEvaluator(data.eval, data.classes)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
+        eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, cfg.img_size)  # large JPEGs: reduced to the letterbox
+        eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=collate)
         model, eval_loader = accelerator.prepare(trained_model(cfg, create_model, data)[0], eval_loader)
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
@@ -409,8 +409,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # camera-size JPEGs decoded reduced, as far as the largest size times the scale jitter's zoom still finds
     # its pixels (letterbox); GluonCV's crops zoom further: decoded in full
     largest = math.ceil(max([cfg.img_size, *cfg.multiscale]) * cfg.scale_range[1]) if cfg.augment == "letterbox" else 0
+    # --cache_images: each image decoded once, at the side its dataset decodes it (common/data/image_cache.py)
+    (train_cache, eval_cache), cache_line = image_caches(
+        cfg.cache_images, cfg.num_workers, (data.train, "image", largest), (data.eval, "image", cfg.img_size)
+    )
+    run.note(cache_line)
     train_set = YoloTrainSet(
-        DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed, largest),
+        DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed, largest, train_cache),
         cfg.img_size,
         cfg.mosaic,
         cfg.mixup,
@@ -418,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cfg.seed,
         transform_at,
     )
-    cache_images(run, train_set.base, eval_set)  # --cache_images: each image decoded once (common/data/image_cache.py)
+    eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, cfg.img_size, eval_cache)  # reduced to the letterbox
+    eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=collate)
     sampler = MultiScaleBatchSampler(
         len(train_set),
         cfg.batch_size,
@@ -476,7 +482,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     weight_dict = dict.fromkeys(LOSS_TERMS, 1.0)  # the total loss: sum of weight x term (GluonCV: all equal)
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes)
+    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.base.replaced)
     meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
         model.train()

@@ -108,11 +108,9 @@ def test_cached_images_are_the_decoded_ones_and_a_cache_too_large_is_refused(pho
     """--cache_images: each image decoded once at the size the transform needs (in RAM, or as .npy files
     reused by a later run); the dataset then gives the same samples as without it; a cache that would
     not fit is one line before anything is decoded."""
-    from types import SimpleNamespace
-
     from common import UserError
     from common.data.classification import ClassificationDataset
-    from common.data.image_cache import cache_images
+    from common.data.image_cache import image_caches
     from conftest import detection_table
 
     monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache"))
@@ -120,17 +118,16 @@ def test_cached_images_are_the_decoded_ones_and_a_cache_too_large_is_refused(pho
     transform = create_transform(224, is_training=False, crop_pct=0.875)
     plain = ClassificationDataset(table, "image", "", transform, shorter=256)
     expected = plain[0][0]
+    assert image_caches("", 1, (table, "image", 256)) == ([None], "")  # --cache_images off: nothing decoded
     for where in ("ram", "disk"):
-        cached = ClassificationDataset(table, "image", "", transform, shorter=256)
-        run = SimpleNamespace(cfg=SimpleNamespace(cache_images=where, num_workers=1), notes=[])
-        cache_images(run, cached)
+        (cache,), line = image_caches(where, 1, (table, "image", 256))
+        cached = ClassificationDataset(table, "image", "", transform, shorter=256, cache=cache)
         assert cached.cache.images[0].shape == (378, 504, 3) and cached.cache.sizes[0] == (4032, 3024)
-        assert torch.equal(cached[0][0], expected) and "1 images decoded once" in run.notes[0]
+        assert torch.equal(cached[0][0], expected) and "1 images decoded once" in line
     assert len(list((tmp_path / "cache" / "images").rglob("*.npy"))) == 1  # disk: kept for the next run
     monkeypatch.setattr("common.data.image_cache.available_memory", lambda: 100_000)
-    run = SimpleNamespace(cfg=SimpleNamespace(cache_images="ram", num_workers=1), notes=[])
     with pytest.raises(UserError, match=r"cache_images ram needs 0.0 GiB for 1 images; 0.0 GiB of available memory"):
-        cache_images(run, ClassificationDataset(table, "image", "", transform, shorter=256))
+        image_caches("ram", 1, (table, "image", 256))
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,10 +177,8 @@ def test_a_photo_with_an_orientation_tag_decodes_as_displayed_full_and_reduced(p
 def test_the_image_cache_keeps_a_tagged_photo_upright(photo, turned_photo, tmp_path, monkeypatch):
     """--cache_images ram and disk (written, then read back by a second run): the stored picture and the
     file's size are the displayed ones, and the estimate from the headers counts the displayed size."""
-    from types import SimpleNamespace
-
     from common.data.classification import ClassificationDataset
-    from common.data.image_cache import cache_images
+    from common.data.image_cache import image_caches
     from conftest import detection_table
 
     monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache"))
@@ -191,9 +186,8 @@ def test_the_image_cache_keeps_a_tagged_photo_upright(photo, turned_photo, tmp_p
     table = detection_table([{"path": str(turned_photo), "bytes": None}], [[]])
     expected = transform(decode_image({"path": str(photo)}, "camera.jpg"))
     for where in ("ram", "disk", "disk"):  # the second disk run reads the .npy the first one wrote
-        cached = ClassificationDataset(table, "image", "", transform, shorter=256)
-        run = SimpleNamespace(cfg=SimpleNamespace(cache_images=where, num_workers=1), notes=[])
-        cache_images(run, cached)
+        (cache,), _ = image_caches(where, 1, (table, "image", 256))
+        cached = ClassificationDataset(table, "image", "", transform, shorter=256, cache=cache)
         assert cached.cache.images[0].shape == (378, 504, 3) and cached.cache.sizes[0] == (4032, 3024)
         assert cached.cache.estimate() == 3 * 504 * 378
         assert psnr(cached[0][0], expected, float(expected.max() - expected.min())) >= 35

@@ -253,6 +253,7 @@ def test_box_crop_dataset_is_the_crops_set_normalised_and_shifts_reproducibly():
 
     from common.data.builtin import digits_det_crops_dataset
     from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, load_detection
+    from common.loaders import train_loader_for
 
     train = load_detection("digits_det").train
     crops = digits_det_crops_dataset()
@@ -267,6 +268,8 @@ def test_box_crop_dataset_is_the_crops_set_normalised_and_shifts_reproducibly():
         shifted[(2, 3)][0], shifted[(3, 3)][0]
     )
     assert not torch.equal(shifted[(2, 3)][0], image) and shifted[(2, 3)][1] == label
+    # a KeyedDataset (common.loaders' contract): the training loader hands it (epoch, index), unwrapped
+    assert train_loader_for(shifted, 4, 0, 0, 1).dataset is shifted
     crowd = train.select(range(2)).map(
         lambda row: {"objects": {**row["objects"], "iscrowd": [1] + row["objects"]["iscrowd"][1:]}}
     )

@@ -112,11 +112,9 @@ def test_the_scan_is_cached_by_size_and_time_and_sees_a_changed_file(tmp_path, m
     assert scan_files(paths) == ({paths[100]: "truncated JPEG: no end-of-image marker"}, False)
 
 
-def _run(tmp_path: Path, index: int, processes: int) -> SimpleNamespace:
-    """What without_unreadable uses of common.run.Run."""
-    accelerator = SimpleNamespace(process_index=index, num_processes=processes)
-    cfg = SimpleNamespace(bad_images="skip", num_workers=0, batch_size=2)
-    return SimpleNamespace(accelerator=accelerator, cfg=cfg, notes=[], files={}, dir=tmp_path / "run")
+def _accelerator(index: int, processes: int) -> SimpleNamespace:
+    """What without_unreadable uses of an Accelerator."""
+    return SimpleNamespace(process_index=index, num_processes=processes)
 
 
 def _detection_folder(root: Path) -> Path:
@@ -147,11 +145,12 @@ def test_a_detection_image_takes_its_boxes_and_processes_share_the_scan(tmp_path
     data = load_detection(str(_detection_folder(tmp_path / "coco")), seed=0)
     shares = [scan_table(data.train, "image", share=(i, 2))[0] for i in range(2)]
     assert {i for i, _, _ in shares[0]} == {2} and {i for i, _, _ in shares[1]} == {5}  # rows i % 2 == process
-    run = _run(tmp_path, 0, 1)
-    kept = without_unreadable(run, data, "image")
+    scan = without_unreadable(data, "image", _accelerator(0, 1), "skip", 0, 2, tmp_path / "run")
+    kept = scan.data
     assert len(kept.train) == 8 and len(kept.eval) == 4 and 102 not in kept.train["image_id"]
-    assert "2 of 10 training images (with 3 boxes) cannot be read and are skipped:" in " ".join(run.notes)
-    assert run.files["bad_images.txt"].count("\n") == 3
+    assert "2 of 10 training images (with 3 boxes) cannot be read and are skipped:" in " ".join(scan.notes)
+    assert str(tmp_path / "run" / "bad_images.txt") in " ".join(scan.notes).replace("\n    ", "")
+    assert list(scan.files) == ["bad_images.txt"] and scan.files["bad_images.txt"].count("\n") == 3
 
 
 def test_an_image_broken_during_the_run_is_replaced_from_the_seed(photos, tmp_path, capsys):
@@ -228,7 +227,7 @@ def test_train_fraction_gives_the_stated_seeded_stratified_counts(tmp_path, caps
     train, and a resumed run may not change it."""
     import datasets
 
-    from common.data.classification import label_fraction
+    from common.data.classification import ClassificationData, label_fraction, with_label_fraction
 
     labels = [0] * 50 + [1] * 30 + [2] * 3
     table = datasets.Dataset.from_dict({"label": labels, "x": list(range(len(labels)))})
@@ -236,6 +235,15 @@ def test_train_fraction_gives_the_stated_seeded_stratified_counts(tmp_path, caps
     assert np.bincount(part["label"]).tolist() == [5, 3, 1]  # the rarest class keeps one
     assert part["x"] == label_fraction(table, 0.1, 0, "label")["x"] != label_fraction(table, 0.1, 1, "label")["x"]
     assert len(label_fraction(table, 0.25, seed=0)) == 21 and label_fraction(table, 1.0, 0) is table
+    # the helper takes the fraction and the seed, and gives back the cut data and its banner line ('' uncut)
+    data = ClassificationData(table, table, "x", "label", ["a", "b", "c"])
+    cut, line = with_label_fraction(data, 0.1, 0, "label")
+    assert cut.train["x"] == part["x"] and cut.eval is table
+    assert (
+        line
+        == "  labels    train_fraction 0.1: 9 of 83 training images (stratified by class from seed 0; the rest unused)"
+    )
+    assert with_label_fraction(data, 1.0, 0, "label") == (data, "")
 
     classifier = load_recipe("classifier")
     run = tmp_path / "run"

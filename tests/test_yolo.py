@@ -18,6 +18,7 @@ from common.config import parse_config
 from common.detection.boxes import rescale_boxes
 from common.detection.coco_eval import CocoEvaluator
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
+from common.loaders import train_loader_for
 from common.weights import read_metadata
 from conftest import (
     assert_pictures,
@@ -556,7 +557,7 @@ def test_mosaic_decodes_each_piece_once_and_counts_each_dropped_box_once(monkeyp
 
 def test_an_image_broken_at_another_input_size_is_counted_where_the_loop_reads(monkeypatch):
     """Multi-scale training reads through a dataset per input size; an image replaced there is counted in
-    the one count the training set exposes as ``replaced`` (what common.loop logs as train/replaced_images)."""
+    its base's one count, ``base.replaced`` (what yolo.py hands common.loop to log as train/replaced_images)."""
     import common.data.classification
 
     real_decode = common.data.classification.decode_sized
@@ -574,7 +575,9 @@ def test_an_image_broken_at_another_input_size_is_counted_where_the_loop_reads(m
     base = DetectionDataset(load_detection("digits_det").train.select(range(8)), transform_at(96), seed=0)
     train_set = yolo.YoloTrainSet(base, 96, mosaic=0.0, mixup=0.0, aug_epochs=1, seed=0, transform_at=transform_at)
     image = train_set[(0, 3, 64)][0]
-    assert image.shape[-2:] == (64, 64) and train_set.replaced.value >= 1  # a draw may land on row 3 again
+    assert image.shape[-2:] == (64, 64) and base.replaced.value >= 1  # a draw may land on row 3 again
+    # a KeyedDataset (common.loaders' contract): train_loader_for hands it its keys, unwrapped
+    assert train_loader_for(train_set, 2, 0, 0, 1, collate_fn=yolo.train_collate).dataset is train_set
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

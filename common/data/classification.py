@@ -291,16 +291,21 @@ class ImageRows(KeyedDataset):
     """What the image datasets share: the rows of ``ds``, whose ``image_column`` holds undecoded images.
 
     :meth:`read` gives a row with its image decoded: reduced where ``shorter`` > 0 (large JPEGs, to that
-    shorter side: :func:`common.data.images.decode_sized`), from ``cache`` where one is set (an
-    :class:`common.data.image_cache.ImageCache`, ``--cache_images``), and, for an image that became unreadable
-    after the start's scan, another row drawn from the seed (:func:`common.loaders.replacement`), counted
-    in ``replaced`` (shared with the DataLoader workers forked from this process).
+    shorter side: :func:`common.data.images.decode_sized`), from ``cache`` where one is given (an
+    :class:`common.data.image_cache.ImageCache` of ``ds``'s ``image_column`` at ``shorter``, ``--cache_images``:
+    :func:`common.data.image_cache.image_caches`), and, for an image that became unreadable after the start's
+    scan, another row drawn from the seed (:func:`common.loaders.replacement`), counted in ``replaced``
+    (:func:`common.loaders.shared_count`, shared with the DataLoader workers forked from this process; a
+    new one unless given: datasets over the same rows can share one count). A recipe hands ``replaced``
+    to :class:`common.loop.Loop`, which logs it.
     """
 
-    def __init__(self, ds: Any, image_column: str, seed: int = 0, shorter: int = 0) -> None:
+    def __init__(
+        self, ds: Any, image_column: str, seed: int = 0, shorter: int = 0, cache: Any = None, replaced: Any = None
+    ) -> None:
         self.ds, self.image_column, self.seed, self.shorter = ds, image_column, seed, shorter
-        self.cache: Any = None
-        self.replaced = shared_count()
+        self.cache = cache
+        self.replaced = shared_count() if replaced is None else replaced
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "replaced": None}  # a shared counter only passes to forked workers
@@ -329,15 +334,22 @@ class ImageRows(KeyedDataset):
 class ClassificationDataset(ImageRows):
     """``(image tensor, label)`` pairs from a hub-style dataset, transformed reproducibly.
 
-    ``shorter`` > 0: JPEGs larger than the transform needs are decoded reduced (:class:`ImageRows`).
-    Indexed by ``(epoch, index)`` or ``(epoch, index, repeat)`` (what :class:`common.loaders.EpochBatchSampler`
-    yields) or by a plain index (epoch 0, for evaluation).
+    ``shorter`` > 0: JPEGs larger than the transform needs are decoded reduced, ``cache``: the decoded images
+    (:class:`ImageRows`). Indexed by ``(epoch, index)`` or ``(epoch, index, repeat)`` (what
+    :class:`common.loaders.EpochBatchSampler` yields) or by a plain index (epoch 0, for evaluation).
     """
 
     def __init__(
-        self, ds: Any, image_column: str, label_column: str, transform: Callable, seed: int = 0, shorter: int = 0
+        self,
+        ds: Any,
+        image_column: str,
+        label_column: str,
+        transform: Callable,
+        seed: int = 0,
+        shorter: int = 0,
+        cache: Any = None,
     ) -> None:
-        super().__init__(ds, image_column, seed, shorter)
+        super().__init__(ds, image_column, seed, shorter, cache)
         self.label_column, self.transform = label_column, transform
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
@@ -366,16 +378,16 @@ def label_fraction(table: Any, fraction: float, seed: int, label_column: str = "
     return table.select(sorted(keep))
 
 
-def with_label_fraction(run: Any, data: Any, label_column: str = "") -> Any:
-    """``data`` with its training split cut to ``run.cfg.train_fraction`` (:func:`label_fraction`:
-    stratified by ``label_column`` where given), and a line under the banner saying how many images train."""
-    fraction = run.cfg.train_fraction
-    if fraction >= 1.0 or run.cfg.eval_only:
-        return data
-    train = label_fraction(data.train, fraction, run.cfg.seed, label_column)
+def with_label_fraction(data: Any, fraction: float, seed: int, label_column: str = "") -> tuple[Any, str]:
+    """``data`` (with a ``train`` split: :class:`ClassificationData`, a detection recipe's data) with its
+    training split cut to ``fraction`` (:func:`label_fraction`: stratified by ``label_column`` where given),
+    and the line for under the start banner saying how many images train ('' when nothing is cut)."""
+    if fraction >= 1.0:
+        return data, ""
+    train = label_fraction(data.train, fraction, seed, label_column)
     how = "stratified by class" if label_column else "images drawn"
-    run.notes.append(
+    line = (
         f"  labels    train_fraction {fraction:g}: {len(train):,} of {len(data.train):,} training images "
-        f"({how} from seed {run.cfg.seed}; the rest unused)"
+        f"({how} from seed {seed}; the rest unused)"
     )
-    return dataclasses.replace(data, train=train)
+    return dataclasses.replace(data, train=train), line

@@ -94,24 +94,25 @@ class ImageCache:
         return Image.fromarray(np.asarray(self.images[index])), self.sizes[index]
 
 
-def cache_images(run: Any, *datasets: Any) -> None:
-    """With ``run.cfg.cache_images`` (``ram`` or ``disk``), give each dataset (a
-    :class:`common.data.classification.ClassificationDataset` or
-    :class:`common.detection.data.DetectionDataset`: its ``ds``,
-    ``image_column`` and ``shorter``) an :class:`ImageCache`, filled now. All are estimated first: more
-    than 80 % of the available memory (``ram``, times the training processes on this machine) or of the
-    cache folder's free disk (``disk``) is one :class:`UserError`, before any is filled."""
-    where = run.cfg.cache_images
+def image_caches(where: str, workers: int, *tables: tuple[Any, str, int]) -> tuple[list[ImageCache | None], str]:
+    """With ``where`` (``--cache_images``: ``ram`` or ``disk``; '' none), an :class:`ImageCache` for each of
+    ``tables``, filled now (``workers`` threads), and the line for under the start banner; without,
+    ``None`` for each and ''. Each of ``tables`` is what a cache needs: ``(table, column, shorter)``, a
+    ``datasets.Dataset``, its undecoded image column and the shorter side its images are decoded at (the
+    ``ds``, ``image_column`` and ``shorter`` the dataset is then built with: ``cache=``, as
+    :class:`common.data.classification.ImageRows` takes it). All are estimated first: more than 80 % of the
+    available memory (``ram``, times the training processes on this machine) or of the cache folder's free
+    disk (``disk``) is one :class:`UserError`, before any is filled."""
     if not where:
-        return
+        return [None] * len(tables), ""
     from common.data.builtin.cache import cache_root
 
     caches = []
-    for ds in datasets:
+    for table, column, shorter in tables:
         folder = None
-        if where == "disk":
-            folder = cache_root() / "images" / f"{VERSION}-{ds.ds._fingerprint}-{ds.image_column}-{ds.shorter}"
-        caches.append(ImageCache(ds.ds, ds.image_column, ds.shorter, folder))
+        if where == "disk":  # the table's fingerprint (datasets') names its rows: a later run finds them
+            folder = cache_root() / "images" / f"{VERSION}-{table._fingerprint}-{column}-{shorter}"
+        caches.append(ImageCache(table, column, shorter, folder))
     need = sum(c.estimate() for c in caches)
     if where == "ram":
         need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # every training process on this machine holds one
@@ -125,9 +126,7 @@ def cache_images(run: Any, *datasets: Any) -> None:
             f"cache_images {where} needs {need / 2**30:.1f} GiB for {sum(len(c.table) for c in caches):,} images; "
             f"{have / 2**30:.1f} GiB of {of}: use {'disk' if where == 'ram' else 'ram'} or leave it off"
         )
-    for ds, cache in zip(datasets, caches):
-        cache.fill(run.cfg.num_workers or 1)
-        ds.cache = cache
-    run.notes.append(
-        f"  cache     {sum(len(c.table) for c in caches):,} images decoded once, {need / 2**20:,.0f} MiB in {where}"
-    )
+    for cache in caches:
+        cache.fill(workers)
+    line = f"  cache     {sum(len(c.table) for c in caches):,} images decoded once, {need / 2**20:,.0f} MiB in {where}"
+    return list(caches), line

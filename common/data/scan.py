@@ -17,6 +17,7 @@ is written).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -169,51 +170,67 @@ def bad_images_policy(
     return "; ".join(parts)
 
 
-def without_unreadable(run: Any, data: Any, column: str, train: bool = True) -> Any:
-    """``data`` (a :class:`common.data.classification.ClassificationData` or
-    :class:`common.detection.data.DetectionData`) with
-    its unreadable images left out of ``train`` (when ``train``) and ``eval`` (``run``: the
-    :class:`common.run.Run`, not begun; its config's ``bad_images``, ``num_workers`` (the processes that check
-    files) and ``batch_size`` apply). Every process scans its share and all take the gathered list;
-    the list goes to ``<run>/bad_images.txt`` when the folder is made, a line under the start banner says
-    what was skipped (a detection image takes its boxes with it), and ``bad_images: error`` refuses the run
-    instead (:func:`bad_images_policy`); fewer readable training images than one global batch is one
-    :class:`UserError` naming the unreadable ones."""
-    import dataclasses
+@dataclasses.dataclass
+class Scanned:
+    """What :func:`without_unreadable` gives back: ``data`` without its unreadable images, the ``notes`` for
+    under the start banner (:meth:`common.run.Run.note`) and the ``files`` for the run folder (``{name:
+    text}``, :attr:`common.run.Run.files`: ``bad_images.txt`` where some were left out)."""
 
+    data: Any
+    notes: list[str]
+    files: dict[str, str]
+
+
+def without_unreadable(
+    data: Any,
+    column: str,
+    accelerator: Any,
+    policy: str,
+    workers: int,
+    batch: int,
+    folder: Path,
+    train: bool = True,
+) -> Scanned:
+    """``data`` (a :class:`common.data.classification.ClassificationData` or
+    :class:`common.detection.data.DetectionData`) with its unreadable images left out of ``train`` (when
+    ``train``) and ``eval``. ``policy``: ``--bad_images`` (``skip`` or ``error``, :func:`bad_images_policy`);
+    ``workers``: the processes that check files; ``batch``: the per-process batch size; ``accelerator``:
+    every process scans its share and all take the gathered list; ``folder``: the run folder that
+    ``bad_images.txt`` is listed in (it is written when the folder is made). Fewer readable training images
+    than one global batch is one :class:`UserError` naming the unreadable ones. Returns the data, a line
+    saying what was checked (and a warning naming what was skipped: a detection image takes its boxes with
+    it), and ``bad_images.txt`` when there is one."""
     from accelerate.utils import gather_object
 
-    acc, policy, workers, batch = run.accelerator, run.cfg.bad_images, run.cfg.num_workers, run.cfg.batch_size
     splits = {"training": data.train if train else None, "evaluation": data.eval}
     splits = {k: v for k, v in splits.items() if v is not None}
     found, cached, boxes = {}, True, {}
     for split, table in splits.items():
-        mine, from_cache = scan_table(table, column, workers, (acc.process_index, acc.num_processes))
+        mine, from_cache = scan_table(table, column, workers, (accelerator.process_index, accelerator.num_processes))
         cached &= from_cache
-        found[split] = sorted(gather_object(mine)) if acc.num_processes > 1 else mine
+        found[split] = sorted(gather_object(mine)) if accelerator.num_processes > 1 else mine
         if "objects" in table.column_names:
             boxes[split] = sum(len(table[i]["objects"]["bbox"]) for i, _, _ in found[split])
     sizes = {k: len(v) for k, v in splits.items()}
     line = bad_images_policy(found, sizes, policy, boxes)
     bad = sum(len(v) for v in found.values())
     state = f"{bad} unreadable, left out (below)" if bad and policy == "skip" else "all readable"
-    run.notes.append(
-        f"  images    {sum(sizes.values()):,} checked{' (answers from the cache)' if cached else ''}, {state}"
-    )
+    notes = [f"  images    {sum(sizes.values()):,} checked{' (answers from the cache)' if cached else ''}, {state}"]
     if not line:
-        return data
+        return Scanned(data, notes, {})
     left = sizes.get("training", 0) - len(found.get("training", []))
-    if train and left < batch * acc.num_processes:
+    if train and left < batch * accelerator.num_processes:
         raise UserError(
             f"{left} training images are left once the unreadable ones are out ({listing(found['training'])}), "
-            f"fewer than one global batch ({batch} x {acc.num_processes} processes)"
+            f"fewer than one global batch ({batch} x {accelerator.num_processes} processes)"
         )
     listed = "".join(f"{split}\t{name}\t{why}\n" for split, bad in found.items() for _, name, why in bad)
-    run.files["bad_images.txt"] = "split\tfile\treason\n" + listed
-    warning = f"warning: {line}; all listed in {run.dir / 'bad_images.txt'}"
-    run.notes.append(textwrap.fill(warning, 120, subsequent_indent="    ", break_long_words=False))
+    files = {"bad_images.txt": "split\tfile\treason\n" + listed}
+    warning = f"warning: {line}; all listed in {folder / 'bad_images.txt'}"
+    notes.append(textwrap.fill(warning, 120, subsequent_indent="    ", break_long_words=False))
     kept = {}
     for split, table in splits.items():
         dropped = {i for i, _, _ in found[split]}
         kept[split] = table.select([i for i in range(len(table)) if i not in dropped]) if dropped else table
-    return dataclasses.replace(data, train=kept.get("training", data.train), eval=kept.get("evaluation", data.eval))
+    data = dataclasses.replace(data, train=kept.get("training", data.train), eval=kept.get("evaluation", data.eval))
+    return Scanned(data, notes, files)

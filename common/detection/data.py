@@ -163,10 +163,19 @@ class DetectionDataset(ImageRows):
     an attribute the main process sees, so a recipe sums ``target["dropped"]`` over its batches to log it.
     """
 
-    def __init__(self, ds: Any, transform: Callable, seed: int = 0, shorter: int = 0) -> None:
+    def __init__(
+        self,
+        ds: Any,
+        transform: Callable,
+        seed: int = 0,
+        shorter: int = 0,
+        cache: Any = None,
+        replaced: Any = None,
+    ) -> None:
         # shorter > 0: large JPEGs decoded reduced (common.data.classification.ImageRows), the boxes scaled with them;
-        # ``orig_size`` stays the file's own
-        super().__init__(ds, "image", seed, shorter)
+        # ``orig_size`` stays the file's own. cache, replaced: the decoded images and the count of images
+        # replaced during the run (ImageRows)
+        super().__init__(ds, "image", seed, shorter, cache, replaced)
         self.transform = transform
 
     def row_name(self, row: dict[str, Any], index: int) -> str:
