@@ -839,7 +839,9 @@ def test_each_detector_evaluates_the_mean_of_the_processes_bn_statistics(recipe)
             seen.update(mean=model[1].running_mean.clone(), var=model[1].running_var.clone(), eval=not model.training)
             return {}, None
 
-    args = (model, [], Evaluator(), accelerator) + ((SimpleNamespace(),) if recipe == "yolo" else ())
+    args = (model, [], Evaluator(), accelerator) + (
+        (SimpleNamespace(conf_threshold=0.01, nms_iou=0.45, max_detections=100),) if recipe == "yolo" else ()
+    )
     module.evaluate(*args)
     assert seen["eval"] and model.training  # back to training after
     assert torch.equal(seen["mean"], torch.full((4,), 4.0)) and torch.equal(seen["var"], torch.full((4,), 6.0))
