@@ -21,6 +21,7 @@ def load_check():
     return module
 
 
+@pytest.mark.configs  # the second tier, with the shipped configs (-m configs; CI runs it)
 @pytest.mark.slow
 def test_tiny_check_runs_every_run_and_tables_its_numbers(tmp_path):
     out = tmp_path / "check"

@@ -9,7 +9,7 @@ import timm
 import timm.models
 import torch
 
-from common import model_folder
+from common.artifacts import model_folder
 
 #: An evaluation's preprocessing that differs from test_vit's default entry in every key.
 DATA = {

@@ -27,6 +27,7 @@ BENCHMARKS = {
 }
 
 
+@pytest.mark.configs  # the second tier, with the shipped configs (-m configs; CI runs it)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(BENCHMARKS))
 def test_hand_written_side_trains_what_the_recipe_trains(name):
