@@ -1,7 +1,7 @@
 """YOLO: recipes/yolo.py against a bare PyTorch loop, side by side.
 
 bare    the loop the usual YOLO training scripts write, on the recipe's model (``create_model`` with the
-        same anchors and initial weights), data (``detection_transforms`` of recipes/yolo_data.py,
+        same anchors and initial weights), data (``training_transforms`` of recipes/yolo_data.py,
         ``YoloTrainSet``, ``train_collate``), loss (``yolo_loss`` of recipes/yolo_model.py, terms summed),
         parameter groups, peak lr and schedule: ``AdamW`` (or SGD), the lr written every step,
         ``clip_grad_norm_``, the same ``ModelEma``, fp32, and ``loss.item()`` every step.
@@ -19,8 +19,6 @@ Reproduce benchmarks/RESULTS.md (offline; the demo config, 4 repeats of 60 steps
 from __future__ import annotations
 
 import argparse
-import functools
-import math
 
 import torch
 
@@ -34,21 +32,13 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from common.ema import ModelEma
     from common.loaders import train_loader_for
     from common.schedules import schedule, weight_decay_groups
-    from yolo_data import detection_transforms  # beside the recipe (timing puts recipes/ on sys.path)
+    from yolo_data import decode_side, training_transforms  # beside the recipe (timing puts recipes/ on sys.path)
     from yolo_model import yolo_loss
 
     device = torch.device(args.device)
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
-    transform_at = functools.partial(  # the recipe's training transforms at an input size
-        detection_transforms,
-        True,
-        scale_range=tuple(cfg.scale_range),
-        hflip=cfg.hflip,
-        color_jitter=cfg.color_jitter,
-        preset=cfg.augment,
-    )
-    # JPEGs decoded reduced as the recipe decodes them (its largest multi-scale size: the same decoding work)
-    largest = math.ceil(max([cfg.img_size, *cfg.multiscale]) * cfg.scale_range[1]) if cfg.augment == "letterbox" else 0
+    transform_at = training_transforms(cfg)  # the recipe's training transforms at an input size
+    largest = decode_side(cfg)  # JPEGs decoded reduced as the recipe decodes them
     train_set = recipe.YoloTrainSet(
         DetectionDataset(data.train, transform_at(cfg.img_size), cfg.seed, largest),
         cfg.img_size,

@@ -32,7 +32,6 @@ Expected: see the README's recipe table for measured figures (mAP@0.5 on the hel
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import sys
 from collections.abc import Callable
@@ -72,7 +71,13 @@ from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, kept_weights, load_backbone, save_weights
 
 with own_files("yolo_"):  # YOLO's own files, beside this one: copy them with it (README, "Your own recipe")
-    from yolo_data import MultiScaleBatchSampler, detection_transforms, kmeans_anchors  # its data helpers
+    from yolo_data import (  # its data helpers
+        MultiScaleBatchSampler,
+        decode_side,
+        detection_transforms,
+        kmeans_anchors,
+        training_transforms,
+    )
     from yolo_inference import export_files, predict, trained_model, write_model_folder  # what a run ships
     from yolo_model import LOSS_TERMS, YOLOv3, detect, yolo_loss  # its model, loss and detections
 
@@ -375,12 +380,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
-    scan = without_unreadable(
+    data = without_unreadable(
         data, "image", accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir, train=not cfg.eval_only
-    )
-    data = scan.data
-    run.note(*scan.notes)
-    run.files.update(scan.files)  # bad_images.txt, where some are left out
+    ).into(run)  # its banner lines, and bad_images.txt where some are left out
     if not cfg.eval_only:  # --train_fraction: a seeded share of the labelled images
         data, fraction_line = with_label_fraction(data, cfg.train_fraction, cfg.seed)
         run.note(fraction_line)
@@ -396,19 +398,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model, eval_loader = accelerator.prepare(trained_model(cfg, create_model, data)[0], eval_loader)
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
         return report_evaluation(run, metrics, details, data, cfg.plot_images, 0, final=True)
-    # the training transforms at an input size: every batch's images are transformed at the size
-    # MultiScaleBatchSampler chose for it (GluonCV's RandomTransformDataLoader)
-    transform_at = functools.partial(
-        detection_transforms,
-        True,
-        scale_range=tuple(cfg.scale_range),
-        hflip=cfg.hflip,
-        color_jitter=cfg.color_jitter,
-        preset=cfg.augment,
-    )
-    # camera-size JPEGs decoded reduced, as far as the largest size times the scale jitter's zoom still finds
-    # its pixels (letterbox); GluonCV's crops zoom further: decoded in full
-    largest = math.ceil(max([cfg.img_size, *cfg.multiscale]) * cfg.scale_range[1]) if cfg.augment == "letterbox" else 0
+    transform_at = training_transforms(cfg)  # the training transforms at each batch's input size
+    largest = decode_side(cfg)  # camera-size JPEGs decoded reduced (letterbox) or in full (GluonCV's crops)
     # --cache_images: each image decoded once, at the side its dataset decodes it (common/data/image_cache.py)
     (train_cache, eval_cache), cache_line = image_caches(
         cfg.cache_images, cfg.num_workers, (data.train, "image", largest), (data.eval, "image", cfg.img_size)

@@ -7,6 +7,8 @@ and recipes/yolo_model.py together.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -134,6 +136,25 @@ RESIZE_MODES = (
     v2.InterpolationMode.BICUBIC,
     v2.InterpolationMode.LANCZOS,
 )
+
+
+def training_transforms(cfg: Any) -> Callable[[int], Callable]:
+    """The training transforms at an input size (``cfg``: recipes/yolo.py's Config): every batch's images are
+    transformed at the size MultiScaleBatchSampler chose for it (GluonCV's RandomTransformDataLoader)."""
+    return functools.partial(
+        detection_transforms,
+        True,
+        scale_range=tuple(cfg.scale_range),
+        hflip=cfg.hflip,
+        color_jitter=cfg.color_jitter,
+        preset=cfg.augment,
+    )
+
+
+def decode_side(cfg: Any) -> int:
+    """The shorter side camera-size JPEGs are decoded at for training: as far as the largest size times the scale
+    jitter's zoom still finds its pixels (letterbox); GluonCV's crops zoom further: 0, decoded in full."""
+    return math.ceil(max([cfg.img_size, *cfg.multiscale]) * cfg.scale_range[1]) if cfg.augment == "letterbox" else 0
 
 
 def gluoncv_transforms(train: bool, size: int, hflip: float = 0.5, color_jitter: bool = True) -> v2.Compose:
