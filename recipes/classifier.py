@@ -305,12 +305,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
     column = data.image_column  # the undecoded images
     # every image checked once before the first step: unreadable ones are left out and listed (common/data/scan.py)
-    scan = without_unreadable(
+    data = without_unreadable(
         data, column, accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir, train=not cfg.eval_only
-    )
-    data = scan.data
-    run.note(*scan.notes)
-    run.files.update(scan.files)  # bad_images.txt, where some are left out
+    ).into(run)  # its banner lines, and bad_images.txt where some are left out
     if not cfg.eval_only:  # --train_fraction: a seeded share of the labels
         data, fraction_line = with_label_fraction(data, cfg.train_fraction, cfg.seed, data.label_column)
         run.note(fraction_line)

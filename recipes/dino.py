@@ -367,13 +367,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         knn_set = load_classification(cfg.knn_data, seed=cfg.seed) if cfg.knn_data else data
     # every image checked once before the first step: unreadable ones are left out and listed (common/data/scan.py)
     settings = accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir  # what the scan reads
-    scans = [without_unreadable(data, data.image_column, *settings, train=not cfg.eval_only)]
-    if knn_set is not data:
-        scans.append(without_unreadable(knn_set, knn_set.image_column, *settings))
-    for scan in scans:
-        run.note(*scan.notes)
-        run.files.update(scan.files)  # bad_images.txt, where some are left out
-    data, knn_set = scans[0].data, scans[-1].data
+    # .into(run): each scan's banner lines, and bad_images.txt where some are left out
+    checked = without_unreadable(data, data.image_column, *settings, train=not cfg.eval_only).into(run)
+    knn_set = checked if knn_set is data else without_unreadable(knn_set, knn_set.image_column, *settings).into(run)
+    data = checked
     if not knn_set.classes:
         knn_set = None
         if cfg.eval_only:

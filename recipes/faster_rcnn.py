@@ -261,12 +261,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
-    scan = without_unreadable(
+    data = without_unreadable(
         data, "image", accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir, train=not cfg.eval_only
-    )
-    data = scan.data
-    run.note(*scan.notes)
-    run.files.update(scan.files)  # bad_images.txt, where some are left out
+    ).into(run)  # its banner lines, and bad_images.txt where some are left out
     if not cfg.eval_only:  # --train_fraction: a seeded share of the labelled images
         data, fraction_line = with_label_fraction(data, cfg.train_fraction, cfg.seed)
         run.note(fraction_line)

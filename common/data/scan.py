@@ -180,6 +180,12 @@ class Scanned:
     notes: list[str]
     files: dict[str, str]
 
+    def into(self, run: Any) -> Any:
+        """Hand the notes and files to ``run`` (:class:`common.run.Run`, not begun) and return the data."""
+        run.note(*self.notes)
+        run.files.update(self.files)
+        return self.data
+
 
 def without_unreadable(
     data: Any,
