@@ -18,6 +18,30 @@ The modules are layered, leaves first, and nothing imports upward (``tests/test_
 map is ``docs/layout.md``.
 """
 
+import sys
+
+
+def _import_timm_without_wandb() -> None:
+    """Import timm with ``wandb`` hidden, so that a run that does not report to W&B does not load it.
+
+    ``import timm`` imports ``timm.utils.summary``, which imports wandb whenever it is installed, for timm's
+    own ``train.py`` logging that no recipe uses; wandb's import is the largest share of a recipe's start-up
+    after torch's. The recipes report to W&B through :mod:`common.trackers` and Accelerate's tracker, which
+    import wandb themselves when a run asks for it, so hiding it here changes nothing else. A missing or
+    broken timm is left to :func:`common.requirements.check_requirements`, which names it in one line."""
+    if "timm" in sys.modules or "wandb" in sys.modules:
+        return
+    sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError at once
+    try:
+        import timm  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        del sys.modules["wandb"]
+
+
+_import_timm_without_wandb()
+
 
 class UserError(Exception):
     """Bad input from the user: printed as one ``error: ...`` line, exit status 2, no traceback."""

@@ -52,6 +52,18 @@ def test_a_run_logging_to_wandb_prints_only_its_own_lines(tmp_path):
     assert not any(word in done.stdout for word in ("Run summary", "Run history", "View run", "Syncing run"))
 
 
+def test_wandb_is_loaded_only_by_a_run_that_reports_to_it():
+    """timm imports wandb for its own train.py's logging; importing the recipes' package keeps it out (start-up
+    time), and W&B itself still imports and works afterwards for a run that asks for it."""
+    code = (
+        "import sys, common, timm.utils; assert 'timm' in sys.modules and 'wandb' not in sys.modules, 'wandb loaded'; "
+        "import wandb; from accelerate.tracking import WandBTracker; print(wandb.__version__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+
+
 def test_wandb_run_id_is_kept_across_resume(wandb_run, capsys):
     """--resume auto continues the same W&B run: the id in the run folder is reused, and the offline
     run directories of both sessions carry it."""
