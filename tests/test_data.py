@@ -239,6 +239,62 @@ def test_split_folders_are_the_splits_and_file_names_are_not(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "layout",
+    [
+        ["train/cat/a.jpg", "train/dog/b.png", "train/dog/c.jpg", "val/cat/d.jpg", "val/dog/e.jpg"],
+        ["cat/1.jpg", "dog/2.jpg", "zebra/3.JPG", "cat/0.jpg"],
+        ["only/1.jpg", "only/2.jpg"],  # one class folder: no labels
+        ["1.jpg", "b.png", "a.jpg"],
+        ["cat/1.jpg", "2.jpg"],  # not every image in a class folder: no labels
+        ["train/1.jpg", "train/2.jpg", "test/3.jpg"],
+        ["x [1]/a?.jpg", "y/b*.jpg"],  # glob characters in names
+    ],
+)
+def test_an_image_folder_reads_as_datasets_imagefolder_builds_it(tmp_path, layout):
+    """read_image_folder skips datasets' builder; what it returns is what the builder gives for the same files:
+    splits, features (labels and their order), and every row in order."""
+    import glob
+
+    import datasets
+
+    from common.data.classification import folder_splits, read_image_folder
+
+    for name in layout:
+        _photos(tmp_path / "photos" / Path(name).parent, [Path(name).name])
+    files, in_class_folders = folder_splits(tmp_path / "photos", "photos")
+    ours = read_image_folder(files, in_class_folders)
+    patterns = {split: [glob.escape(str(f)) for f in fs] for split, fs in files.items()}
+    cache = str(tmp_path / "cache")
+    built = datasets.load_dataset(
+        "imagefolder", data_files=patterns, drop_labels=None if in_class_folders else True, cache_dir=cache
+    )
+    assert list(ours) == list(built)
+    for split in ours:
+        assert ours[split].features == built[split].features
+        undecoded = datasets.Image(decode=False)
+        assert (
+            ours[split].cast_column("image", undecoded).to_dict()
+            == built[split].cast_column("image", undecoded).to_dict()
+        )
+
+
+def test_an_image_folder_is_fingerprinted_by_its_files(tmp_path):
+    """The fingerprint (the disk image cache's key) is the same for the same files in a later run, and new when
+    a file is edited in place."""
+    import os
+
+    from common.data.classification import folder_splits, read_image_folder
+
+    photos = _photos(tmp_path / "photos" / "cat", ["a.jpg", "b.jpg"]) + _photos(tmp_path / "photos" / "dog", ["c.jpg"])
+    prints = lambda: read_image_folder(*folder_splits(tmp_path / "photos", "photos"))["train"]._fingerprint  # noqa: E731
+    first = prints()
+    assert prints() == first
+    Image.new("RGB", (9, 9)).save(photos[0])
+    os.utime(photos[0], ns=(1, 1))
+    assert prints() != first
+
+
+@pytest.mark.parametrize(
     "layout, message",
     [
         ({"train/cat": ["a.jpg"], "val/cat": ["b.jpg"], "": ["extra.jpg"]}, r"has split folders \(train, val\) and 1 "),

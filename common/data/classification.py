@@ -13,6 +13,7 @@ batches, crops and flips the uninterrupted run would have seen.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import itertools
 import os
 import re
@@ -74,10 +75,12 @@ def _load_source(data: str):
 def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
     """A ``DatasetDict`` or ``Dataset`` from a ``save_to_disk`` folder, else through
     ``datasets.load_dataset``: a hub name (``org/name`` or ``org/name:config``), a local folder of images
-    (its ``imagefolder`` with the files of each split named: :func:`folder_splits`), or a downloaded
+    (split by :func:`folder_splits`; read by :func:`read_image_folder`, or with its metadata tables by datasets'
+    ``imagefolder`` with the files of each split named), or a downloaded
     dataset repository (``data/*.parquet``) read as the hub would. A failure is one :class:`UserError`:
     "<what> '<data>' could not be loaded (<first line of the cause>); expected <expected>"."""
     import datasets
+    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
 
     path = Path(data)
     if path.is_dir() and any((path / f).exists() for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
@@ -91,9 +94,16 @@ def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
     if path.exists():  # a local folder: its "Downloading data" and "Generating split" bars only copy files
         datasets.utils.logging.disable_progress_bar()
     try:
-        if layout is not None:  # every file named, so that datasets never reads a file name as a split
+        if layout is not None:
+            files, in_class_folders = layout
+            if not any(f.name in ImageFolder.METADATA_FILENAMES for fs in files.values() for f in fs):
+                return read_image_folder(files, in_class_folders)  # images alone: no builder needed
+            # every file named, so that datasets never reads a file name as a split (data_files are patterns);
             # labels where every image is in a class folder (datasets adds them for 2 classes or more)
-            return datasets.load_dataset("imagefolder", data_files=layout[0], drop_labels=None if layout[1] else True)
+            patterns = {split: [glob.escape(str(f)) for f in fs] for split, fs in files.items()}
+            return datasets.load_dataset(
+                "imagefolder", data_files=patterns, drop_labels=None if in_class_folders else True
+            )
         return datasets.load_dataset(name, subset or None)
     except Exception as e:  # hub errors come in many types; the first line says what happened
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -103,21 +113,51 @@ def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
             datasets.utils.logging.enable_progress_bar()
 
 
-def folder_splits(path: Path, data: str) -> tuple[dict[str, list[str]], bool] | None:
+def read_image_folder(files: dict[str, list[Path]], in_class_folders: bool) -> Any:
+    """The ``DatasetDict`` that datasets' ``imagefolder`` builds from ``files`` (split -> image paths, as
+    :func:`folder_splits` gives them), read directly: the same columns, features, labels and row order,
+    without the builder's start-up and its copy of every row into the datasets cache, which the builder
+    writes on its first run over a folder. Labels: the class folders' names, sorted, where every image is in a class
+    folder and there are 2 classes or more (as ``imagefolder`` decides). Each split's fingerprint names its
+    files' paths, sizes and modification times, so what is keyed by it (the image cache on disk) finds the
+    same rows in a later run and never an edited file's old pixels."""
+    import hashlib
+
+    import datasets
+
+    names = sorted({f.parent.name for fs in files.values() for f in fs})
+    columns = {"image": datasets.Image()}
+    if in_class_folders and len(names) > 1:
+        columns["label"] = datasets.ClassLabel(names=names)
+    features = datasets.Features(columns)
+    splits = {}
+    for split, paths in files.items():
+        digest = hashlib.sha256(b"image-folder-1")
+        for f in paths:
+            stat = f.stat()
+            digest.update(f"{f}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        rows = {"image": [str(f) for f in paths]}
+        if "label" in columns:
+            rows["label"] = [f.parent.name for f in paths]
+        table = datasets.table.InMemoryTable.from_pydict(features.encode_batch(rows), schema=features.arrow_schema)
+        info = datasets.DatasetInfo(features=features)
+        splits[split] = datasets.Dataset(table, info=info, split=split, fingerprint=digest.hexdigest()[:16])
+    return datasets.DatasetDict(splits)
+
+
+def folder_splits(path: Path, data: str) -> tuple[dict[str, list[Path]], bool] | None:
     """The files of each split of the local image folder ``path`` (``data`` names it in errors), decided
     by its layout alone, and whether its images lie in class folders.
 
     Top-level folders named as splits (:data:`SPLIT_FOLDER`: ``train/``, ``val/``, ``validation/``,
     ``test/``, ...) are the splits, else the whole folder is the training split; file names never name a
     split (``IMG_val_3.jpg`` is a training photo like any other). Each split lists its images and its
-    ``metadata.csv`` / ``.jsonl`` / ``.parquet`` files (datasets' imagefolder columns) as glob-escaped
-    absolute paths (``data_files`` are patterns). Class folders: every image one folder inside its split's
+    ``metadata.csv`` / ``.jsonl`` / ``.parquet`` files (datasets' imagefolder columns) as absolute paths.
+    Class folders: every image one folder inside its split's
     folder (or inside ``path``), which then names its class; an image directly in it has none. Hidden
     files and folders (``.*``, ``__MACOSX``) are left out. None for a folder datasets reads otherwise:
     no images, or tables of rows (``data/*.parquet``, ``.arrow``). Images beside split folders are one
     :class:`UserError` naming them (no split would read them)."""
-    import glob
-
     from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
 
     found = []
@@ -156,7 +196,7 @@ def folder_splits(path: Path, data: str) -> tuple[dict[str, list[str]], bool] | 
     for f in images + metadata:  # a metadata file outside the split folders belongs to none
         split = "train" if not owner else owner.get(f.parts[0], "") if len(f.parts) > 1 else ""
         if split:
-            files.setdefault(split, []).append(glob.escape(str((path / f).absolute())))
+            files.setdefault(split, []).append((path / f).absolute())
     return files, all(len(f.parts) == depth for f in images)
 
 
