@@ -68,6 +68,7 @@ def assert_same_weights(a: dict, b: dict, atol: float) -> None:
     assert worst <= atol, f"largest weight difference {worst:.3g} > {atol}"
 
 
+@pytest.mark.configs  # a demo trained to its threshold: the second tier (-m configs; CI runs it)
 @pytest.mark.slow
 def test_digits_config_reaches_97_percent(tmp_path):
     """The default demo, as the README runs it (wandb offline) but shortened from 12 epochs to 5

@@ -311,6 +311,7 @@ def short_run(tmp_path_factory):
     return run, proc
 
 
+@pytest.mark.configs  # a demo trained to its threshold: the second tier (-m configs; CI runs it)
 def test_run_writes_its_outputs(short_run):
     run, proc = short_run
     saved = yaml.safe_load((run / "config.yaml").read_text())
@@ -332,6 +333,7 @@ def test_run_writes_its_outputs(short_run):
         model.load_state_dict(safetensors.torch.load_file(str(run / name)))
 
 
+@pytest.mark.configs  # a demo trained to its threshold: the second tier (-m configs; CI runs it)
 def test_predictions_through_onnx_are_those_of_the_weights(short_run, tmp_path):
     """--export --weights best.safetensors (no data read) writes model.onnx for any batch and image size
     (images and padding mask in, boxes in each image's pixels out); --predict through it gives the
@@ -348,6 +350,7 @@ def test_predictions_through_onnx_are_those_of_the_weights(short_run, tmp_path):
     assert (tmp_path / "folder" / "detections.json").read_text() == (eager / "detections.json").read_text()
 
 
+@pytest.mark.configs  # a demo trained to its threshold: the second tier (-m configs; CI runs it)
 def test_shortened_default_run_learns_the_builtin_scenes(short_run):
     run, _ = short_run
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -360,6 +363,7 @@ def test_shortened_default_run_learns_the_builtin_scenes(short_run):
     assert 0.0 <= final["eval/map_50"] <= 1.0 and final["step"] == 100, final
 
 
+@pytest.mark.configs  # a demo trained to its threshold: the second tier (-m configs; CI runs it)
 def test_backbone_pretraining_learns_the_box_classes_and_is_skipped_on_resume(short_run, tmp_path):
     """The pre-training stage ran before DETR and its held-out crop accuracy is far above chance (10 %
     for ten digits; one epoch on 16 px crops); resuming the finished run does not pre-train again

@@ -150,6 +150,7 @@ def default_run(tmp_path_factory):
     return run, proc
 
 
+@pytest.mark.configs  # a demo trained to its threshold: the second tier (-m configs; CI runs it)
 def test_default_run_learns_the_builtin_scenes(default_run):
     run, proc = default_run
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

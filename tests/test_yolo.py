@@ -324,6 +324,7 @@ def short_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.configs  # a demo trained to its threshold: the second tier (-m configs; CI runs it)
 def test_short_run_learns_logs_losses_evaluates_and_exports(short_run):
     records = [json.loads(line) for line in (short_run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/loss" in r]
@@ -355,6 +356,7 @@ def test_default_config_reaches_map50_080(tmp_path):
     assert final["eval/map_50"] >= 0.80, final
 
 
+@pytest.mark.configs  # a demo trained to its threshold: the second tier (-m configs; CI runs it)
 def test_export_round_trip(short_run):
     """export/model.pt2 and export/model.onnx reproduce the best weights' boxes and scores on fresh inputs."""
     import onnxruntime
@@ -386,6 +388,7 @@ def test_export_round_trip(short_run):
         assert np.allclose(g, e.numpy(), atol=1e-3)
 
 
+@pytest.mark.configs  # a demo trained to its threshold: the second tier (-m configs; CI runs it)
 def test_predictions_through_onnx_are_those_of_the_weights(short_run, tmp_path):
     """The user's check that the shipped file is the evaluated model: --predict from model.onnx (ONNX
     Runtime, NMS after it as for the eager model) gives the safetensors' detections, boxes within 0.5 px.
