@@ -257,7 +257,7 @@ def test_an_image_folder_reads_as_datasets_imagefolder_builds_it(tmp_path, layou
 
     import datasets
 
-    from common.data.classification import folder_splits, read_image_folder
+    from common.data.folders import folder_splits, read_image_folder
 
     for name in layout:
         _photos(tmp_path / "photos" / Path(name).parent, [Path(name).name])
@@ -283,7 +283,7 @@ def test_an_image_folder_is_fingerprinted_by_its_files(tmp_path):
     a file is edited in place."""
     import os
 
-    from common.data.classification import folder_splits, read_image_folder
+    from common.data.folders import folder_splits, read_image_folder
 
     photos = _photos(tmp_path / "photos" / "cat", ["a.jpg", "b.jpg"]) + _photos(tmp_path / "photos" / "dog", ["c.jpg"])
     prints = lambda: read_image_folder(*folder_splits(tmp_path / "photos", "photos"))["train"]._fingerprint  # noqa: E731

@@ -211,7 +211,7 @@ def test_shipped_coco_configs_read_a_folder_of_train_and_val(tmp_path):
     """The README's example: a COCO config names COCO's train2017 / val2017, the user's folder (or a
     Roboflow export) has train / val (valid): the same splits are read, with or without the year."""
     from common.config import parse_config
-    from common.data.classification import same_split
+    from common.data.folders import same_split
 
     splits = _scenes()
     for layout in ("coco", "roboflow"):

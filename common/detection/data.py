@@ -29,7 +29,8 @@ from torchvision.transforms.v2 import functional as F
 
 from common import UserError
 from common.data.builtin import DETECTION
-from common.data.classification import EVAL_SPLITS, ClassificationData, ImageRows, load_saved_or_hub, same_split
+from common.data.classification import ClassificationData, ImageRows
+from common.data.folders import EVAL_SPLITS, load_saved_or_hub, same_split
 from common.data.images import image_files, readable_images
 from common.detection.sources import coco_splits, image_table, load_coco_split, normalise
 from common.loaders import eval_loader_for, sample_seed, seeded
