@@ -58,11 +58,9 @@ def weights_layout(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
     return {key: (tuple(t.shape), t.dtype) for key, t in tensors.items()}
 
 
-# the classifier in the default suite; the three detectors in the second tier (-m configs) that CI also runs
+@pytest.mark.configs  # the second tier (-m configs), which CI runs after the default suite
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "recipe", [r if r == "classifier" else pytest.param(r, marks=pytest.mark.configs) for r in RECIPES]
-)
+@pytest.mark.parametrize("recipe", list(RECIPES))
 def test_fsdp_shards_per_block_and_trains_like_ddp(tmp_path, recipe):
     args = SHORT + RECIPES[recipe]
     # each run takes well under a minute: a run that waits at a collective fails the test in minutes
