@@ -363,6 +363,7 @@ def test_two_processes_match_one_process(one_process, tmp_path):
 # The demo's ResNet (batch norm), its weights held still (teacher momentum 1): only the teacher's BN
 # statistics move, each process's from its own half of the global batch.
 BN_STILL = FAST[: FAST.index("--model")] + ["--max_steps", "2", "--warmup_epochs", "0", "--momentum_teacher", "1"]
+BN_STILL += ["--knn_pixel_limit", "0"]  # no raw-pixel baseline: the teacher's kNN is compared
 
 
 @pytest.mark.slow
