@@ -316,6 +316,7 @@ def test_eval_only_refuses_weights_of_other_classes_and_predict_needs_weights(fr
     )
 
 
+@pytest.mark.configs  # the second tier (-m configs), which CI runs; Faster R-CNN's case is the default suite's
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "recipe, args",
