@@ -302,6 +302,7 @@ def test_the_backbone_leaves_as_a_timm_folder_and_an_onnx_file(one_process, tmp_
     assert np.allclose(got["onnx"], got["eager"], atol=1e-4)
 
 
+@pytest.mark.configs  # a demo trained to its threshold: the second tier (-m configs; CI runs it)
 @pytest.mark.slow
 def test_one_epoch_of_the_demo_learns(tmp_path):
     """The built-in demo shortened to one epoch (44 steps of 64 images on digits_ssl, the default
