@@ -16,8 +16,11 @@ from conftest import ROOT
 
 RECIPES = ["classifier", "dino", "yolo", "detr", "faster_rcnn"]
 # the slow extras of three demos: YOLO's export, DETR's backbone pre-training, DINO's full-size kNN banks
-QUICK = {"yolo": ["--export", "false"], "detr": ["--pretrain_crops_epochs", "0"]}
-QUICK["dino"] = ["--knn_train_limit", "200", "--knn_pixel_limit", "0"]
+QUICK = {
+    "yolo": ["--export", "false"],
+    "detr": ["--pretrain_crops_epochs", "0"],
+    "dino": ["--knn_train_limit", "200", "--knn_pixel_limit", "0"],
+}
 
 
 def copy_recipe(name: str, folder: Path) -> Path:

@@ -253,21 +253,15 @@ def test_split_folders_are_the_splits_and_file_names_are_not(tmp_path):
 def test_an_image_folder_reads_as_datasets_imagefolder_builds_it(tmp_path, layout):
     """read_image_folder skips datasets' builder; what it returns is what the builder gives for the same files:
     splits, features (labels and their order), and every row in order."""
-    import glob
-
     import datasets
 
-    from common.data.folders import folder_splits, read_image_folder
+    from common.data.folders import build_image_folder, folder_splits, read_image_folder
 
     for name in layout:
         _photos(tmp_path / "photos" / Path(name).parent, [Path(name).name])
     files, in_class_folders = folder_splits(tmp_path / "photos", "photos")
     ours = read_image_folder(files, in_class_folders)
-    patterns = {split: [glob.escape(str(f)) for f in fs] for split, fs in files.items()}
-    cache = str(tmp_path / "cache")
-    built = datasets.load_dataset(
-        "imagefolder", data_files=patterns, drop_labels=None if in_class_folders else True, cache_dir=cache
-    )
+    built = build_image_folder(files, in_class_folders, cache_dir=str(tmp_path / "cache"))
     assert list(ours) == list(built)
     for split in ours:
         assert ours[split].features == built[split].features

@@ -43,9 +43,9 @@ def same_split(name: str, splits: Iterable[str]) -> str:
 def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
     """A ``DatasetDict`` or ``Dataset`` from a ``save_to_disk`` folder, else through
     ``datasets.load_dataset``: a hub name (``org/name`` or ``org/name:config``), a local folder of images
-    (split by :func:`folder_splits`; read by :func:`read_image_folder`, or with its metadata tables by datasets'
-    ``imagefolder`` with the files of each split named), or a downloaded
-    dataset repository (``data/*.parquet``) read as the hub would. A failure is one :class:`UserError`:
+    (split by :func:`folder_splits`; read by :func:`read_image_folder`, or with its metadata tables by
+    :func:`build_image_folder`), or a downloaded dataset repository (``data/*.parquet``) read as the hub
+    would. A failure is one :class:`UserError`:
     "<what> '<data>' could not be loaded (<first line of the cause>); expected <expected>"."""
     import datasets
     from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
@@ -66,12 +66,7 @@ def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
             files, in_class_folders = layout
             if not any(f.name in ImageFolder.METADATA_FILENAMES for fs in files.values() for f in fs):
                 return read_image_folder(files, in_class_folders)  # images alone: no builder needed
-            # every file named, so that datasets never reads a file name as a split (data_files are patterns);
-            # labels where every image is in a class folder (datasets adds them for 2 classes or more)
-            patterns = {split: [glob.escape(str(f)) for f in fs] for split, fs in files.items()}
-            return datasets.load_dataset(
-                "imagefolder", data_files=patterns, drop_labels=None if in_class_folders else True
-            )
+            return build_image_folder(files, in_class_folders)  # with metadata tables: datasets' builder
         return datasets.load_dataset(name, subset or None)
     except Exception as e:  # hub errors come in many types; the first line says what happened
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -81,14 +76,26 @@ def load_saved_or_hub(data: str, what: str, expected: str) -> Any:
             datasets.utils.logging.enable_progress_bar()
 
 
+def build_image_folder(files: dict[str, list[Path]], in_class_folders: bool, cache_dir: str | None = None) -> Any:
+    """The ``DatasetDict`` of datasets' ``imagefolder`` builder over ``files`` (split -> image and metadata paths,
+    as :func:`folder_splits` gives them): every file named, so that datasets never reads a file name as a split
+    (``data_files`` are patterns, hence escaped); labels where every image is in a class folder (datasets adds
+    them for 2 classes or more)."""
+    import datasets
+
+    patterns = {split: [glob.escape(str(f)) for f in fs] for split, fs in files.items()}
+    drop_labels = None if in_class_folders else True
+    return datasets.load_dataset("imagefolder", data_files=patterns, drop_labels=drop_labels, cache_dir=cache_dir)
+
+
 def read_image_folder(files: dict[str, list[Path]], in_class_folders: bool) -> Any:
     """The ``DatasetDict`` that datasets' ``imagefolder`` builds from ``files`` (split -> image paths, as
     :func:`folder_splits` gives them), read directly: the same columns, features, labels and row order,
     without the builder's start-up and its copy of every row into the datasets cache, which the builder
-    writes on its first run over a folder. Labels: the class folders' names, sorted, where every image is in a class
-    folder and there are 2 classes or more (as ``imagefolder`` decides). Each split's fingerprint names its
-    files' paths, sizes and modification times, so what is keyed by it (the image cache on disk) finds the
-    same rows in a later run and never an edited file's old pixels."""
+    writes on its first run over a folder (:func:`build_image_folder`). Labels: the class folders' names,
+    sorted, where every image is in a class folder and there are 2 classes or more (as ``imagefolder``
+    decides). Each split's fingerprint names its files' paths, sizes and modification times, so what is keyed
+    by it (the image cache on disk) finds the same rows in a later run and never an edited file's old pixels."""
     import hashlib
 
     import datasets
@@ -121,8 +128,8 @@ def folder_splits(path: Path, data: str) -> tuple[dict[str, list[Path]], bool] |
     ``test/``, ...) are the splits, else the whole folder is the training split; file names never name a
     split (``IMG_val_3.jpg`` is a training photo like any other). Each split lists its images and its
     ``metadata.csv`` / ``.jsonl`` / ``.parquet`` files (datasets' imagefolder columns) as absolute paths.
-    Class folders: every image one folder inside its split's
-    folder (or inside ``path``), which then names its class; an image directly in it has none. Hidden
+    Class folders: every image one folder inside its split's folder (or inside ``path``), which then names
+    its class; an image directly in it has none. Hidden
     files and folders (``.*``, ``__MACOSX``) are left out. None for a folder datasets reads otherwise:
     no images, or tables of rows (``data/*.parquet``, ``.arrow``). Images beside split folders are one
     :class:`UserError` naming them (no split would read them)."""
@@ -160,7 +167,7 @@ def folder_splits(path: Path, data: str) -> tuple[dict[str, list[Path]], bool] |
                 f"'{data}' has split folders ({', '.join(owner)}) and {len(loose)} images outside them "
                 f"({shown}), which no split would read: move them into a split folder"
             )
-    files: dict[str, list[str]] = {}
+    files: dict[str, list[Path]] = {}
     for f in images + metadata:  # a metadata file outside the split folders belongs to none
         split = "train" if not owner else owner.get(f.parts[0], "") if len(f.parts) > 1 else ""
         if split:
