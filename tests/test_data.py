@@ -272,6 +272,16 @@ def test_an_image_folder_reads_as_datasets_imagefolder_builds_it(tmp_path, layou
         )
 
 
+def test_a_folder_with_a_metadata_table_reads_its_columns(tmp_path):
+    """metadata.csv beside the images goes through datasets' builder (build_image_folder): its columns reach the
+    table, here an integer label per file."""
+    _photos(tmp_path / "photos", ["a.jpg", "b.jpg", "c.jpg", "d.jpg"])
+    (tmp_path / "photos" / "metadata.csv").write_text("file_name,kind\na.jpg,0\nb.jpg,1\nc.jpg,1\nd.jpg,0\n")
+    data = load_classification(str(tmp_path / "photos"), label_column="kind", eval_fraction=0.5)
+    rows = [*data.train.select_columns(["image", "kind"]), *data.eval.select_columns(["image", "kind"])]
+    assert {Path(r["image"]["path"]).name: r["kind"] for r in rows} == {"a.jpg": 0, "b.jpg": 1, "c.jpg": 1, "d.jpg": 0}
+
+
 def test_an_image_folder_is_fingerprinted_by_its_files(tmp_path):
     """The fingerprint (the disk image cache's key) is the same for the same files in a later run, and new when
     a file is edited in place."""
