@@ -195,11 +195,8 @@ def cli_main(main: Callable[[], Any]) -> None:
     """Run a recipe's ``main``; bad input and a diverged loss become one ``error:`` line and exit 2 / 1; steps
     that failed after the weights were saved (their lines already told) exit 1; a stop signal after the
     training loop its two lines (what stopped, how to finish) and exit 0; a second Ctrl-C one line and exit 130.
-    A package the run needs that is missing or too old (:mod:`common.requirements`) is told before anything runs."""
-    from common.requirements import check_requirements
-
+    The packages a run uses are checked once its config is read (:func:`common.weights.config_with_weights`)."""
     try:
-        check_requirements()
         main()
     except StepsFailed:
         raise SystemExit(1) from None

@@ -1,39 +1,110 @@
-"""The oldest version of each package a run needs (``requirements.txt``'s runtime lines, kept equal to
-:data:`FLOORS` by ``tests/test_requirements.py``), and the check :func:`common.console.cli_main` makes before a
-recipe writes anything: a package too old or missing is one ``error:`` line naming it, the installed and the
-needed version, and the pip command, instead of a traceback at the end of a run. The floors are proven by
-installing exactly them (``constraints/minimum.txt``) and running every recipe (``tests/floors.sh``)."""
+"""The oldest version of each package a run uses, and the check a recipe makes before it writes anything.
+
+A run is checked for what it uses, by the module it imports (:func:`needs`): every run the training core
+(:data:`CORE`); a tracker only when ``report_to`` asks for it; matplotlib only when the run draws; ONNX only
+with ``--export`` (and the torch that exports the recipe, :data:`EXPORT_TORCH`) or ONNX ``--weights``. A module
+counts by the version of whatever distribution provides it, so ``onnxruntime-gpu`` or ``Pillow-SIMD`` pass as
+``onnxruntime`` and ``pillow`` do, and the advice names the distribution that is installed, never a second wheel
+beside it. Too old or missing is one ``error:`` line naming each package, the installed and the needed version,
+and the pip command; :data:`SKIP_ENV` set to 1 skips the check (a cluster whose packages are pinned by its
+stack, at the user's own risk).
+
+``requirements.txt``'s runtime lines are :func:`declared` (``tests/test_requirements.py`` keeps them equal); the
+floors tier (``tests/floors.sh``) installs what a resolver picks at those floors and runs every recipe there."""
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
 from common import UserError
 
-#: Distribution name -> the oldest version with which every recipe trains, evaluates, exports and predicts.
-FLOORS: dict[str, str] = {
-    "torch": "2.9.1",
-    "torchvision": "0.24.1",
-    "timm": "1.0.26",
-    "accelerate": "1.0",
-    "datasets": "3.0",
-    "huggingface_hub": "0.25",
-    "safetensors": "0.4.3",
-    "pyyaml": "6.0",
-    "scikit-learn": "1.3",
-    "scipy": "1.10",
-    "pycocotools": "2.0.7",
-    "pillow": "10.0",
-    "tqdm": "4.66.3",
-    "wandb": "0.18",
-    "tensorboard": "2.16.2",
-    "matplotlib": "3.8",
-    "onnx": "1.18",
-    "onnxscript": "0.7",
-    "onnxruntime": "1.24.1",
+#: Set to 1, the start-up check of :func:`check_requirements` is skipped (named in its error line).
+SKIP_ENV = "CV_RECIPES_SKIP_REQUIREMENTS"
+
+
+@dataclass(frozen=True)
+class Floor:
+    """``module`` (what the code imports, which is what counts) at ``version`` or newer; ``package`` is the
+    distribution ``requirements.txt`` declares for it, which pip installs when the module is missing."""
+
+    module: str
+    package: str
+    version: str
+
+
+#: What every run imports: training, evaluation, prediction from safetensors weights.
+CORE: tuple[Floor, ...] = (
+    Floor("torch", "torch", "2.9.1"),
+    Floor("torchvision", "torchvision", "0.24.1"),
+    Floor("timm", "timm", "1.0.26"),
+    Floor("accelerate", "accelerate", "1.0"),
+    Floor("datasets", "datasets", "3.0"),
+    Floor("huggingface_hub", "huggingface_hub", "0.25"),
+    Floor("safetensors", "safetensors", "0.4.3"),
+    Floor("yaml", "pyyaml", "6.0"),
+    Floor("sklearn", "scikit-learn", "1.3"),
+    Floor("scipy", "scipy", "1.10"),
+    Floor("pycocotools", "pycocotools", "2.0.7"),
+    Floor("PIL", "pillow", "10.0"),
+    Floor("tqdm", "tqdm", "4.66.3"),
+)
+#: ``report_to`` -> what that tracker imports.
+TRACKERS: dict[str, tuple[Floor, ...]] = {
+    "wandb": (Floor("wandb", "wandb", "0.18"),),
+    "tensorboard": (Floor("tensorboard", "tensorboard", "2.16.2"),),
 }
+#: The PNGs under plots/ and the fonts of the detectors' pictures.
+PLOTS: tuple[Floor, ...] = (Floor("matplotlib", "matplotlib", "3.8"),)
+#: ``--export``: torch.onnx's exporter writes the file, ONNX Runtime checks it against eager.
+ONNX_EXPORT: tuple[Floor, ...] = (
+    Floor("onnx", "onnx", "1.18"),
+    Floor("onnxscript", "onnxscript", "0.7"),
+    Floor("onnxruntime", "onnxruntime", "1.24.1"),
+)
+#: ``--weights model.onnx``: ONNX Runtime runs the file, onnx reads its metadata.
+ONNX_RUN: tuple[Floor, ...] = (ONNX_EXPORT[0], ONNX_EXPORT[2])
+#: Recipe -> the oldest torch whose exporter writes its ONNX file; a renamed copy is held to the newest of them.
+EXPORT_TORCH: dict[str, str] = {
+    "classifier": "2.9.1",
+    "dino": "2.9.1",
+    "yolo": "2.9.1",
+    "detr": "2.9.1",
+    "faster_rcnn": "2.9.1",
+}
+
+
+def declared() -> dict[str, str]:
+    """Distribution -> floor, for every runtime line ``requirements.txt`` must hold (torch: the training floor)."""
+    floors = [*CORE, *(f for fs in TRACKERS.values() for f in fs), *PLOTS, *ONNX_EXPORT]
+    return {f.package: f.version for f in floors}
+
+
+def export_torch(recipe: str) -> str:
+    """The oldest torch that exports ``recipe``; for a recipe copied under another name, the newest floor."""
+    return EXPORT_TORCH.get(recipe) or max(EXPORT_TORCH.values(), key=release)
+
+
+def needs(cfg: Any) -> list[Floor]:
+    """What the run ``cfg`` imports (the module docstring; ``report_to``, ``export``, ``weights`` and ``eval_only``
+    decide), each module once; the torch an export needs is :func:`export_torch`'s, checked by :func:`check_run`."""
+    weights = str(getattr(cfg, "weights", "") or "")
+    export_only = bool(getattr(cfg, "export", False) and weights and not getattr(cfg, "eval_only", False))
+    found = [*CORE, *TRACKERS.get(getattr(cfg, "report_to", "none"), ())]
+    if not export_only:  # everything else draws: curves, confusion matrices, detections
+        found += PLOTS
+    if weights.lower().endswith(".onnx"):
+        found += ONNX_RUN
+    if getattr(cfg, "export", False):
+        found += ONNX_EXPORT
+    unique: dict[str, Floor] = {}
+    for floor in found:  # ONNX_RUN's are ONNX_EXPORT's
+        unique.setdefault(floor.module, floor)
+    return list(unique.values())
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -51,32 +122,66 @@ def at_least(installed: str, floor: str) -> bool:
     return have + (0,) * (width - len(have)) >= need + (0,) * (width - len(need))
 
 
-def _installed(name: str) -> str | None:
+def provider(floor: Floor) -> tuple[str, str] | None:
+    """``(distribution, version)`` that provides ``floor.module``: the declared distribution when installed, else
+    whichever distribution installs the module (``onnxruntime-gpu`` for ``onnxruntime``, ``Pillow-SIMD`` for
+    ``PIL``); None when no installed distribution provides it. The second look reads every installed
+    distribution's file list, so it is made only when the declared one is absent."""
     try:
-        return metadata.version(name)
+        return floor.package, metadata.version(floor.package)
     except metadata.PackageNotFoundError:
-        return None
+        pass
+    for name in metadata.packages_distributions().get(floor.module, []):
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def problems(
-    floors: Mapping[str, str] = FLOORS, version_of: Callable[[str], str | None] | None = None
-) -> list[tuple[str, str | None, str]]:
-    """``(package, installed version or None when missing, floor)`` for each package of ``floors`` that is
-    missing or older than its floor (``version_of``: a distribution name -> its installed version or None;
-    default the installed distributions' metadata)."""
-    version_of = version_of or _installed
-    found = [(name, version_of(name), floor) for name, floor in floors.items()]
-    return [(name, have, floor) for name, have, floor in found if have is None or not at_least(have, floor)]
+    floors: Iterable[Floor], provided: Callable[[Floor], tuple[str, str] | None] | None = None
+) -> list[tuple[Floor, tuple[str, str] | None]]:
+    """``(floor, (distribution, version) or None when missing)`` for each of ``floors`` whose module is missing
+    or older than its floor (``provided``: default :func:`provider`)."""
+    provided = provided or provider
+    found = [(floor, provided(floor)) for floor in floors]
+    return [(floor, have) for floor, have in found if have is None or not at_least(have[1], floor.version)]
 
 
-def check_requirements(floors: Mapping[str, str] = FLOORS) -> None:
-    """Raise :class:`UserError` (one line, exit status 2) when a package a run needs is missing or older than
-    its floor: ``timm 1.0.9 is installed; this recipe needs timm>=1.0.26: pip install 'timm>=1.0.26'``
-    (every such package in the one line)."""
-    bad = problems(floors)
-    if not bad:
+def advice(bad: Sequence[tuple[Floor, tuple[str, str] | None]], why: str = "this run") -> str:
+    """One line for :func:`problems`' findings: what is installed, what ``why`` needs, the pip command (the
+    installed distribution's name where one provides the module), and how to skip the check."""
+    told, needed, command = [], [], []
+    for floor, have in bad:
+        name = have[0] if have else floor.package
+        if have is None:
+            told.append(f"{floor.package} is not installed")
+        else:
+            of = "" if have[0].lower() == floor.package.lower() else f" (module {floor.module})"
+            told.append(f"{have[0]} {have[1]} is installed{of}")
+        needed.append(f"{floor.package}>={floor.version}")
+        command.append(f"'{name}>={floor.version}'")
+    return (
+        f"{'; '.join(told)}; {why} needs {', '.join(needed)}: pip install {' '.join(command)} "
+        f"(or set {SKIP_ENV}=1 to skip this check)"
+    )
+
+
+def check_requirements(floors: Iterable[Floor] = CORE, why: str = "this run") -> None:
+    """Raise :class:`UserError` (one line, exit status 2) when a module of ``floors`` is missing or older than its
+    floor: ``timm 1.0.9 is installed; this run needs timm>=1.0.26: pip install 'timm>=1.0.26' (or set ...)``
+    (every such package in the one line). Nothing is checked with :data:`SKIP_ENV` set to 1."""
+    if os.environ.get(SKIP_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
         return
-    told = [f"{name} {have} is installed" if have else f"{name} is not installed" for name, have, _ in bad]
-    needed = ", ".join(f"{name}>={floor}" for name, _, floor in bad)
-    command = " ".join(f"'{name}>={floor}'" for name, _, floor in bad)
-    raise UserError(f"{'; '.join(told)}; this recipe needs {needed}: pip install {command}")
+    bad = problems(floors)
+    if bad:
+        raise UserError(advice(bad, why))
+
+
+def check_run(cfg: Any, recipe: str) -> None:
+    """:func:`check_requirements` for what the run ``cfg`` of ``recipe`` uses (:func:`needs`), then, with
+    ``--export``, the torch that exports ``recipe``: a run that would fail after its training is refused before."""
+    check_requirements(needs(cfg))
+    if getattr(cfg, "export", False):
+        check_requirements([Floor("torch", "torch", export_torch(recipe))], f"--export of {recipe}.py")

@@ -27,6 +27,7 @@ from common.config import RunConfig, parse_config, to_dict
 from common.config_help import recipe_file, show
 from common.console import counted
 from common.guard import NonFiniteLoss
+from common.requirements import check_run
 
 C = TypeVar("C", bound=RunConfig)
 
@@ -152,6 +153,7 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
     A config file and flags still override them. ``eval_only`` or ``predict`` without ``weights``, and
     weights another recipe saved (their config has fields ``cls`` lacks), are one :class:`UserError`."""
     cfg = parse_config(cls, argv)
+    check_run(cfg, recipe_file(cls).stem)  # the packages this run uses (its tracker, ONNX), before any is imported
     if (cfg.eval_only or cfg.predict) and not cfg.weights:
         mode = "eval_only" if cfg.eval_only else "predict"
         raise UserError(f"{mode} needs --weights (a weights file this recipe saved)")
