@@ -5,6 +5,10 @@ norm statistics averaged across processes. Their weights files: :mod:`common.wei
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import urllib.parse
+import urllib.request
 from typing import Any
 
 import torch
@@ -19,13 +23,65 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
+#: Seconds :func:`reachable` waits for a connection (the resolver's time included).
+PROBE_S = 5.0
+
+
+def reachable(url: str, timeout: float = PROBE_S) -> bool:
+    """Whether a TCP connection to ``url``'s host (or to the proxy ``HTTPS_PROXY`` / ``HTTP_PROXY`` names) opens
+    within ``timeout`` seconds. Asked before a download, so that a machine without network says so at once
+    instead of after the hub client's retries (a minute and more); the look-up runs in a thread, so a resolver
+    that hangs cannot hold the run longer than ``timeout``."""
+    parts = urllib.parse.urlsplit(url)
+    proxy = urllib.request.getproxies().get(parts.scheme or "https")
+    if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
+        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    address = (parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+    opened: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection(address, timeout=timeout).close()
+            opened.append(True)
+        except OSError:
+            pass  # no answer is the answer: not reachable
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(timeout)
+    return bool(opened)
+
+
+def _cached_pretrained(name: str) -> dict[str, Any] | None:
+    """When the hub cannot be reached (:func:`hub_offline`, or :func:`reachable` says no): timm's
+    ``pretrained_cfg_overlay`` that loads ``name``'s weights from the local hub cache, or None when they are not
+    there (then the caller says so in one line). Empty when the hub is reachable: timm downloads as usual."""
+    import huggingface_hub
+    import timm
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    hub_id = getattr(cfg, "hf_hub_id", None)
+    where = f"{huggingface_hub.constants.ENDPOINT}/{hub_id}" if hub_id else getattr(cfg, "url", None) or ""
+    if not where or (not hub_offline() and reachable(where)):
+        return {}
+    if not hub_id:
+        return None
+    own = getattr(cfg, "hf_hub_filename", None)
+    for filename in ["model.safetensors", *([own] if own else []), "pytorch_model.bin"]:  # timm's order
+        path = huggingface_hub.try_to_load_from_cache(hub_id, filename)
+        if isinstance(path, str):
+            return {"file": path, "source": ""}
+    return None
+
+
 def create_timm_model(
     name: str, optional: dict[str, Any] | None = None, also: str = "", notes: list[str] | None = None, **kwargs: Any
 ) -> nn.Module:
     """``timm.create_model(name, **optional, **kwargs)``; where the model family does not take the
     ``optional`` arguments (``img_size`` for a convnet, say), again without them. An unknown name is
     one :class:`UserError` line instead of timm's traceback (``also`` names what else the recipe
-    accepts). With ``pretrained=True``, a line naming the weights goes to ``notes`` (the start banner's)."""
+    accepts). With ``pretrained=True``, a line naming the weights goes to ``notes`` (the start banner's); without
+    network the weights come from the local cache, or their absence is one line within seconds."""
     model = _create_timm_model(name, optional, also, **kwargs)
     if kwargs.get("pretrained") and notes is not None:
         source = getattr(model, "pretrained_cfg", {}).get("hf_hub_id") or "timm's hub"
@@ -37,6 +93,12 @@ def _create_timm_model(name: str, optional: dict[str, Any] | None, also: str, **
     import timm
 
     try:
+        if kwargs.get("pretrained") and "pretrained_cfg_overlay" not in kwargs:
+            overlay = _cached_pretrained(name)
+            if overlay is None:
+                raise OSError("not cached")
+            if overlay:
+                kwargs["pretrained_cfg_overlay"] = overlay
         if optional:
             try:
                 return timm.create_model(name, **optional, **kwargs)
@@ -54,7 +116,7 @@ def _create_timm_model(name: str, optional: dict[str, Any] | None, also: str, **
             raise
         cfg = timm.models.get_pretrained_cfg(name)
         source = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or "the hub"
-        why = "HF_HUB_OFFLINE is set" if hub_offline() else type(e).__name__
+        why = "HF_HUB_OFFLINE is set" if hub_offline() else "no network" if str(e) == "not cached" else type(e).__name__
         raise UserError(
             f"--pretrained: timm's weights for '{name}' ({source}) are not in the local cache and cannot be "
             f"downloaded ({why}): cache them once with network (timm.create_model('{name}', pretrained=True)), "

@@ -10,6 +10,7 @@ recipe's Config; copy faster_rcnn.py and its faster_rcnn_*.py files together.
 from __future__ import annotations
 
 import inspect
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -32,7 +33,7 @@ from common import UserError
 from common.artifacts.export import OnnxModel
 from common.detection.boxes import rescale_boxes
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD
-from common.models import create_timm_model, freeze_stages, hub_offline
+from common.models import create_timm_model, freeze_stages, hub_offline, reachable
 from common.weights import load_backbone
 
 # torchvision's Faster R-CNN presets (model = one of these names, each built by its own function) -> the ImageNet
@@ -241,10 +242,15 @@ def preset_model(cfg: ModelSettings, num_classes: int, notes: list[str]) -> TwoS
     cache = Path(torch.hub.get_dir()) / "checkpoints"
     missing = [w.url for w in downloads if not (cache / Path(w.url).name).is_file()]
     flag = "--pretrained" if cfg.pretrained else "--pretrained_backbone"
-    if missing and hub_offline():  # say so now, not after urllib's retries
+    if missing and (hub_offline() or not reachable(missing[0])):  # say so now, not after urllib's time-outs
+        why = (
+            "HF_HUB_OFFLINE is set"
+            if hub_offline()
+            else f"{urllib.parse.urlsplit(missing[0]).hostname} is not reachable"
+        )
         raise UserError(
-            f"{flag}: torchvision's weights {', '.join(missing)} are not in {cache} and HF_HUB_OFFLINE is "
-            f"set: download them there once with network, or train without {flag}"
+            f"{flag}: torchvision's weights {', '.join(missing)} are not in {cache} and {why}: download them "
+            f"there once with network, or train without {flag}"
         )
     try:
         m = builder(

@@ -402,6 +402,7 @@ def test_presets_take_the_imagenet_v1_backbone_of_torchvisions_reference(monkeyp
     "DEFAULT" (V2); --pretrained asks for the COCO weights ("DEFAULT", fasterrcnn_resnet50_fpn's COCO_V1, 37.0
     box AP). The builder is replaced, so nothing is downloaded."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the weights are never fetched: the builder is replaced
+    monkeypatch.setattr("faster_rcnn_model.reachable", lambda url: True)  # as if the network were there
     import torchvision
     from torchvision.models import MobileNet_V3_Large_Weights, ResNet50_Weights
     from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights
@@ -443,6 +444,7 @@ def test_freeze_at_counts_a_presets_stages_as_torchvision_does(monkeypatch):
     convolution), so freeze_at 1 freezes exactly the stem of either and 0 nothing. Checked on
     torchvision's own extractors with the numbers passed."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the weights are never fetched: the builder is replaced
+    monkeypatch.setattr("faster_rcnn_model.reachable", lambda url: True)  # as if the network were there
     import torchvision
     from torchvision.models.detection.backbone_utils import _mobilenet_extractor, _resnet_fpn_extractor
 
