@@ -49,6 +49,25 @@ def rate(means: Mapping[str, float]) -> str:
     return f"{means['s_per_step']:.1f} s/step"
 
 
+def schedule_warnings(cfg: Any, total_steps: int, steps_per_epoch: int) -> list[str]:
+    """Lines for under the start banner when the schedule does not fit the run (it still starts): warmup that
+    lasts the whole run, and an evaluation interval longer than the run (the only evaluation is then its last)."""
+    warnings = []
+    epochs = min(cfg.epochs, math.ceil(total_steps / max(steps_per_epoch, 1)))  # those max_steps leaves
+    warmup = round(cfg.warmup_epochs * steps_per_epoch)
+    if warmup >= total_steps > 0 and cfg.warmup_epochs > 0:
+        warnings.append(
+            f"warning: warmup_epochs {cfg.warmup_epochs:g} ({warmup:,} steps) lasts the whole run ({total_steps:,} "
+            "steps): the learning rate never reaches its peak; lower --warmup_epochs"
+        )
+    if cfg.eval_every > epochs > 1:
+        warnings.append(
+            f"warning: eval_every {cfg.eval_every} epochs is longer than the run's {epochs}: it is evaluated at its "
+            "end only; lower --eval_every"
+        )
+    return warnings
+
+
 def steps_total(epochs: int, steps_per_epoch: Any, max_steps: int = 0) -> int:
     """Optimizer steps in the whole run: ``steps_per_epoch`` (an int, or a function of the epoch)
     summed over epochs, capped by ``max_steps`` (0 = no cap)."""
@@ -63,6 +82,8 @@ class Loop:
     ``train_loader`` is the prepared loader; its batch sampler must have ``set_epoch`` (as
     :class:`common.loaders.EpochBatchSampler`). ``total_steps`` is the run's optimizer-step count
     (:func:`steps_total`). ``eval_images`` and ``classes`` describe the data in the start banner.
+    ``lr``: the recipe's learning rate per optimizer step (its schedule), recorded with each checkpoint so that a
+    resume whose schedule differs (another ``max_steps`` or ``epochs``) says what it changes.
     ``replaced``: the training dataset's count of images replaced during the run
     (:attr:`common.data.classification.ImageRows.replaced`, a :func:`common.loaders.shared_count`), logged as
     ``train/replaced_images`` once it is above 0; None for a dataset without one.
@@ -78,9 +99,11 @@ class Loop:
         eval_images: int | None = None,
         classes: Sequence[str] | None = None,
         replaced: Any = None,
+        lr: Sequence[float] | None = None,
     ) -> None:
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
         self.train_loader, self.total_steps, self.replaced = train_loader, total_steps, replaced
+        self.lr = lr  # the learning rate of each optimizer step: a resume that changes it says so
         run.begin()
         self._banner(eval_images, classes)
         # From here on each process draws its own random numbers (dropout, drop path, Mixup/CutMix),
@@ -91,6 +114,7 @@ class Loop:
         self.start = run.resume()
         self.step, self.epoch, self.batches_done = self.start.step, self.start.epoch, self.start.batches_in_epoch
         self.extra: dict[str, Any] = dict(self.start.extra)
+        self._schedule_changed()
         self.stopped = False
         self.meters = Meters(self.accelerator.device)
         self.meters.pause()  # the clock of img/s runs inside the epochs' steps (batches()) only
@@ -135,9 +159,34 @@ class Loop:
         )
         for note in run.notes:  # the recipe's own lines about this run's settings
             run.print(note)
+        for warning in schedule_warnings(
+            cfg, self.total_steps, math.ceil(len(self.train_loader) / cfg.grad_accum_steps)
+        ):
+            run.print(warning)
+
+    def _schedule_changed(self) -> None:
+        """After a resume: when the schedule's length differs from the checkpoint's (a resume with another
+        ``max_steps`` or ``epochs`` stretches or squeezes the cosine over what is left), one line with the old and
+        new length and the learning rate the next step jumps to."""
+        old = self.extra.get("schedule_steps")
+        if old is None or old == self.total_steps or self.step == 0:
+            return
+        line = f"resume: the schedule is now {self.total_steps:,} optimizer steps, was {old:,}"
+        if self.lr is not None and "next_lr" in self.extra and self.step < len(self.lr):
+            line += (
+                f"; the lr of step {self.step + 1} goes from {self.extra['next_lr']:.3g} to {self.lr[self.step]:.3g}"
+            )
+        self.run.print(line)
+
+    def _extra(self) -> dict[str, Any]:
+        """What a checkpoint keeps beside the position: ``extra``, the schedule's length and the next step's lr."""
+        kept = {**self.extra, "schedule_steps": self.total_steps}
+        if self.lr is not None and self.step < len(self.lr):
+            kept["next_lr"] = float(self.lr[self.step])
+        return kept
 
     def state(self) -> TrainState:
-        return TrainState(self.step, self.epoch, self.batches_done, dict(self.extra))
+        return TrainState(self.step, self.epoch, self.batches_done, self._extra())
 
     # -- epochs ----------------------------------------------------------------------------------
     def epochs(self) -> Iterator[int]:
@@ -162,7 +211,7 @@ class Loop:
             if self.stopped:
                 return
             if self._epoch_done and (self.step % self.cfg.checkpoint_every == 0 or self.last_epoch):
-                self.run.save_checkpoint(TrainState(self.step, epoch + 1, 0, dict(self.extra), self.last_epoch))
+                self.run.save_checkpoint(TrainState(self.step, epoch + 1, 0, self._extra(), self.last_epoch))
             elif self.last_epoch:
                 self.run.save_checkpoint(dataclasses.replace(self.state(), finished=True))
         self._loop_end = time.perf_counter()

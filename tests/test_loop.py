@@ -17,8 +17,9 @@ import torch
 
 from common.config import RunConfig
 from common.loaders import KeyedDataset, train_loader_for
-from common.loop import Loop, steps_total
+from common.loop import Loop, schedule_warnings, steps_total
 from common.run import Run
+from common.schedules import schedule
 from conftest import ROOT, free_port, recipe_env
 
 ITEMS, BATCH = 12, 2  # a 12-item dataset of its own indices in batches of 2: 6 batches an epoch
@@ -35,15 +36,18 @@ class Indices(KeyedDataset):
 
 
 def train(folder: Path, stop_at: int = 0, **fields) -> tuple[list[int], Loop]:
-    """A loop over the indices 0..11 with a do-nothing model; returns the indices its batches held, in
-    order, and the finished loop. ``stop_at``: a SIGTERM to this process after that optimizer step."""
+    """A loop over the indices 0..11 with a do-nothing model and a cosine learning rate from 1 to 0 (warmup
+    ``warmup_epochs``); returns the indices its batches held, in order, and the finished loop. ``stop_at``: a
+    SIGTERM to this process after that optimizer step."""
     cfg = RunConfig(output_dir=str(folder), report_to="none", num_workers=0, batch_size=BATCH, **fields)
     run = Run(cfg, "loop")
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     loader = train_loader_for(Indices(), cfg.batch_size, cfg.seed, 0, 1)
     model, optimizer, loader = run.accelerator.prepare(model, optimizer, loader)
-    loop = Loop(run, loader, steps_total(cfg.epochs, math.ceil(len(loader) / cfg.grad_accum_steps), cfg.max_steps))
+    per_epoch = math.ceil(len(loader) / cfg.grad_accum_steps)
+    total = steps_total(cfg.epochs, per_epoch, cfg.max_steps)
+    loop = Loop(run, loader, total, lr=schedule("cosine", 1.0, 0.0, total, round(cfg.warmup_epochs * per_epoch)))
     seen: list[int] = []
     for _ in loop.epochs():
         for x in loop.batches():
@@ -75,6 +79,39 @@ def test_a_stopped_run_continues_with_the_batches_it_would_have_seen(tmp_path):
     rest, resumed = train(tmp_path / "cut", resume="auto", epochs=3)
     assert resumed.start.step == 8 and (resumed.start.epoch, resumed.start.batches_in_epoch) == (1, 2)
     assert first + rest == whole and resumed.step == 3 * ITEMS // BATCH
+
+
+def test_a_resume_that_changes_the_schedule_says_so(tmp_path, capsys):
+    """Stopped at step 8 of 18, resumed with max_steps 10: the cosine is squeezed into the 2 steps left, and one
+    line gives both lengths and the learning rate step 9 jumps to."""
+    train(tmp_path / "cut", stop_at=8, epochs=3)
+    capsys.readouterr()
+    train(tmp_path / "cut", resume="auto", epochs=3, max_steps=10)
+    old, new = schedule("cosine", 1.0, 0.0, 18)[8], schedule("cosine", 1.0, 0.0, 10)[8]
+    line = f"resume: the schedule is now 10 optimizer steps, was 18; the lr of step 9 goes from {old:.3g} to {new:.3g}"
+    assert line in capsys.readouterr().out.splitlines()
+    train(tmp_path / "cut", resume="auto", epochs=3, max_steps=10)  # the same length: nothing to say
+    assert "resume: the schedule" not in capsys.readouterr().out
+
+
+def test_a_schedule_longer_than_the_run_is_a_warning_under_the_banner(tmp_path, capsys):
+    train(tmp_path / "run", epochs=2, warmup_epochs=10, eval_every=5)
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        "warning: warmup_epochs 10 (60 steps) lasts the whole run (12 steps): the learning rate never reaches "
+        "its peak; lower --warmup_epochs" in out
+    )
+    assert (
+        "warning: eval_every 5 epochs is longer than the run's 2: it is evaluated at its end only; lower "
+        "--eval_every" in out
+    )
+
+
+def test_schedule_warnings_count_the_epochs_max_steps_leaves():
+    fields = {"epochs": 100, "warmup_epochs": 1.0, "eval_every": 10}
+    assert schedule_warnings(RunConfig(**fields), 1000, 10) == []
+    assert "eval_every 10 epochs is longer than the run's 3" in schedule_warnings(RunConfig(**fields), 25, 10)[0]
+    assert schedule_warnings(RunConfig(**{**fields, "eval_every": 1, "warmup_epochs": 0.0}), 5, 10) == []
 
 
 def test_steps_total_sums_epochs_of_changing_length_and_caps_at_max_steps():
