@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -191,15 +192,49 @@ def auto_workers(requested: int, local_processes: int | None = None) -> int:
     return max(min(cores // max(local, 1), MAX_AUTO_WORKERS), 0)
 
 
-def loader_kwargs(num_workers: int, persistent: bool = True) -> dict[str, Any]:
+#: The signals that stop a run: :class:`common.run.Run` handles them in each training process (finish the
+#: step, save a checkpoint, exit 0). Slurm sends SIGUSR1 as its pre-emption warning (``--signal=USR1@90``).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def leave_stop_signals() -> None:
+    """Ignore :data:`STOP_SIGNALS` in this process: what a worker process of a training process (DataLoader
+    workers, the start-up scan's pool) does first. A signal sent to the whole process group (``scancel``,
+    ``timeout``, Ctrl-C, torchrun's forwarding) then reaches them harmlessly; the training process stops them
+    once its checkpoint is saved. Without it torch's worker loop installs a C handler that ends a worker on
+    SIGTERM (its parent then fails with "DataLoader worker is killed by signal: Terminated"), and SIGUSR1's
+    default action ends it too."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class LeavingStopSignals:
+    """A DataLoader ``worker_init_fn``: :func:`leave_stop_signals`, then ``then(worker_id)`` where given. It
+    runs after torch's worker loop has set its own signal handlers, so it replaces its SIGTERM one; a class
+    (not a closure) so that spawn and forkserver workers can unpickle it."""
+
+    def __init__(self, then: Callable[[int], Any] | None = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        leave_stop_signals()
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def loader_kwargs(
+    num_workers: int, persistent: bool = True, worker_init_fn: Callable[[int], Any] | None = None
+) -> dict[str, Any]:
     """DataLoader settings of the performance contract: workers, pinned memory, persistent workers
     (``persistent``: the training loader; an evaluation loader's workers end with each pass, so a
     loader not in use holds no processes or memory), and a private generator so creating an
-    iterator never draws from the global torch RNG."""
+    iterator never draws from the global torch RNG. The workers leave the stop signals to the training
+    process (:class:`LeavingStopSignals`, which runs ``worker_init_fn`` after)."""
     kwargs: dict[str, Any] = {
         "num_workers": num_workers,
         "pin_memory": torch.cuda.is_available(),
         "generator": torch.Generator(),
+        "worker_init_fn": LeavingStopSignals(worker_init_fn),
     }
     if num_workers > 0:
         kwargs.update(persistent_workers=persistent, prefetch_factor=4)
@@ -214,29 +249,35 @@ def train_loader_for(
     num_processes: int,
     collate_fn: Callable | None = None,
     repeats: int = 1,
+    worker_init_fn: Callable[[int], Any] | None = None,
 ):
     """A shuffling, drop-last training DataLoader over an :class:`EpochBatchSampler` (its
     ``batch_sampler``) of ``dataset``: a :class:`KeyedDataset`, or any map-style dataset (:class:`PerSample`).
     Once prepared by Accelerate, call the loader's ``set_epoch`` before each epoch (:class:`common.loop.Loop`
-    does): Accelerate re-applies its own epoch counter when iteration starts."""
+    does): Accelerate re-applies its own epoch counter when iteration starts. ``worker_init_fn`` runs in each
+    worker after it has set the stop signals aside (:func:`loader_kwargs`)."""
     if not isinstance(dataset, KeyedDataset):  # a plain dataset: its transforms seeded per sample here
         dataset = PerSample(dataset, seed)
     sampler = EpochBatchSampler(len(dataset), batch_size, True, seed, True, num_processes, repeats)
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs(num_workers)
+        dataset, batch_sampler=sampler, collate_fn=collate_fn, **loader_kwargs(num_workers, True, worker_init_fn)
     )
 
 
 def eval_loader_for(
-    dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int, collate_fn: Callable | None = None
+    dataset: torch.utils.data.Dataset,
+    batch_size: int,
+    num_workers: int,
+    collate_fn: Callable | None = None,
+    worker_init_fn: Callable[[int], Any] | None = None,
 ):
     """A sequential evaluation DataLoader, its workers started for each pass only; Accelerate pads the last
-    round, ``gather_for_metrics`` un-pads."""
+    round, ``gather_for_metrics`` un-pads. ``worker_init_fn`` as for :func:`train_loader_for`."""
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=False,
         drop_last=False,
         collate_fn=collate_fn,
-        **loader_kwargs(num_workers, persistent=False),
+        **loader_kwargs(num_workers, persistent=False, worker_init_fn=worker_init_fn),
     )

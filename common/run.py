@@ -44,7 +44,7 @@ from common import RunStopped, StepsFailed, UserError
 from common.config import RunConfig, save_config, to_dict
 from common.console import emulated_bf16_note, launch_command, recorded_failure
 from common.guard import NonFiniteGuard
-from common.loaders import auto_workers
+from common.loaders import STOP_SIGNALS, auto_workers
 from common.run_folder import (
     TrainState,
     check_resume,
@@ -130,9 +130,11 @@ class Run:
             self._stop_group = dist.new_group(
                 backend="gloo"
             )  # its own group: never interleaves with training collectives
-        # DataLoader workers inherit this handler; only the process that installed it acts on a signal.
+        # SIGTERM, SIGINT and SIGUSR1 (Slurm's pre-emption warning), to this process or its whole group. Loader
+        # workers ignore them (common.loaders.leave_stop_signals); until they have set that, forked ones inherit
+        # this handler, and only the process that installed it acts on a signal.
         self._pid = os.getpid()
-        self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
 
     def begin(self) -> None:
         """Create the run folder, write ``config.yaml`` and start the tracker (once; every process)."""
@@ -289,8 +291,10 @@ class Run:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._pid:  # a DataLoader worker: the training process stops it
             return
-        if self._stop_signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        if self._stop_signal is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C stops at once
+            return  # already stopping (Slurm's SIGTERM at the time limit after its SIGUSR1 warning): said once
         self._stop_signal = signum
         if self._loop_done:
             self._raise_stopped()
@@ -315,7 +319,7 @@ class Run:
         )
 
     def should_stop(self) -> bool:
-        """True on every process once any process got SIGTERM/SIGINT; call once per step.
+        """True on every process once any process got a stop signal (SIGTERM, SIGINT, SIGUSR1); call once per step.
 
         With several processes the flags are combined by an asynchronous all-reduce over gloo
         (CPU): each call collects the reduction started by the previous call and starts the next,

@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import os
+import signal
 import textwrap
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -31,6 +32,7 @@ from typing import Any
 from common import UserError
 from common.console import counted
 from common.data.images import listing, unreadable
+from common.loaders import STOP_SIGNALS, leave_stop_signals
 
 #: The checker's version, part of every cache file's name: a change to what is checked starts afresh.
 VERSION = "v1"
@@ -58,6 +60,27 @@ def _cache_file(paths: Sequence[str]) -> Path:
     return cache_root() / "scans" / f"{VERSION}-{digest}.json"
 
 
+def _pool_context() -> Any:
+    """The checking pool's multiprocessing context: forkserver, as a fork of a process that already runs
+    torch's thread pools can hang. The server, and the resource tracker it starts, outlive the pool (until
+    the run ends) in the run's process group: started with the stop signals blocked, which they and the
+    workers the server forks keep, they never act on one sent to the whole group (``scancel``, Ctrl-C); it is
+    the training process's (:class:`common.run.Run`). The workers also ignore them (the pool's initializer),
+    in case another part of the program started the server first."""
+    import multiprocessing
+    from multiprocessing import forkserver, resource_tracker
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        # the server would start the tracker itself; started first, as starting it unblocks SIGINT and SIGTERM
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return multiprocessing.get_context("forkserver")
+
+
 def scan_files(paths: Sequence[str], workers: int = 0) -> tuple[dict[str, str], bool]:
     """Why each unreadable file of ``paths`` cannot be used (``{path: reason}``), and whether every answer
     came from the cache. ``workers`` > 1: files are checked by that many processes."""
@@ -78,10 +101,7 @@ def scan_files(paths: Sequence[str], workers: int = 0) -> tuple[dict[str, str], 
     if todo:
         chunks = [todo[i : i + CHUNK] for i in range(0, len(todo), CHUNK)]
         if workers > 1 and len(chunks) > 1:
-            import multiprocessing
-
-            # forkserver: a fork of a process that already runs torch's thread pools can hang
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
+            with ProcessPoolExecutor(workers, mp_context=_pool_context(), initializer=leave_stop_signals) as pool:
                 results = [r for chunk in pool.map(_check_files, chunks) for r in chunk]
         else:
             results = [r for chunk in chunks for r in _check_files(chunk)]
