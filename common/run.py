@@ -119,6 +119,8 @@ class Run:
         self.begun = False
         self.guard = NonFiniteGuard(self.accelerator.device)
         self.last_checkpoint = ""
+        # set by the recipe before its loop: its weights files' metadata, in every checkpoint (--weights takes those)
+        self.weights_metadata: dict[str, str] | None = None
         self.failed: list[str] = []  # steps after the weights that failed, one line each (guarded)
         self._stop_signal: int | None = None
         self._loop_done = False  # after the training loop a stop signal ends the run at once (RunStopped)
@@ -244,7 +246,9 @@ class Run:
         self.begin()
         tick = time.perf_counter()
         self.guard.check(self.accelerator, self.last_checkpoint)
-        final = write_checkpoint(self.accelerator, self.checkpoint_dir, state, self.cfg.keep_checkpoints)
+        final = write_checkpoint(
+            self.accelerator, self.checkpoint_dir, state, self.cfg.keep_checkpoints, self.weights_metadata
+        )
         self.last_checkpoint = str(final)
         self.log({"time/checkpoint_s": time.perf_counter() - tick}, state.step, echo=False)
 

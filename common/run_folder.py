@@ -51,6 +51,13 @@ class TrainState:
     finished: bool = False  # the end of training: ``--resume auto`` alone looks for runs without it
 
 
+#: The file in each checkpoint folder, beside ``train_state.json``, that makes the checkpoint weights: the metadata
+#: of the weights files the run saves (common.weights.weights_metadata: recipe, config, classes, category ids,
+#: normalisation, as JSON strings) and, where the recipe's weights are a part of the trained model, ``part``: the
+#: prefix of its tensors (DINO's ``backbone.``). ``--weights <checkpoint>`` reads it (common/weights.py).
+CHECKPOINT_METADATA = "weights_metadata.json"
+
+
 #: Fields a resumed run may change: where and how it reports, how long it runs, how it loads data.
 #: Any other field shapes the model, the data or the optimisation the checkpoint was trained with.
 MAY_CHANGE_ON_RESUME = frozenset(
@@ -121,8 +128,10 @@ def weights_source(weights: str) -> str:
     in a run folder, or in its ``model/`` or ``export/``), else the file's own name without its suffix (a
     folder's name); an ONNX file adds ``-onnx``, so its predictions stand apart from its weights'
     (``predict-default-onnx``; from a loose file's export, ``predict-mine-onnx`` rather than
-    ``predict-export-mine-onnx``)."""
+    ``predict-export-mine-onnx``); a checkpoint folder, its run's name and its own (``default-step_00000087``)."""
     path = Path(weights)
+    if path.parent.name == "checkpoints" and has_run(path.parent.parent):
+        return f"{path.parent.parent.name}-{path.name}"
     folder = path.parent if path.suffix else path
     if folder.name in ("model", "export") and has_run(folder.parent):
         folder = folder.parent
@@ -231,11 +240,14 @@ def complete_checkpoints(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
-def write_checkpoint(accelerator: Any, folder: Path, state: TrainState, keep: int) -> Path:
+def write_checkpoint(
+    accelerator: Any, folder: Path, state: TrainState, keep: int, weights_metadata: dict[str, str] | None = None
+) -> Path:
     """Write Accelerate's state and ``state`` into ``folder/step_XXXXXXXX`` (every process calls it) through a
     temporary folder renamed into place, then drop all but the newest ``keep`` (at least 1): a kill at any
     moment leaves either the old set of checkpoints or the new one, never a half-written folder that
-    ``--resume auto`` would pick. Returns the checkpoint's folder."""
+    ``--resume auto`` would pick. ``weights_metadata`` (what the recipe's weights files carry) goes into
+    :data:`CHECKPOINT_METADATA`, which makes the checkpoint weights too. Returns the checkpoint's folder."""
     final = folder / f"step_{state.step:08d}"
     tmp = folder / f".tmp-step_{state.step:08d}"
     if accelerator.is_main_process:
@@ -246,6 +258,8 @@ def write_checkpoint(accelerator: Any, folder: Path, state: TrainState, keep: in
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if weights_metadata is not None:
+            (tmp / CHECKPOINT_METADATA).write_text(json.dumps(weights_metadata, indent=1) + "\n")
         state_file = tmp / "train_state.json"
         state_file.write_text(json.dumps(dataclasses.asdict(state)))
         with open(state_file) as f:

@@ -8,6 +8,13 @@ class names, index = the model's class index) and, from the detectors, ``categor
 the dataset's own id of each class, as its COCO json numbers them), and ``mean`` / ``std`` (JSON lists:
 the per-channel normalisation of the inputs the weights were trained on). :func:`read_metadata`
 returns them decoded.
+
+A checkpoint folder (``<run>/checkpoints/step_XXXXXXXX``, :func:`common.run_folder.write_checkpoint`) is weights
+too: its tensors are the trained model's (Accelerate's ``model.safetensors``, keys as the recipe's own files have
+them; a part of it where the recipe's weights are one, such as DINO's backbone), never an EMA (those are pickled
+there), and its metadata is the :data:`~common.run_folder.CHECKPOINT_METADATA` file the run writes beside them,
+the schema above. A checkpoint written before that file existed still gives its config (the run's
+``config.yaml``) but no class names.
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import yaml
 from torch import nn
 
 from common import UserError
 from common.config import RunConfig, parse_config, to_dict
 from common.config_help import recipe_file, show
-from common.console import counted
+from common.console import counted, launch_command
 from common.guard import NonFiniteLoss
 from common.requirements import check_run
+from common.run_folder import CHECKPOINT_METADATA, is_checkpoint
 
 C = TypeVar("C", bound=RunConfig)
 
@@ -82,11 +91,17 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     (dict), ``classes`` (list), ``category_ids`` (list; the class indices where the file has none) and
     ``mean``, ``std`` (the input normalisation, lists of 3 floats; None where the file does not say);
     an unreadable file is one :class:`UserError`. An exported ONNX file (:mod:`common.artifacts.export`) carries the
-    same metadata; a model folder's is that of its ``model.safetensors``."""
+    same metadata; a model folder's is that of its ``model.safetensors``. A checkpoint folder's is its
+    :data:`~common.run_folder.CHECKPOINT_METADATA` (without it, the run's ``config.yaml`` as ``config``), and it
+    adds ``checkpoint``: ``step``, ``run`` (the run folder), ``part`` (the prefix of the trained model's tensors
+    the recipe's weights are; '' for all of them) and ``complete`` (whether that file was there)."""
     import safetensors
 
     path = weights_file(path)
-    if is_onnx(path):
+    checkpoint = None
+    if is_checkpoint_folder(path):
+        meta, checkpoint = _checkpoint_metadata(path)
+    elif is_onnx(path):
         meta = read_onnx_metadata(path)
     else:
         try:
@@ -95,7 +110,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         except Exception as e:
             raise UserError(f"weights '{path}' could not be read: {type(e).__name__}: {e}") from None
     classes = json.loads(meta.get("classes", "[]"))
-    return {
+    decoded = {
         "recipe": meta.get("recipe", ""),
         "config": json.loads(meta.get("config", "{}")),
         "classes": classes,
@@ -103,13 +118,87 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         "mean": json.loads(meta["mean"]) if "mean" in meta else None,
         "std": json.loads(meta["std"]) if "std" in meta else None,
     }
+    return decoded if checkpoint is None else {**decoded, "checkpoint": checkpoint}
 
 
 def weights_file(path: str | Path) -> Path:
-    """The weights file ``--weights`` names: the path itself, or the ``model.safetensors`` of a model folder
-    (``<run>/model``)."""
+    """The weights ``--weights`` names: the path itself (a file, or a checkpoint folder), or the
+    ``model.safetensors`` of a model folder (``<run>/model``)."""
     path = Path(path)
+    if is_checkpoint_folder(path):
+        return path
     return path / "model.safetensors" if path.is_dir() and (path / "model.safetensors").is_file() else path
+
+
+def is_checkpoint_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a run's checkpoint folder (Accelerate's state: its ``train_state.json``, or the random
+    states of a save that was cut short), which ``--weights`` takes as the trained model's weights."""
+    path = Path(path)
+    return path.is_dir() and ((path / "train_state.json").is_file() or any(path.glob("random_states_*.pkl")))
+
+
+def _finish_command(run: Path, recipe: str) -> str:
+    """The command that finishes the run in the folder ``run`` (its weights files), as far as it is known."""
+    flags = f"--config {run / 'config.yaml'} --resume auto"
+    return f"{launch_command(recipe)} {flags}" if recipe else f"the recipe with {flags}"
+
+
+def checkpoint_model(folder: Path, recipe: str = "") -> Path:
+    """The trained model's file in the checkpoint ``folder`` (Accelerate writes ``model.safetensors``); a save cut
+    short, an FSDP run's sharded state or a pickled model is one :class:`UserError` naming the command that
+    writes the run's weights files (``recipe``: the script that saved it, where known)."""
+    finish = _finish_command(folder.parent.parent, recipe)
+    if not is_checkpoint(folder):
+        raise UserError(
+            f"weights '{folder}' are not a complete checkpoint (no train_state.json: its save was cut short)"
+        )
+    model = folder / "model.safetensors"
+    if model.is_file():
+        return model
+    sharded = sorted(p.name for p in folder.glob("pytorch_model_fsdp*"))
+    if sharded:  # torch.distributed.checkpoint's files (its .metadata is a pickle) or a pickled full state
+        raise UserError(
+            f"weights '{folder}' are an FSDP run's checkpoint ({sharded[0]}: the model as the processes held it, "
+            f"not one safetensors file); its weights files come from finishing the run, launched as it was: {finish}"
+        )
+    raise UserError(
+        f"weights '{folder}': the checkpoint holds no model.safetensors (a pickled model is never loaded); "
+        f"its weights files come from finishing the run: {finish}"
+    )
+
+
+def _checkpoint_metadata(folder: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """The metadata strings (:func:`weights_metadata`) of the checkpoint ``folder`` and what
+    :func:`read_metadata` adds as ``checkpoint``; checks the model file is there (:func:`checkpoint_model`)."""
+    file = folder / CHECKPOINT_METADATA
+    if file.is_file():
+        try:
+            meta = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"weights '{folder}': {file.name} could not be read: {type(e).__name__}: {e}") from None
+    else:  # a checkpoint written before checkpoints carried it: the run's own config alone
+        config = folder.parent.parent / "config.yaml"
+        meta = {"config": json.dumps((yaml.safe_load(config.read_text()) if config.is_file() else None) or {})}
+    checkpoint_model(folder, meta.get("recipe", ""))
+    state = json.loads((folder / "train_state.json").read_text())
+    part = meta.pop("part", "")
+    info = {"step": state.get("step", 0), "run": str(folder.parent.parent), "part": part, "complete": file.is_file()}
+    return meta, info
+
+
+def checkpoint_tensors(folder: Path, part: str = "", keys_only: bool = False) -> dict[str, Any]:
+    """The trained model's tensors in the checkpoint ``folder``, named as the recipe's own weights files name them:
+    without torch.compile's ``_orig_mod.`` and DDP's ``module.`` (as :func:`save_weights`), and of ``part`` (a
+    prefix, such as DINO's ``backbone.``) alone, without it. ``keys_only``: the names alone, each mapped to its
+    name in the file (nothing read)."""
+    import safetensors
+
+    with safetensors.safe_open(str(checkpoint_model(folder)), "pt") as f:
+        keys = {k.replace("_orig_mod.", ""): k for k in f.keys()}
+        if keys and all(k.startswith("module.") for k in keys):  # DDP's wrapper, when not unwrapped
+            keys = {k.removeprefix("module."): v for k, v in keys.items()}
+        keys = {k.removeprefix(part): v for k, v in keys.items() if k.startswith(part)}
+        return dict(keys) if keys_only else {k: f.get_tensor(v) for k, v in keys.items()}
 
 
 def kept_weights(run_dir: str | Path) -> Path:
@@ -120,20 +209,32 @@ def kept_weights(run_dir: str | Path) -> Path:
 
 
 def load_weights(
-    path: str | Path, model_of: str = "", tensors: Sequence[str] = ()
+    path: str | Path, model_of: str = "", tensors: Sequence[str] = (), part: str = ""
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors (CPU) and metadata (:func:`read_metadata`) of a weights file, for ``--eval_only`` and
-    ``--predict``; a missing or unreadable file is one :class:`UserError`. With ``model_of`` (what the
-    recipe trains, for the message), the file must be one: class names, and the ``tensors`` named."""
+    """The tensors (CPU) and metadata (:func:`read_metadata`) of a weights file or checkpoint folder, for
+    ``--eval_only``, ``--predict`` and ``--export``; a missing or unreadable file is one :class:`UserError`. With
+    ``model_of`` (what the recipe trains, for the message), the file must be one: class names, and the ``tensors``
+    named. ``part``: of a checkpoint whose metadata does not say, the prefix of the trained model's tensors that
+    the recipe's weights are (DINO's ``backbone.``)."""
     import safetensors.torch
 
     path = weights_file(path)
-    if not path.is_file():
+    if not path.is_file() and not is_checkpoint_folder(path):
         raise UserError(f"weights '{path}' does not exist")
     if is_onnx(path):
         raise UserError(f"weights '{path}' are an ONNX export: --predict runs them; this needs the safetensors file")
     meta = read_metadata(path)
-    state = safetensors.torch.load_file(str(path))
+    if "checkpoint" in meta:  # the trained model's tensors (a part of them, where the recipe keeps one)
+        checkpoint = meta["checkpoint"]
+        state = checkpoint_tensors(path, checkpoint["part"] or part)
+        if model_of and not meta["classes"] and not checkpoint["complete"]:
+            raise UserError(
+                f"checkpoint '{path}' has no {CHECKPOINT_METADATA} (written before checkpoints kept it): the class "
+                f"names a {model_of} needs are unknown; its weights files come from finishing the run: "
+                f"{_finish_command(Path(checkpoint['run']), meta['recipe'])}"
+            )
+    else:
+        state = safetensors.torch.load_file(str(path))
     if model_of and (not meta["classes"] or any(k not in state for k in tensors)):
         lacking = "class names" + "".join(f" or '{k}'" for k in tensors)
         raise UserError(f"weights '{path}' carry no {lacking}: not a {model_of}'s weights file")
@@ -159,7 +260,7 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
         raise UserError(f"{mode} needs --weights (a weights file this recipe saved)")
     if not cfg.weights:
         return cfg
-    if not weights_file(cfg.weights).is_file():
+    if not weights_file(cfg.weights).is_file() and not is_checkpoint_folder(cfg.weights):
         raise UserError(f"weights '{cfg.weights}' does not exist")
     cfg = dataclasses.replace(cfg, weights=str(weights_file(cfg.weights)))
     meta = read_metadata(cfg.weights)
@@ -178,11 +279,15 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
 def saved_by(path: str | Path) -> str:
     """Where a weights file comes from, for a message: `` (saved by dino.py for model resnet10t {channels:
     [32, 64, 128, 256]})``, or '' where its metadata does not say."""
-    meta = read_metadata(path)
+    said = _said(read_metadata(path))
+    return f" (saved{said})" if said else ""
+
+
+def _said(meta: dict[str, Any]) -> str:
+    """`` by dino.py for model resnet10t {...}`` from the decoded metadata ``meta``: what it says of its origin."""
     recipe, model, kwargs = meta["recipe"], meta["config"].get("model", ""), meta["config"].get("model_kwargs")
     model += f" {show(kwargs)}" if model and kwargs else ""
-    said = (f" by {recipe}.py" if recipe else "") + (f" for model {model}" if model else "")
-    return f" (saved{said})" if said else ""
+    return (f" by {recipe}.py" if recipe else "") + (f" for model {model}" if model else "")
 
 
 def mismatch(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> str:
@@ -273,10 +378,18 @@ def load_backbone(model: nn.Module, path: str | Path) -> str:
 
 def weights_line(path: str | Path) -> str:
     """The line that names the weights ``--eval_only``, ``--predict`` or ``--export`` run: the file, who saved
-    it, and its tensor count (all of them load, or the model refuses the file)."""
+    it, and its tensor count (all of them load, or the model refuses the file); of a checkpoint, its step and
+    run, and that the trained model's weights are what it gives (an EMA there is pickled, never loaded)."""
     import safetensors
 
     path = weights_file(path)
+    if is_checkpoint_folder(path):
+        meta = read_metadata(path)
+        checkpoint, said = meta["checkpoint"], _said(meta)
+        what = f"the trained model's {checkpoint['part'].rstrip('.')}" if checkpoint["part"] else "the trained model"
+        count = len(checkpoint_tensors(path, checkpoint["part"], keys_only=True))
+        origin = f"checkpoint at step {checkpoint['step']} of {checkpoint['run']}" + (f", saved{said}" if said else "")
+        return f"weights '{path}' ({origin}: {what}, not an EMA): {counted(count, 'tensor')} loaded"
     if is_onnx(path):
         return f"weights '{path}'{saved_by(path)}: an ONNX file, run by ONNX Runtime"
     with safetensors.safe_open(str(path), "pt") as f:

@@ -54,7 +54,14 @@ from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values
-from common.weights import config_with_weights, kept_weights, load_backbone, read_metadata, save_weights
+from common.weights import (
+    config_with_weights,
+    kept_weights,
+    load_backbone,
+    read_metadata,
+    save_weights,
+    weights_metadata,
+)
 
 with own_files("classifier_"):  # the classifier's own files, beside this one: copy them with it (README)
     from classifier_inference import MODEL_FIELDS, export_files, predict, trained_model, write_model_folder
@@ -330,6 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_tf, eval_tf = create_transforms(cfg, model)
     data_cfg = data_config(cfg, model)  # the weights files record the normalisation, for whoever starts from them
     saved_as = {"classes": data.classes, "recipe": run.recipe, "normalization": (data_cfg["mean"], data_cfg["std"])}
+    run.weights_metadata = weights_metadata(cfg, **saved_as)  # every checkpoint is weights too (common/weights.py)
     # camera-size JPEGs decoded reduced, as far as the crops still find img_size pixels (common/data/images.py)
     sides = needed_side(cfg.img_size, cfg.scale[0], cfg.ratio), needed_side(cfg.img_size, crop_pct=data_cfg["crop_pct"])
     # --cache_images: each image decoded once, at the side its dataset decodes it (common/data/image_cache.py)

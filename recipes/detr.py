@@ -83,7 +83,7 @@ from common.models import (
 )
 from common.run import Run
 from common.schedules import schedule, set_group_values
-from common.weights import config_with_weights, kept_weights, load_backbone, save_weights
+from common.weights import config_with_weights, kept_weights, load_backbone, save_weights, weights_metadata
 
 with own_files("detr_"):  # DETR's own files, beside this one: copy them with it (README, "Your own recipe")
     from detr_checkpoint import load_init_weights  # DETR's checkpoint reader
@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # what every weights file records: classes, the dataset's ids, the input normalisation (common/weights.py)
     saved_as = {"classes": data.classes, "recipe": run.recipe, "category_ids": data.category_ids}
     saved_as["normalization"] = (IMAGENET_MEAN, IMAGENET_STD)
+    run.weights_metadata = weights_metadata(cfg, **saved_as)  # every checkpoint is weights too (common/weights.py)
     num_classes = len(data.classes)
     eval_tf = data_transforms(cfg, False)
     evaluator = CocoEvaluator(data.eval, data.classes)

@@ -1,6 +1,6 @@
 """What a DETR run ships, beside recipes/detr.py (as timm keeps inference.py apart from train.py): the
 trained detector loaded back from the weights a run saved (``--weights`` for ``--eval_only``, ``--predict``
-and ``--export``: a safetensors file or a ``model/`` folder), its detections on photos (``--predict``, also
+and ``--export``: safetensors, a ``model/`` or checkpoint folder), its detections on photos (``--predict``, also
 from an exported ``.onnx``), the export (``model.onnx``: images and padding mask -> every query's box, score
 and class; DETR needs no NMS) and the model folder with its card (``<run>/model``, what ``--push_to_hub``
 uploads).
@@ -39,7 +39,7 @@ class DetectorSettings(TransformSettings, Protocol):
     model: str  # the timm backbone's name
     pretrained: bool  # cleared here, as init_backbone: the trained weights replace any start
     init_backbone: str
-    weights: str  # the saved weights: safetensors, a model/ folder or (predict) an exported .onnx
+    weights: str  # the saved weights: safetensors, a model/ or checkpoint folder or (predict) an exported .onnx
     predict: str  # an image or a folder of images to detect objects in
     predict_score: float  # detections written and drawn from this score
     batch_size: int  # images per process; prediction takes twice as many per batch

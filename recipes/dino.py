@@ -61,7 +61,7 @@ from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from common.weights import config_with_weights, is_onnx, save_weights
+from common.weights import config_with_weights, is_onnx, save_weights, weights_metadata
 
 with own_files("dino_"):  # DINO's own files, beside this one: copy them with it (README, "Your own recipe")
     from dino_inference import export_files, load_teacher_backbone, predict, write_model_folder  # what a run ships
@@ -140,8 +140,8 @@ class Config(RunConfig):
     #   256 for 224); 0: resized straight to global_size
     knn_pixel_size: int = 32  # the raw-pixel kNN baseline compares images area-resized to this side, px
     knn_pixel_limit: int = 20000  # the raw-pixel baseline's bank: at most this many images (seeded); 0: no baseline
-    weights: str = ""  # a backbone this recipe saved (teacher_backbone.safetensors, its model folder; model.onnx for
-    #   predict), for eval_only, export and predict
+    weights: str = ""  # a backbone this recipe saved (teacher_backbone.safetensors, its model folder, a checkpoint
+    #   folder: the student's; model.onnx for predict), for eval_only, export and predict
     predict: str = ""  # an image or a folder of images: with --weights, write each one's backbone features
     #   (features.npy, rows named in features.csv) to the run folder
     eval_only: bool = False  # the kNN evaluation of --weights on the labelled data, no training (metrics.jsonl only)
@@ -448,6 +448,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return results
 
     # ---- resume, or the step-0 baselines ---------------------------------------------------------
+    # every checkpoint is weights too (common/weights.py): the student's backbone, with teacher_backbone's metadata
+    normalization = (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
+    run.weights_metadata = weights_metadata(cfg, recipe=run.recipe, normalization=normalization) | {"part": "backbone."}
     loop = Loop(
         run,
         train_loader,

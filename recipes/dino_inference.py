@@ -37,13 +37,14 @@ class BackboneSettings(Protocol):
     global_size: int  # the input side, px
     knn_resize: int  # the evaluation's shorter side before its centre crop (0: global_size)
     predict: str  # --predict: an image file or a folder of images
-    weights: str  # the teacher backbone's file: safetensors, a model folder or model.onnx
+    weights: str  # the teacher backbone's file: safetensors, a model folder, a checkpoint (the student's) or model.onnx
 
 
 def load_teacher_backbone(backbone: nn.Module, path: str, model: str) -> nn.Module:
-    """``backbone`` with the teacher backbone this recipe saved at ``path`` (teacher_backbone.safetensors),
-    every key and shape matching, or one :class:`UserError` naming the first difference."""
-    state, _ = load_weights(path)
+    """``backbone`` with the teacher backbone this recipe saved at ``path`` (teacher_backbone.safetensors), or the
+    student's of a checkpoint folder (its teacher, an EMA, is pickled there), every key and shape matching, or one
+    :class:`UserError` naming the first difference."""
+    state, _ = load_weights(path, part="backbone.")
     problem = mismatch(state, backbone.state_dict())
     if problem:
         raise UserError(f"weights '{path}'{saved_by(path)} do not fit model '{model}': {problem}")

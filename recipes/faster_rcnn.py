@@ -64,7 +64,7 @@ from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from common.weights import config_with_weights, kept_weights, save_weights
+from common.weights import config_with_weights, kept_weights, save_weights, weights_metadata
 
 with own_files("faster_rcnn_"):  # its own files, beside this one: copy them with it (README, "Your own recipe")
     from faster_rcnn_data import AspectRatioBatchSampler, data_transforms, has_boxes, list_collate  # its data helpers
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # what every weights file records: classes, the dataset's ids, the input normalisation (common/weights.py)
     saved_as = {"classes": data.classes, "recipe": run.recipe, "category_ids": data.category_ids}
     saved_as["normalization"] = (IMAGENET_MEAN, IMAGENET_STD)
+    run.weights_metadata = weights_metadata(cfg, **saved_as)  # every checkpoint is weights too (common/weights.py)
     num_classes = len(data.classes)
     # camera-size JPEGs decoded reduced, as far as the model's resize to min_size still finds its pixels
     side, eval_tf = max(cfg.min_size), data_transforms(False, 0.0, False)

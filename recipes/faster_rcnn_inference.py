@@ -1,6 +1,6 @@
 """What a Faster R-CNN run ships, beside recipes/faster_rcnn.py (as timm keeps inference.py apart from train.py):
 the trained detector loaded back from the weights a run saved (``--weights`` for ``--eval_only``, ``--predict``
-and ``--export``: a safetensors file or a ``model/`` folder), its detections on photos (``--predict``, also from
+and ``--export``: safetensors, a ``model/`` or checkpoint folder), its detections on photos (``--predict``, also from
 an exported ``.onnx``), the export (``model.onnx``: one image -> boxes, scores, labels, the resize and NMS inside
 the graph) and the model folder with its card (``<run>/model``, what ``--push_to_hub`` uploads).
 
@@ -33,7 +33,7 @@ class ShippingSettings(ModelSettings, Protocol):
     """What shipping reads of recipes/faster_rcnn.py's Config (a dataclass) besides the model's fields; the whole
     Config goes into the files' metadata and model card."""
 
-    weights: str  # the saved weights: safetensors, a model/ folder or (predict) an exported .onnx
+    weights: str  # the saved weights: safetensors, a model/ or checkpoint folder or (predict) an exported .onnx
     predict: str  # an image or a folder of images to detect objects in
     predict_score: float  # detections written and drawn from this score
     num_workers: int  # DataLoader worker processes per process

@@ -68,7 +68,7 @@ from common.loop import Loop, steps_total
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
 from common.schedules import schedule, set_group_values, weight_decay_groups
-from common.weights import config_with_weights, kept_weights, load_backbone, save_weights
+from common.weights import config_with_weights, kept_weights, load_backbone, save_weights, weights_metadata
 
 with own_files("yolo_"):  # YOLO's own files, beside this one: copy them with it (README, "Your own recipe")
     from yolo_data import (  # its data helpers
@@ -389,6 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # what every weights file records: classes, the dataset's ids, the input normalisation (common/weights.py)
     saved_as = {"classes": data.classes, "recipe": run.recipe, "category_ids": data.category_ids}
     saved_as["normalization"] = (IMAGENET_MEAN, IMAGENET_STD)
+    run.weights_metadata = weights_metadata(cfg, **saved_as)  # every checkpoint is weights too (common/weights.py)
     num_classes = len(data.classes)
     eval_tf = detection_transforms(False, cfg.img_size, preset=cfg.augment)
     evaluator = CocoEvaluator(data.eval, data.classes)

@@ -1,6 +1,6 @@
 """What a YOLO run ships, beside recipes/yolo.py (as timm keeps inference.py apart from train.py): the
 trained detector loaded back from the weights a run saved (``--weights`` for ``--eval_only``, ``--predict``
-and ``--export``: a safetensors file or a ``model/`` folder), its detections on photos (``--predict``, also
+and ``--export``: safetensors, a ``model/`` or checkpoint folder), its detections on photos (``--predict``, also
 from an exported ``.onnx``), the export (``model.onnx`` and ``model.pt2``: images -> boxes and class scores,
 NMS outside the graph) and the model folder with its card (``<run>/model``, what ``--push_to_hub`` uploads).
 
@@ -36,7 +36,7 @@ class DetectorSettings(Protocol):
     model: str  # the timm backbone's name
     pretrained: bool  # cleared here, as init_backbone: the trained weights replace any start
     init_backbone: str
-    weights: str  # the saved weights: safetensors, a model/ folder or (predict) an exported .onnx
+    weights: str  # the saved weights: safetensors, a model/ or checkpoint folder or (predict) an exported .onnx
     img_size: int  # the evaluation's input side, px (letterboxed or stretched to it: augment)
     augment: str  # the training preset, whose evaluation transform prediction and export use
     conf_threshold: float  # scores below are dropped before NMS
