@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced)
+    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced, lr_values)
     meters, results = loop.meters, {}
     for epoch in loop.epochs():
         accelerator.gradient_accumulation_steps = accum_steps(epoch)

@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced)
+    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced, lr_values)
     meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
         model.train()

@@ -458,6 +458,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         len(query_set) if knn_set else None,
         knn_set.classes if knn_set else None,
         train_set.replaced,
+        lr_values,
     )
     meters = loop.meters
     if knn_set is None and "baseline" not in loop.extra:

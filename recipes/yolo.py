@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     weight_dict = dict.fromkeys(LOSS_TERMS, 1.0)  # the total loss: sum of weight x term (GluonCV: all equal)
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.base.replaced)
+    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.base.replaced, lr_values)
     meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
         model.train()
