@@ -113,7 +113,20 @@ def banner(
     return "\n".join([lines[0]] + [_fit(line) for line in lines[1:]])  # the folder's path is never cut
 
 
-def _value(v: Any) -> str:
+def no_value(key: str, v: Any) -> bool:
+    """Whether ``v`` is COCO evaluation's -1 for "no ground truth of this kind in the split" (``map_large`` of a
+    set without large objects): the console shows it as ``n/a``; files and trackers keep the -1."""
+    return v == -1 and key.rsplit("/", 1)[-1].startswith(("map", "mar"))
+
+
+def shown_value(key: str, v: Any, digits: str = ".4g") -> str:
+    """A logged value as a step line shows it: ``n/a`` for :func:`no_value`, else ``digits`` formatting."""
+    return "n/a" if no_value(key, v) else format(v, digits)
+
+
+def _value(v: Any, key: str = "") -> str:
+    if no_value(key, v):
+        return "n/a"
     if not isinstance(v, (int, float)):
         return str(v)
     if math.isnan(v):
@@ -131,9 +144,9 @@ def summary(
     if shown:
         width = max(len(k) for k in [*shown, "final metrics"])
         lines.append(f"  {'final metrics':<{width}}  value")
-        lines += [f"  {k:<{width}}  {_value(v)}" for k, v in shown.items()]
+        lines += [f"  {k:<{width}}  {_value(v, k)}" for k, v in shown.items()]
     for metric, (value, step) in best.items():
-        lines.append(f"  best {metric} {_value(value)} at step {step}")
+        lines.append(f"  best {metric} {_value(value, metric)} at step {step}")
     if weights:
         lines.append("  weights   " + ", ".join(weights))
     return "\n".join(_fit(line) for line in lines)

@@ -36,10 +36,7 @@ import torch
 from accelerate.utils import set_seed
 
 from common.meters import Meters, format_seconds, prefixed
-from common.run import Run, TrainState
-
-#: The longest a run without a progress bar goes without a step line, in seconds.
-SILENCE_S = 60.0
+from common.run import SILENCE_S, Run, TrainState
 
 
 def rate(means: Mapping[str, float]) -> str:

@@ -73,7 +73,7 @@ def predict(cfg: Any, run: Run, create_model: CreateModel) -> dict[str, float]:
         run.print(skipped)
     rows, k = [], min(5, len(classes))
     if accelerator.is_main_process:  # a handful of files: one process reads them all
-        for start in run.progress(range(0, len(files), 64), "predict"):
+        for start in run.progress(range(0, len(files), 64), "predict", len(files)):
             batch = files[start : start + 64]
             images = torch.stack([eval_tf(decode_image({"path": str(f)}, str(f))) for f in batch])
             with accelerator.autocast():

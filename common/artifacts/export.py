@@ -170,10 +170,12 @@ def export(run: Any, write: Callable[[Path], dict[str, float]], step: int | None
     otherwise the files go to ``<run>/export`` at the end of training, logged at ``step``."""
     if step is None:
         run.begin()
-        diffs = _export_into(run, run.dir, write, 0)
+        with run.heartbeat("export"):  # torch.onnx's exporter and the checks: minutes for a detector
+            diffs = _export_into(run, run.dir, write, 0)
         run.finish([run.dir / "model.onnx"])
         return diffs
-    return _export_into(run, run.dir / "export", write, step)
+    with run.heartbeat("export"):
+        return _export_into(run, run.dir / "export", write, step)
 
 
 def _export_into(run: Any, folder: Path, write: Callable[[Path], dict[str, float]], step: int) -> dict[str, float]:
