@@ -29,7 +29,7 @@ from torchvision.ops import box_convert, generalized_box_iou
 
 from common import UserError
 from common.artifacts.export import OnnxModel
-from common.detection.boxes import rescale_boxes
+from common.detection.boxes import rescale_boxes, without_tiny
 
 
 # ============================================================================================
@@ -160,7 +160,9 @@ class DETR(nn.Module):
         # the padding mask at the feature's resolution (nearest, as DETR)
         mask = F.interpolate(mask[:, None].float(), size=feature.shape[-2:]).bool()[:, 0]  # [B, h, w]
         src = self.input_proj(feature).flatten(2).transpose(1, 2)  # [B, h*w, d]
-        pos = sine_position_encoding(mask, src.shape[-1]).flatten(1, 2).to(src.dtype)  # [B, h*w, d]
+        # fp32 under autocast too (geometry): `src + pos` is then summed in fp32 and rounded once, by the
+        # attention's input projection, instead of adding positions already rounded to bf16
+        pos = sine_position_encoding(mask, src.shape[-1]).flatten(1, 2)  # [B, h*w, d]
         padding = mask.flatten(1)  # [B, h*w]
         memory = src
         for layer in self.encoder:
@@ -375,7 +377,7 @@ def detect(model: nn.Module | OnnxModel, loader: Iterable, accelerator: Accelera
         else:
             with torch.no_grad(), accelerator.autocast():
                 found = postprocess(model(images, mask), orig)
-        yield [{"image_id": t["image_id"], **d} for d, t in zip(found, targets)]
+        yield [without_tiny({"image_id": t["image_id"], **d}) for d, t in zip(found, targets)]
 
 
 class Exported(nn.Module):

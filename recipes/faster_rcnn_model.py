@@ -31,7 +31,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 from common import UserError
 from common.artifacts.export import OnnxModel
-from common.detection.boxes import rescale_boxes
+from common.detection.boxes import rescale_boxes, without_tiny
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD
 from common.models import create_timm_model, freeze_stages, hub_offline, reachable
 from common.weights import load_backbone
@@ -380,11 +380,13 @@ def detect(
             with torch.no_grad(), accelerator.autocast():
                 detections = [{**d, "labels": d["labels"] - 1} for d in model(images)]  # boxes in the input's pixels
         yield [
-            {
-                "image_id": t["image_id"],
-                "boxes": rescale_boxes(d["boxes"], t["size"], t["orig_size"]),
-                "scores": d["scores"],
-                "labels": d["labels"],
-            }
+            without_tiny(
+                {
+                    "image_id": t["image_id"],
+                    "boxes": rescale_boxes(d["boxes"], t["size"], t["orig_size"]),
+                    "scores": d["scores"],
+                    "labels": d["labels"],
+                }
+            )
             for d, t in zip(detections, targets)
         ]

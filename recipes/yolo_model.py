@@ -20,7 +20,7 @@ from torch import nn
 from torchvision.ops import batched_nms, clip_boxes_to_image
 
 from common.artifacts.export import OnnxModel
-from common.detection.boxes import rescale_boxes
+from common.detection.boxes import rescale_boxes, without_tiny
 
 # YOLOv3's COCO anchors (w, h) in pixels of a 416 px input, small to large; GluonCV uses them as they
 # are at every input size.
@@ -283,4 +283,4 @@ def detect(
         for p, t in zip(predictions, targets):  # letterbox padding and cells at the border reach past the image
             p["boxes"] = clip_boxes_to_image(rescale_boxes(p["boxes"], t["size"], t["orig_size"]), t["orig_size"])
             p["image_id"] = t["image_id"]
-        yield predictions
+        yield [without_tiny(p) for p in predictions]  # clipped to slivers at the border

@@ -389,3 +389,42 @@ def test_yolo_clips_its_boxes_to_the_original_image(monkeypatch):
     (batch,) = list(yolo_model.detect(Model(), loader, Accelerator(cpu=True), 0.01, 0.45, 100))
     # x scales by 48 / 64, y by 32 / 64: [-6, 5, 52.5, 20] before clipping to 48 x 32
     assert batch[0]["boxes"].tolist() == [[0.0, 5.0, 48.0, 20.0]] and batch[0]["image_id"] == 1
+
+
+def test_every_detector_drops_boxes_under_one_pixel(monkeypatch):
+    """Boxes under 1 px wide or tall in the original image (clipped at its border to a sliver, or collapsed) are no
+    detections in any detector's output; the rest keep their scores and labels in order."""
+    import torch
+    from accelerate import Accelerator
+
+    import detr_model
+    import faster_rcnn_model
+    import yolo_model
+
+    boxes = torch.tensor([[10.0, 10.0, 30.0, 30.0], [10.0, 10.0, 30.0, 10.02], [10.0, 5.0, 10.5, 20.0]])
+    found = {"boxes": boxes, "scores": torch.tensor([0.9, 0.8, 0.7]), "labels": torch.tensor([2, 1, 0])}
+    target = {"image_id": 7, "size": (64, 64), "orig_size": (64, 64)}
+    accelerator = Accelerator(cpu=True)
+
+    class Yolo(torch.nn.Module):
+        def forward(self, images):
+            return torch.zeros(len(images), 1, 6)
+
+        def decode(self, raw, height, width):
+            return torch.zeros(len(raw), 1, 4), torch.zeros(len(raw), 1, 1)
+
+    monkeypatch.setattr(yolo_model, "postprocess", lambda *args: [dict(found)])
+    monkeypatch.setattr(detr_model, "postprocess", lambda outputs, orig: [dict(found)])
+    images = torch.zeros(1, 3, 64, 64)
+    outputs = {
+        "yolo": yolo_model.detect(Yolo(), [(images, None, [target])], accelerator, 0.01, 0.45, 100),
+        "detr": detr_model.detect(lambda *a: None, [(images, None, [target])], accelerator),
+        "faster_rcnn": faster_rcnn_model.detect(
+            lambda x: [{**found, "labels": found["labels"] + 1}], [([images[0]], [target])], accelerator
+        ),
+    }
+    for recipe, batches in outputs.items():
+        (detection,) = next(iter(batches))
+        assert detection["boxes"].tolist() == [[10.0, 10.0, 30.0, 30.0]], recipe
+        assert detection["scores"].tolist() == pytest.approx([0.9]) and detection["labels"].tolist() == [2], recipe
+        assert detection["image_id"] == 7, recipe

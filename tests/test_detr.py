@@ -577,3 +577,26 @@ def test_each_config_peaks_at_its_lr_on_the_machine_it_is_written_for():
         assert cfg.peak_lr(processes) == cfg.lr and cfg.lr_scale == "sqrt", name
     cfg = parse_config(detr.Config, ["--batch_size", "4"])  # a quarter of the demo's batch: half its peak
     assert cfg.peak_lr(1) == pytest.approx(cfg.lr / 2)
+
+
+def test_the_sine_positions_reach_the_encoder_and_decoder_in_fp32_under_bf16():
+    """Geometry stays fp32 under autocast: the positions each encoder and decoder layer gets are the fp32 sine
+    encoding itself, not a bf16 rounding of it, and the model still runs (its logits in bf16)."""
+    cfg = parse_config(detr.Config, [])
+    torch.manual_seed(0)
+    model = detr.create_model(cfg, num_classes=10).eval()
+    seen = []
+    for layer in [*model.encoder, *model.decoder]:
+        position = 1 if layer in list(model.encoder) else 2  # encoder (src, pos, ...), decoder (tgt, memory, pos, ...)
+        layer.register_forward_pre_hook(lambda m, args, i=position: seen.append(args[i]))
+    mask = torch.zeros(1, 64, 96, dtype=torch.bool)
+    mask[:, :, 80:] = True  # a padded image: positions count valid pixels only
+    images = torch.randn(1, 3, 64, 96)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(images, mask)
+        side = model.backbone(images)[-1].shape[-2:]
+    assert out["pred_logits"].dtype == torch.bfloat16
+    feature_mask = torch.nn.functional.interpolate(mask[:, None].float(), size=side).bool()[:, 0]
+    expected = sine_position_encoding(feature_mask, cfg.d_model).flatten(1, 2)
+    assert len(seen) == len(model.encoder) + len(model.decoder)
+    assert all(p.dtype == torch.float32 and torch.equal(p, expected) for p in seen)

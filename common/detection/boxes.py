@@ -4,6 +4,7 @@ name says otherwise (COCO ``xywh``: top-left corner, width, height)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from PIL import Image
@@ -21,6 +22,23 @@ def rescale_boxes(boxes_xyxy: torch.Tensor, size: tuple[int, int], orig_size: tu
     (h, w), (oh, ow) = size, orig_size
     scale = torch.tensor([ow / w, oh / h, ow / w, oh / h], dtype=torch.float32, device=boxes_xyxy.device)
     return boxes_xyxy.float() * scale
+
+
+#: The narrowest side, in the original image's pixels, of a box a detector returns (:func:`without_tiny`).
+MIN_SIDE_PX = 1.0
+
+
+def without_tiny(detections: dict[str, Any], min_side: float = MIN_SIDE_PX) -> dict[str, Any]:
+    """One image's ``detections`` (``boxes`` XYXY [N, 4] in the original image's pixels and, beside them, per-box
+    tensors such as ``scores`` and ``labels``) without the boxes under ``min_side`` pixels wide or tall: a box
+    clipped at the border to a sliver, drawn as a line with a class label, is no detection. Other values (the
+    ``image_id``) stay as they are."""
+    boxes = detections["boxes"]
+    keep = (boxes[:, 2] - boxes[:, 0] >= min_side) & (boxes[:, 3] - boxes[:, 1] >= min_side)
+    if bool(keep.all()):
+        return detections
+    n = len(boxes)
+    return {k: v[keep] if isinstance(v, torch.Tensor) and v.dim() and len(v) == n else v for k, v in detections.items()}
 
 
 def crop_box(
