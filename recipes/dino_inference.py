@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,14 +53,22 @@ def load_teacher_backbone(backbone: nn.Module, path: str, model: str) -> nn.Modu
     return backbone
 
 
+def crop_pct_for(size: int, resize: int = 0) -> float:
+    """timm's ``crop_pct`` for a shorter side of ``resize`` before a centre crop of ``size`` (0: ``size``): timm
+    resizes to ``floor(size / crop_pct)``, and ``size / resize`` in floating point can come back a pixel short
+    (224 / (224 / 400) is 399.99...), so the ratio is nudged by half a pixel where it would."""
+    resize = resize or size
+    exact = size / resize
+    return exact if math.floor(size / exact) == resize else size / (resize + 0.5)
+
+
 def backbone_data_config(cfg: BackboneSettings) -> dict[str, Any]:
     """The backbone's input as timm describes it: the kNN evaluation's resize, crop and normalisation."""
-    crop_pct = cfg.global_size / (cfg.knn_resize or cfg.global_size)
     size = (3, cfg.global_size, cfg.global_size)
     return {
         "input_size": size,
         "interpolation": "bicubic",
-        "crop_pct": crop_pct,
+        "crop_pct": crop_pct_for(cfg.global_size, cfg.knn_resize),
         "mean": IMAGENET_DEFAULT_MEAN,
         "std": IMAGENET_DEFAULT_STD,
     }
@@ -113,7 +122,7 @@ def predict(backbone: nn.Module, cfg: BackboneSettings, run: Any, transform: Any
         run.print(skipped)
     if accelerator.is_main_process:  # a handful of files: one process reads them all
         features = []
-        for start in run.progress(range(0, len(files), 64), "predict"):
+        for start in run.progress(range(0, len(files), 64), "predict", len(files)):
             images = torch.stack([transform(decode_image({"path": str(f)}, str(f))) for f in files[start : start + 64]])
             with accelerator.autocast():
                 features.append(model(images.to(accelerator.device)).float().cpu())

@@ -36,6 +36,7 @@ from common.loaders import eval_loader_for
 from common.models import average_bn_statistics
 from common.run import Run
 from dino_figures import attention_maps, attention_overlay, neighbour_grid, unnormalise
+from dino_inference import crop_pct_for
 
 
 class KnnSettings(Protocol):
@@ -98,7 +99,7 @@ def knn_loaders(
     if 0 < cfg.knn_train_limit < len(bank):
         bank = bank.shuffle(seed=cfg.seed).select(range(cfg.knn_train_limit))
     knn_tf = eval_transform(cfg.global_size, cfg.knn_resize)
-    side = needed_side(cfg.global_size, crop_pct=cfg.global_size / (cfg.knn_resize or cfg.global_size))
+    side = needed_side(cfg.global_size, crop_pct=crop_pct_for(cfg.global_size, cfg.knn_resize))
     column = knn_set.image_column
     (bank_cache, query_cache), cache_line = image_caches(
         cfg.cache_images, cfg.num_workers, (bank, column, side), (knn_set.eval, column, side)

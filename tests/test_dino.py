@@ -502,3 +502,30 @@ def test_colour_jitter_and_grayscale_are_the_configs_and_a_bad_hue_is_one_line(c
         capsys, dino.main, FAST + ["--color_jitter", "0.4", "0.4", "0.2", "0.6", "--output_dir", str(tmp_path / "r")]
     )
     assert "hue <= 0.5" in line and not (tmp_path / "r").exists()
+
+
+def test_the_model_folders_transform_is_the_knn_evaluations_for_every_legal_pair():
+    """timm builds the model folder's evaluation transform from its crop_pct (shorter side floor(size / crop_pct));
+    it resizes to exactly the kNN evaluation's side for every (global_size, knn_resize) pair: every global size
+    from 8 to 1,024 with resize sides around it, and a seeded sample over the whole legal range (MAX_SIDE), the
+    pairs where size / resize comes back a pixel short (224/400, 96/118) among them."""
+    import random
+
+    from timm.data import create_transform
+
+    from common.config import MAX_SIDE
+    from dino_inference import crop_pct_for
+    from dino_knn import eval_transform
+
+    def sides(size: int, resize: int) -> tuple[int, int]:
+        timm_tf = create_transform(
+            input_size=(3, size, size), interpolation="bicubic", crop_pct=crop_pct_for(size, resize)
+        )
+        return timm_tf.transforms[0].size, eval_transform(size, resize).transforms[0].size
+
+    rng = random.Random(0)
+    pairs = [(224, 400), (96, 118), (224, 256), (224, 0), (8, 8)]
+    pairs += [(g, r) for g in range(8, 1025) for r in (0, g, g + 1, round(g * 8 / 7), 2 * g - 1)]
+    pairs += [(g, rng.randint(g, MAX_SIDE)) for g in (rng.randint(8, MAX_SIDE) for _ in range(3000))]
+    wrong = [(g, r, *sides(g, r)) for g, r in pairs if len(set(sides(g, r))) > 1]
+    assert not wrong, wrong[:5]
