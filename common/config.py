@@ -91,7 +91,7 @@ class RunConfig:
     log_weights: bool = False  # wandb: upload the final and best weights (model folder, ONNX) as W&B model artifacts
     push_to_hub: str = ""  # ORG/NAME: upload the model folder (<run>/model) to the Hugging Face hub at the end
     # saved weights (the model fields default to the file's saved config)
-    weights: str = ""  # weights this recipe saved: best.safetensors, a model folder, model.onnx (for predict)
+    weights: str = ""  # weights this recipe saved: best.safetensors, a model/ or checkpoint folder, model.onnx
     predict: str = ""  # an image file or folder to run --weights on; the predictions go to the run folder
     eval_only: bool = False  # evaluate --weights on the evaluation split, no training
     export: bool = False  # ONNX (+ .pt2) in <run>/export/, checked against eager; --export --weights W: W only

@@ -54,8 +54,8 @@ def schedule_warnings(cfg: Any, total_steps: int, steps_per_epoch: int) -> list[
     warmup = round(cfg.warmup_epochs * steps_per_epoch)
     if warmup >= total_steps > 0 and cfg.warmup_epochs > 0:
         warnings.append(
-            f"warning: warmup_epochs {cfg.warmup_epochs:g} ({warmup:,} steps) lasts the whole run ({total_steps:,} "
-            "steps): the learning rate never reaches its peak; lower --warmup_epochs"
+            f"warning: warmup_epochs {cfg.warmup_epochs:g} ({warmup:,} steps) outlasts the run ({total_steps:,} "
+            "steps): the lr never reaches its peak; lower --warmup_epochs"
         )
     if cfg.eval_every > epochs > 1:
         warnings.append(

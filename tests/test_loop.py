@@ -98,8 +98,8 @@ def test_a_schedule_longer_than_the_run_is_a_warning_under_the_banner(tmp_path, 
     train(tmp_path / "run", epochs=2, warmup_epochs=10, eval_every=5)
     out = capsys.readouterr().out.splitlines()
     assert (
-        "warning: warmup_epochs 10 (60 steps) lasts the whole run (12 steps): the learning rate never reaches "
-        "its peak; lower --warmup_epochs" in out
+        "warning: warmup_epochs 10 (60 steps) outlasts the run (12 steps): the lr never reaches its peak; "
+        "lower --warmup_epochs" in out
     )
     assert (
         "warning: eval_every 5 epochs is longer than the run's 2: it is evaluated at its end only; lower "
