@@ -298,20 +298,6 @@ def test_an_image_folder_is_fingerprinted_by_its_files(tmp_path):
     assert prints() != first
 
 
-@pytest.mark.parametrize(
-    "layout, message",
-    [
-        ({"train/cat": ["a.jpg"], "val/cat": ["b.jpg"], "": ["extra.jpg"]}, r"has split folders \(train, val\) and 1 "),
-        ({"train/cat": ["a.jpg"], "val/cat": ["b.jpg"], "validation/cat": ["c.jpg"]}, "two folders for its validation"),
-    ],
-)
-def test_photos_no_split_would_read_are_one_clear_error(tmp_path, layout, message):
-    for folder, names in layout.items():
-        _photos(tmp_path / "photos" / folder, names)
-    with pytest.raises(UserError, match=message):
-        load_classification(str(tmp_path / "photos"))
-
-
 def test_a_plain_torchvision_dataset_trains_reproducibly():
     """A dataset that knows nothing of (epoch, index) keys (torchvision's FakeData with random crops and flips)
     goes through train_loader_for as it is: each sample's augmentation is seeded from its key, so the batches

@@ -6,6 +6,7 @@ an ``objects`` column (:mod:`common.detection.data`) are read here."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -16,14 +17,42 @@ from typing import Any
 from common import UserError
 
 EVAL_SPLITS = ("validation", "val", "valid", "test")
-#: A top-level folder of a local image folder that is a split, with an optional number or year
-#: (``train2017``, ``val-2``), and the split it names (datasets' names for its own keywords).
-SPLIT_FOLDER = re.compile(
-    r"(train|training|validation|valid|val|dev|test|testing|eval|evaluation)(?:[-_. ]?\d+)?", re.I
-)
-SPLIT_NAMES = {"train": "train", "training": "train", "test": "test", "testing": "test", "eval": "test"}
-SPLIT_NAMES |= {"evaluation": "test", "validation": "validation", "valid": "validation", "val": "validation"}
-SPLIT_NAMES |= {"dev": "validation"}
+
+
+@functools.cache
+def split_rules() -> tuple[tuple[str, tuple[re.Pattern[str], ...]], ...]:
+    """The folder names that make a split, as the installed datasets defines them for ``load_dataset`` given a
+    folder: ``datasets.data_files.DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME``, its ``SPLIT_KEYWORDS`` (train: train,
+    training; validation: validation, valid, dev, val; test: test, testing, eval, evaluation) in its
+    ``KEYWORDS_IN_DIR_NAME_BASE_PATTERNS`` (``**/{keyword}/**``, ``**/{keyword}[{sep}]*/**``,
+    ``**/*[{sep}]{keyword}/**``, ``**/*[{sep}]{keyword}[{sep}]*/**``, ``sep`` its ``NON_WORDS_CHARS`` "-._ 0-9"),
+    so a folder at any depth whose name is a keyword, alone or beside words after a separator, names the
+    split: ``training_set/``, ``val_images/``, ``seg_train/``, ``train2017/``. Each glob is read as fsspec reads
+    it (``fsspec.utils.glob_translate``), in datasets' order of splits and patterns; one change: the keyword
+    in any case (``Training/``, ``TEST/``), which datasets' globs miss. ``(split, its patterns)`` in order."""
+    from datasets.data_files import DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME
+    from fsspec.utils import glob_translate
+
+    return tuple(
+        (str(split), tuple(re.compile(glob_translate(p), re.IGNORECASE) for p in patterns))
+        for split, patterns in DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME.items()
+    )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def named_splits(folder: str) -> dict[str, int]:
+    """The splits that a file in ``folder`` (a posix path relative to the data folder; '' for the folder
+    itself) belongs to by :func:`split_rules`, each with the index of the first of its patterns that takes
+    it (its rows come in that order). The patterns end in ``/**``: the file's name never matters."""
+    if not folder:
+        return {}
+    probe = f"{folder}/x"
+    found = {}
+    for split, patterns in split_rules():
+        index = next((i for i, p in enumerate(patterns) if p.match(probe)), None)
+        if index is not None:
+            found[split] = index
+    return found
 
 
 def same_split(name: str, splits: Iterable[str]) -> str:
@@ -94,8 +123,11 @@ def read_image_folder(files: dict[str, list[Path]], in_class_folders: bool) -> A
     without the builder's start-up and its copy of every row into the datasets cache, which the builder
     writes on its first run over a folder (:func:`build_image_folder`). Labels: the class folders' names,
     sorted, where every image is in a class folder and there are 2 classes or more (as ``imagefolder``
-    decides). Each split's fingerprint names its files' paths, sizes and modification times, so what is keyed
-    by it (the image cache on disk) finds the same rows in a later run and never an edited file's old pixels."""
+    decides). Each split's fingerprint names its files' paths, sizes, modification and change times and
+    inodes, so what is keyed by it (the image cache on disk) finds the same rows in a later run and never an
+    edited file's old pixels, even one replaced by a file of the same size with the old modification time
+    kept (``cp -p``, ``rsync -a``: the change time moves). A file gone since the listing is a row all the
+    same (the start's scan lists it in ``bad_images.txt``)."""
     import hashlib
 
     import datasets
@@ -107,10 +139,14 @@ def read_image_folder(files: dict[str, list[Path]], in_class_folders: bool) -> A
     features = datasets.Features(columns)
     splits = {}
     for split, paths in files.items():
-        digest = hashlib.sha256(b"image-folder-1")
+        digest = hashlib.sha256(b"image-folder-2")
         for f in paths:
-            stat = f.stat()
-            digest.update(f"{f}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            try:
+                s = os.stat(f)
+                stat = f"{s.st_size}\0{s.st_mtime_ns}\0{s.st_ctime_ns}\0{s.st_ino}"
+            except OSError as e:  # gone, or a dangling link
+                stat = type(e).__name__
+            digest.update(f"{f}\0{stat}\n".encode())
         rows = {"image": [str(f) for f in paths]}
         if "label" in columns:
             rows["label"] = [f.parent.name for f in paths]
@@ -121,55 +157,96 @@ def read_image_folder(files: dict[str, list[Path]], in_class_folders: bool) -> A
 
 
 def folder_splits(path: Path, data: str) -> tuple[dict[str, list[Path]], bool] | None:
-    """The files of each split of the local image folder ``path`` (``data`` names it in errors), decided
-    by its layout alone, and whether its images lie in class folders.
+    """The files of each split of the local image folder ``path`` (``data`` names it in errors) as datasets'
+    ``imagefolder`` lists them for ``load_dataset("imagefolder", data_dir=path)``, and whether its images lie in
+    class folders (then :func:`read_image_folder` labels them). Paths are absolute, under ``path`` resolved
+    (load_dataset's ``base_path``).
 
-    Top-level folders named as splits (:data:`SPLIT_FOLDER`: ``train/``, ``val/``, ``validation/``,
-    ``test/``, ...) are the splits, else the whole folder is the training split; file names never name a
-    split (``IMG_val_3.jpg`` is a training photo like any other). Each split lists its images and its
-    ``metadata.csv`` / ``.jsonl`` / ``.parquet`` files (datasets' imagefolder columns) as absolute paths.
-    Class folders: every image one folder inside its split's folder (or inside ``path``), which then names
-    its class; an image directly in it has none. Hidden
-    files and folders (``.*``, ``__MACOSX``) are left out. None for a folder datasets reads otherwise:
-    no images, or tables of rows (``data/*.parquet``, ``.arrow``). Images beside split folders are one
-    :class:`UserError` naming them (no split would read them)."""
+    - Files: :func:`_listing` (no hidden files, nothing under ``__MACOSX/``, linked folders not entered);
+      images are the files whose last extension is an image's (``ImageFolder.EXTENSIONS``), each split lists
+      its ``metadata.csv`` / ``.jsonl`` / ``.parquet`` tables.
+    - Splits (``get_data_patterns``): where a folder holding images names a split (:func:`split_rules`, at any
+      depth), the splits are the images under such folders, train, validation, test, each in the order of its
+      patterns and sorted by path within one (``DataFilesList.from_patterns``); images under no such folder
+      are left out (Intel's ``seg_pred/``). Otherwise the whole folder is the training split, sorted by path.
+    - Class folders: every image of the splits at one depth, none directly in ``path`` or in the folder that
+      makes its split (the folder an image sits in is its class where all sit at one depth: imagefolder's
+      ``analyze``).
+
+    Where imagefolder misreads, this does not (docs/data.md, "A folder of images"): file names never name a
+    split (its ``DEFAULT_PATTERNS_SPLIT_IN_FILENAME``, used when no folder does, read ``beach-test-2.jpg``
+    as the test split and drop ``IMG_0001.jpg``); images directly in the folder that makes their split have
+    no class (:func:`_in_split_folder`; imagefolder labels ``train/*.jpg`` and ``test/*.jpg`` as classes
+    "train" and "test"); a keyword counts in any case; an image is listed once in a split that several of
+    its patterns take (imagefolder repeats it); a file is an image by its last extension (imagefolder also
+    takes ``photo.jpg.json``).
+
+    None for a folder datasets reads otherwise: no images, or tables of rows (``data/*.parquet``, ``.arrow``).
+    Zip archives that a split would read (imagefolder extracts them) are one :class:`UserError`, as is a
+    folder whose images all lie in linked folders."""
     from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
 
-    found = []
-    for root, folders, names in os.walk(path, followlinks=True):  # linked folders count as the user's own
-        inside = Path(root).relative_to(path)
-        if any(os.path.samefile(root, path / up) for up in inside.parents):  # a link back up: a loop
-            folders[:] = []
-            continue
-        folders[:] = sorted(f for f in folders if not f.startswith((".", "__")))
-        found += [Path(root, n).relative_to(path) for n in sorted(names) if not n.startswith((".", "__"))]
-    images = [f for f in found if f.suffix.lower() in ImageFolder.EXTENSIONS]
-    metadata = [f for f in found if f.name in ImageFolder.METADATA_FILENAMES]
-    if not images or any(f.suffix.lower() in (".parquet", ".arrow") and f not in metadata for f in found):
+    base = path.expanduser().resolve()
+    found, linked = _listing(base)
+    images = [f for f in found if os.path.splitext(f)[1].lower() in ImageFolder.EXTENSIONS]
+    metadata = [f for f in found if f.rpartition("/")[2] in ImageFolder.METADATA_FILENAMES]
+    if any(f.endswith((".parquet", ".arrow")) and f not in metadata for f in found):
         return None
-    owner: dict[str, str] = {}  # top-level folder -> the split it holds
-    for folder in sorted({f.parts[0] for f in found if len(f.parts) > 1}):
-        match = SPLIT_FOLDER.fullmatch(folder)
-        if match:
-            split = SPLIT_NAMES[match.group(1).lower()]
-            twin = next((k for k, v in owner.items() if v == split), None)
-            if twin is not None:
-                raise UserError(
-                    f"'{data}' has two folders for its {split} split, '{twin}' and '{folder}': merge them or rename one"
-                )
-            owner[folder] = split
-    depth = 3 if owner else 2  # the parts of the path to an image in a class folder: [split/]class/file
-    if owner:
-        loose = [f for f in images if len(f.parts) == 1 or f.parts[0] not in owner]
-        if loose:
-            shown = ", ".join(str(f) for f in loose[:3]) + (" ..." if len(loose) > 3 else "")
+    zips = [f for f in found if f.lower().endswith(".zip")]
+    if not images:
+        if linked and not zips:
             raise UserError(
-                f"'{data}' has split folders ({', '.join(owner)}) and {len(loose)} images outside them "
-                f"({shown}), which no split would read: move them into a split folder"
+                f"'{data}' has no images outside its linked folders ({_shown(linked)}), which datasets' "
+                "imagefolder does not enter: give the folder a link points to, or copy them in (cp -rL)"
             )
+        return None
+    keyed = any(named_splits(f.rpartition("/")[0]) for f in images)  # else all is train (datasets' "**")
+    where = (lambda f: named_splits(f.rpartition("/")[0])) if keyed else (lambda f: {"train": 0})
+    zips = [f for f in zips if where(f)]
+    if zips:
+        raise UserError(
+            f"'{data}' holds zip archives ({_shown(zips)}), which datasets' imagefolder would extract and read: "
+            "extract each where it lies (unzip <zip> -d <its folder>) and move the .zip files out of the folder"
+        )
     files: dict[str, list[Path]] = {}
-    for f in images + metadata:  # a metadata file outside the split folders belongs to none
-        split = "train" if not owner else owner.get(f.parts[0], "") if len(f.parts) > 1 else ""
-        if split:
-            files.setdefault(split, []).append((path / f).absolute())
-    return files, all(len(f.parts) == depth for f in images)
+    chosen = []
+    for split in [s for s, _ in split_rules()] if keyed else ["train"]:
+        ranked = sorted((where(f)[split], f) for f in images if split in where(f))
+        if ranked:
+            tables = sorted(f for f in metadata if split in where(f))
+            files[split] = [base / f for _, f in ranked] + [base / f for f in tables]
+            chosen += [f for _, f in ranked]
+    depths = {f.count("/") for f in chosen}
+    return files, len(depths) == 1 and depths != {0} and not any(_in_split_folder(f) for f in chosen)
+
+
+def _in_split_folder(file: str) -> bool:
+    """Whether ``file`` lies directly in the folder that makes its split: one whose name
+    :func:`split_rules` take, inside none that they take (``train_images/1.jpg``, not
+    ``train/train_cat/1.jpg``)."""
+    folder, _, _ = file.rpartition("/")
+    above, _, name = folder.rpartition("/")
+    return bool(named_splits(name)) and not named_splits(above)
+
+
+def _listing(base: Path) -> tuple[list[str], list[str]]:
+    """The files under ``base`` that datasets' resolver lists (``datasets.data_files.resolve_pattern`` over
+    fsspec's local ``find``), as posix paths relative to it, and the linked folders left out. As there: no file
+    or folder whose name starts with ``.`` (``_is_unrequested_hidden_file_or_is_inside_unrequested_hidden_dir``),
+    nothing inside a folder whose name starts with ``__`` (``_is_inside_unrequested_special_dir``:
+    ``__MACOSX/``), a linked file read as a file, a linked folder not entered (so its images never change
+    the depth that decides the labels). Unlike there, a dangling link stays, as does a file deleted during
+    the walk: a row that the start's scan finds unreadable, leaves out and lists in ``bad_images.txt``; a
+    folder that cannot be read is skipped."""
+    files, linked = [], []
+    for root, folders, names in os.walk(base):  # links to folders are listed in folders, not entered
+        inside = Path(root).relative_to(base).as_posix()
+        prefix = "" if inside == "." else inside + "/"
+        folders[:] = sorted(f for f in folders if not f.startswith((".", "__")))
+        linked += [prefix + f for f in folders if os.path.islink(os.path.join(root, f))]
+        files += [prefix + n for n in names if not n.startswith(".")]
+    return files, linked
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
