@@ -110,6 +110,17 @@ def test_the_scan_is_cached_by_size_and_time_and_sees_a_changed_file(tmp_path, m
     (tmp_path / "100.jpg").write_bytes(data[:-30])  # broken after the first scan
     os.utime(tmp_path / "100.jpg", ns=(1, 1))
     assert scan_files(paths) == ({paths[100]: "truncated JPEG: no end-of-image marker"}, False)
+    # replaced by a same-size file with its modification time kept (`cp -p`, `rsync -a`): checked again
+    stat = os.stat(tmp_path / "200.jpg")
+    broken = tmp_path / "200.jpg.new"
+    broken.write_bytes(b"\0" * stat.st_size)
+    os.utime(broken, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    broken.replace(tmp_path / "200.jpg")
+    assert os.stat(tmp_path / "200.jpg").st_size == stat.st_size and os.stat(tmp_path / "200.jpg").st_mtime_ns == (
+        stat.st_mtime_ns
+    )
+    found, cached = scan_files(paths)
+    assert set(found) == {paths[100], paths[200]} and not cached
 
 
 def _accelerator(index: int, processes: int) -> SimpleNamespace:

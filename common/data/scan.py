@@ -35,21 +35,22 @@ from common.data.images import listing, unreadable
 from common.loaders import STOP_SIGNALS, leave_stop_signals
 
 #: The checker's version, part of every cache file's name: a change to what is checked starts afresh.
-VERSION = "v1"
+VERSION = "v2"
 #: Files checked per task of the process pool.
 CHUNK = 256
 
 
-def _check_files(paths: Sequence[str]) -> list[tuple[int, int, str]]:
-    """(size, modification time in ns, why unreadable or '') of each file."""
+def _check_files(paths: Sequence[str]) -> list[tuple[int, int, int, str]]:
+    """(size, modification and change times in ns, why unreadable or '') of each file: the change time moves
+    when a file is replaced by one of the same size with its modification time kept (``cp -p``, ``rsync -a``)."""
     out = []
     for path in paths:
         try:
             stat = os.stat(path)
         except OSError as e:
-            out.append((-1, -1, f"{type(e).__name__}: {e.strerror or e}"))
+            out.append((-1, -1, -1, f"{type(e).__name__}: {e.strerror or e}"))
             continue
-        out.append((stat.st_size, stat.st_mtime_ns, unreadable(path)))
+        out.append((stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, unreadable(path)))
     return out
 
 
@@ -94,10 +95,10 @@ def scan_files(paths: Sequence[str], workers: int = 0) -> tuple[dict[str, str], 
     for path in paths:  # a stat per file: what changed since the cached answer is checked again
         try:
             stat = os.stat(path)
-            stats.append((stat.st_size, stat.st_mtime_ns))
+            stats.append((stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
         except OSError:
-            stats.append((-1, -1))
-    todo = [p for p, s in zip(paths, stats) if p not in known or tuple(known[p][:2]) != s or s[0] < 0]
+            stats.append((-1, -1, -1))
+    todo = [p for p, s in zip(paths, stats) if p not in known or tuple(known[p][:3]) != s or s[0] < 0]
     if todo:
         chunks = [todo[i : i + CHUNK] for i in range(0, len(todo), CHUNK)]
         if workers > 1 and len(chunks) > 1:
@@ -113,7 +114,7 @@ def scan_files(paths: Sequence[str], workers: int = 0) -> tuple[dict[str, str], 
             tmp.replace(cache)
         except OSError:
             pass  # a read-only cache: scanned again next time
-    return {p: known[p][2] for p in paths if known[p][2]}, not todo
+    return {p: known[p][3] for p in paths if known[p][3]}, not todo
 
 
 def _rows(table: Any, column: str) -> tuple[list[str | None], list[bool]]:
@@ -235,6 +236,8 @@ def without_unreadable(
         mine, from_cache = scan_table(table, column, workers, (accelerator.process_index, accelerator.num_processes))
         cached &= from_cache
         found[split] = sorted(gather_object(mine)) if accelerator.num_processes > 1 else mine
+        if hasattr(data, "with_unusable"):  # and images whose annotation cannot be used (common/detection/data.py)
+            found[split] = data.with_unusable(table, found[split])
         if "objects" in table.column_names:
             boxes[split] = sum(len(table[i]["objects"]["bbox"]) for i, _, _ in found[split])
     sizes = {k: len(v) for k, v in splits.items()}
