@@ -230,8 +230,10 @@ def voc07_ap50(annotations: Sequence[dict[str, Any]], predictions: dict[int, np.
     averaged over the classes with ground truth; -1 when none has any.
 
     ``annotations``: the ground truth as COCO annotation dicts (``image_id``, ``bbox`` x, y, w, h in pixels,
-    ``category_id`` = class index, ``iscrowd``: VOC's difficult flag, as MMDetection's VOC-to-COCO converter
-    writes it). ``predictions``: image_id -> rows [N, 6] x, y, w, h, score, class index.
+    ``category_id`` = class index, ``iscrowd``: VOC's difficult flag, as the VOC reader
+    (:mod:`common.detection.voc`) and MMDetection's VOC-to-COCO converter write it). ``predictions``: image_id ->
+    rows [N, 6] x, y, w, h, score, class index. With the reader's boxes (``x = xmin - 1``, ``w = xmax - xmin + 1``)
+    the plain IoU here is the devkit's ``+ 1`` IoU of the XML's corners, so the figure is the devkit's own.
 
     The devkit's rules, each of which differs from COCOeval's: every detection of a class counts (not the
     best 100 per image), in order of decreasing score; each takes the box of its class with the highest

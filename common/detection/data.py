@@ -1,10 +1,12 @@
 """Object detection data for the three detection recipes: loading, the dataset, collate, and
 ``--predict``'s images.
 
-Every source (the built-in ``digits_det``, a local COCO-json folder, or a dataset with an ``objects``
-column: hub name, ``save_to_disk`` folder or local copy of a hub repository, as ``cppe-5``) becomes a
+Every source (the built-in ``digits_det``, a local COCO-json folder, a YOLO txt dataset
+(:mod:`common.detection.yolo_txt`), a Pascal VOC folder (:mod:`common.detection.voc`), or a dataset with an
+``objects`` column: hub name, ``save_to_disk`` folder or local copy of a hub repository, as ``cppe-5``) becomes a
 ``datasets.Dataset`` in one normalised schema (:mod:`common.detection.sources`): per image its id,
-size, and COCO ``[x, y, w, h]`` boxes in original pixels with class indices, areas and crowd flags.
+size, and COCO ``[x, y, w, h]`` boxes in original pixels with class indices, areas and crowd flags. A folder in
+none of these forms is one line naming what was looked for and what was found (:mod:`common.detection.forms`).
 
 Inside a recipe, :class:`DetectionDataset` yields ``(image, target)`` with boxes as
 ``tv_tensors.BoundingBoxes`` (XYXY, pixels of the transformed image) and :func:`collate` pads a
@@ -32,7 +34,10 @@ from common.data.builtin import DETECTION
 from common.data.classification import ClassificationData, ImageRows
 from common.data.folders import EVAL_SPLITS, load_saved_or_hub, same_split
 from common.data.images import image_files, readable_images
-from common.detection.sources import coco_splits, image_table, load_coco_split, normalise
+from common.detection import yolo_txt
+from common.detection.forms import FORMS, detection_form, no_known_form
+from common.detection.sources import _image_size, coco_splits, image_table, load_coco_split, normalise
+from common.detection.voc import VocSource
 from common.loaders import eval_loader_for, sample_seed, seeded
 
 # Per-channel RGB mean and std (0..1) that ImageNet-pretrained backbones expect; the detection
@@ -49,43 +54,104 @@ class DetectionData:
     # the dataset's own id of each class (index = class index): COCO category ids, a ClassLabel's
     # index, or the distinct raw category values; what predictions.json and the weights carry
     category_ids: list[int]
+    # image path -> why its annotation cannot be used (a YOLO label file or a VOC XML that fails the tool's
+    # checks); those rows are in the splits without objects until :meth:`with_unusable` has them left out
+    unusable: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def with_unusable(self, table: Any, found: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+        """``found``, the unreadable images of ``table`` (one of the splits) as ``(row, path, reason)``
+        (:func:`common.data.scan.without_unreadable`), with the rows whose annotation cannot be used added, so
+        that they are left out and listed (``bad_images.txt``) as unreadable images are."""
+        if not self.unusable:
+            return found
+        known = {row for row, _, _ in found}
+        import pyarrow.compute as pc
+
+        paths = pc.struct_field(table.select_columns(["image"]).with_format("arrow")["image"], "path").to_pylist()
+        extra = [(i, p, self.unusable[p]) for i, p in enumerate(paths) if p in self.unusable and i not in known]
+        return sorted(found + extra)
 
 
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
-def _sources(data: str) -> tuple[dict[str, Callable[[], tuple[Any, list[str] | None, list[int] | None]]], str]:
+Loader = Callable[[], tuple[Any, "list[str] | None", "list[int] | None", dict[str, str]]]
+
+
+def _size(path: str) -> tuple[int, int]:
+    return _image_size({"path": path}, path)
+
+
+def _sources(data: str) -> tuple[dict[str, Loader], str]:
     """Split name -> a function loading it (normalised dataset, class names or None, category ids or
-    None); and a description of where the splits were looked for, for error messages."""
-    path = Path(data)
-    if data in DETECTION:
-        path = DETECTION[data]()
-    elif path.is_file():
-        raise UserError(f"data '{data}' is a file; expected a folder (COCO-json layout or a saved dataset)")
-    if path.is_dir() and ((path / "annotations").is_dir() or any(path.glob("*/_annotations.coco.json"))):
+    None, image path -> why its annotation cannot be used); and a description of where the splits were looked
+    for, for error messages."""
+    path = Path(DETECTION[data]()) if data in DETECTION else Path(data)
+    form = detection_form(path)
+    if form == "coco":
         where = f"COCO folder '{data}' (annotations/instances_<split>.json or <split>/_annotations.coco.json)"
         return {
-            split: (lambda p=p, dirs=dirs: load_coco_split(p, dirs, data))
+            split: (lambda p=p, dirs=dirs: (*load_coco_split(p, dirs, data), {}))
             for split, (p, dirs) in coco_splits(path).items()
         }, where
+    if form == "yolo":
+        file = yolo_txt.find_yaml(path)
+        where = f"YOLO data yaml '{file}'"
+        return {split: (lambda s=split: yolo_txt.load_split(file, s, _size)) for split in yolo_txt.splits(file)}, where
+    if form == "voc":
+        source = VocSource(path)
+        where = f"Pascal VOC folder '{data}' (ImageSets/Main/<split>.txt; '+' joins splits)"
+        return {split: (lambda s=split: source.load(s, _size)) for split in source.lists}, where
+    if path.is_file():
+        raise UserError(f"data '{data}' is a file; expected a YOLO data yaml or a folder: {FORMS} (docs/data.md)")
+    if path.is_dir() and (line := no_known_form(path, data)):
+        raise UserError(line)
     table = load_saved_or_hub(
         data,
         "detection dataset",
-        f"{', '.join(DETECTION)}, a COCO-json folder, a saved "
-        "dataset, or a hub dataset name (with network, or already in the cache)",
+        f"{', '.join(DETECTION)}, {FORMS} (docs/data.md), or a hub dataset name (with network, or in the cache)",
     )
     if not hasattr(table, "keys"):  # a single Dataset: the training split
         table = {"train": table}
     # no ids: a ClassLabel's index is its id (load_detection's default)
-    return {split: (lambda split=split: (*normalise(table[split], data, split), None)) for split in table}, f"'{data}'"
+    return {
+        split: (lambda split=split: (*normalise(table[split], data, split), None, {})) for split in table
+    }, f"'{data}'"
+
+
+def _pick(sources: dict[str, Loader], name: str, where: str) -> Loader:
+    """The loader of split ``name``: a split of ``sources`` (:func:`common.data.folders.same_split` names), or
+    several joined by ``+`` (``VOC2007/trainval+VOC2012/trainval``, ``train+val``)."""
+    parts = [same_split(part, sources) for part in name.split("+")]
+    missing = [part for part in parts if part not in sources]
+    if missing:
+        raise UserError(f"{where} has no split '{missing[0]}'; it has {sorted(sources) or 'none'}")
+    if len(parts) == 1:
+        return sources[parts[0]]
+    return lambda: _joined([sources[part]() for part in parts], name)
+
+
+def _joined(loaded: list[tuple[Any, Any, Any, dict[str, str]]], name: str) -> tuple[Any, Any, Any, dict[str, str]]:
+    """Splits joined into one: the same classes required; image ids kept where they stay unique, else 0..N-1."""
+    import datasets
+
+    first = loaded[0]
+    for _, names, ids, _ in loaded[1:]:
+        if (names, ids) != first[1:3]:
+            raise UserError(f"the splits joined in '{name}' have different classes ({first[1]} and {names})")
+    table = datasets.concatenate_datasets([ds for ds, *_ in loaded])
+    if len(set(table["image_id"])) < len(table):
+        table = table.map(lambda _, i: {"image_id": i}, with_indices=True, features=table.features)
+    return table, first[1], first[2], {k: v for *_, unusable in loaded for k, v in unusable.items()}
 
 
 def detection_images(data: str, train_split: str = "train", seed: int = 0) -> ClassificationData | None:
-    """The training images of a built-in detection set or a COCO-json folder as unlabelled data (the boxes
-    unused), for self-supervised training; None when ``data`` names neither (a hub dataset with an
-    ``objects`` column reads as unlabelled images through :func:`common.data.classification.load_classification`)."""
+    """The training images of a built-in detection set, a COCO-json folder, a YOLO txt dataset or a Pascal VOC
+    folder as unlabelled data (the boxes unused), for self-supervised training; None when ``data`` names none
+    (a hub dataset with an ``objects`` column reads as unlabelled images through
+    :func:`common.data.classification.load_classification`)."""
     path = Path(DETECTION[data]()) if data in DETECTION else Path(data)
-    if not (path.is_dir() and ((path / "annotations").is_dir() or any(path.glob("*/_annotations.coco.json")))):
+    if not detection_form(path):
         return None
     train = load_detection(data, train_split, seed=seed).train
     return ClassificationData(train.select_columns(["image"]), None, "image", "", [])
@@ -96,9 +162,12 @@ def load_detection(
 ) -> DetectionData:
     """Load train and evaluation splits of a detection dataset in the normalised schema.
 
-    ``data``: ``digits_det``, a COCO-json folder, a ``save_to_disk`` folder, a local copy of a hub
-    repository, or a hub name (``org/name`` or ``org/name:config``). ``eval_split`` empty: the first of
-    validation/val/valid/test that exists, else a seeded ``eval_fraction`` of the training split.
+    ``data``: ``digits_det``, a COCO-json folder, a YOLO data yaml (or a folder with one), a Pascal VOC folder,
+    a ``save_to_disk`` folder, a local copy of a hub repository, or a hub name (``org/name`` or
+    ``org/name:config``). A split name may join several with ``+`` (``VOC2007/trainval+VOC2012/trainval``).
+    ``eval_split`` empty: the first of validation/val/valid/test that exists, else a seeded ``eval_fraction`` of
+    the training split. Rows whose annotation cannot be used stay, without objects, listed in ``unusable``
+    (:meth:`DetectionData.with_unusable`).
     Classes: the COCO categories sorted by id, else the ClassLabel names; else the distinct category
     values of both splits, sorted, each named by its value and renumbered 0..C-1. ``category_ids``
     keeps each class's own id, so predictions can be written in the dataset's ids.
@@ -106,16 +175,15 @@ def load_detection(
     never makes them training targets. Images without objects stay: they are negatives.
     """
     sources, where = _sources(data)
+    load_train = _pick(sources, train_split, where)
     train_split = same_split(train_split, sources)
-    if train_split not in sources:
-        raise UserError(f"{where} has no split '{train_split}'; it has {sorted(sources) or 'none'}")
-    eval_split = same_split(eval_split, sources) if eval_split else ""
-    eval_split = eval_split or next((s for s in EVAL_SPLITS if s in sources and s != train_split), "")
-    if eval_split and eval_split not in sources:
-        raise UserError(f"{where} has no split '{eval_split}'; it has {sorted(sources)}")
-    train, names, ids = sources[train_split]()
-    if eval_split:
-        evaluation, eval_names, eval_ids = sources[eval_split]()
+    # never a split that is part of the training one (VOC's val of trainval)
+    eval_split = eval_split or next((s for s in EVAL_SPLITS if s in sources and s not in train_split), "")
+    load_eval = _pick(sources, eval_split, where) if eval_split else None
+    train, names, ids, unusable = load_train()
+    if load_eval is not None:
+        evaluation, eval_names, eval_ids, more = load_eval()
+        unusable = {**unusable, **more}
         if names is not None and eval_names is not None and (eval_names, eval_ids) != (names, ids):
             raise UserError(
                 f"the evaluation split of '{data}' has classes {eval_names[:5]}... but the training "
@@ -146,7 +214,7 @@ def load_detection(
         raise UserError(f"'{data}' has category {top}, but only {len(names)} classes")
     if not names:
         raise UserError(f"'{data}' has no categories and no objects")
-    return DetectionData(train, evaluation, names, list(ids if ids is not None else range(len(names))))
+    return DetectionData(train, evaluation, names, list(ids if ids is not None else range(len(names))), unusable)
 
 
 # --------------------------------------------------------------------------------------------

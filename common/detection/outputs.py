@@ -22,9 +22,11 @@ from common.artifacts.figures import format_table, plot_confusion_matrix, save_t
 from common.console import counted
 from common.data.images import decode_image
 from common.detection.figures import draw_detections, plot_pr_curves, save_detections
+from common.detection.yolo_txt import label_lines
 
 PREDICTIONS = "predictions.json"  # in the run folder: an evaluation's detections, the COCO results format
 DETECTIONS = "detections.json"  # in the run folder: --predict's, per image file, corner boxes
+LABELS = "labels"  # in the run folder: --predict's as YOLO label files, one per image (id cx cy w h score)
 
 
 def write_json(value: Any, path: Path) -> None:
@@ -167,9 +169,11 @@ def save_predictions(
     ``labels`` as class indices of ``meta["classes"]``, the weights' metadata) scoring at least
     ``score_threshold`` go to ``detections.json`` (one entry per image: ``file``, ``width``, ``height``,
     ``detections``: ``class``, ``category_id``, ``score``, ``box`` [x0, y0, x1, y1] in the original
-    image's pixels, most confident first) and are drawn on each image under ``predictions/``, at the
-    image's path relative to ``root`` (the ``--predict`` folder) as PNG. Every process detects its share;
-    each batch's detections are gathered to the main process, which writes them (an image repeated by
+    image's pixels, most confident first), are drawn on each image under ``predictions/``, at the
+    image's path relative to ``root`` (the ``--predict`` folder) as PNG, and written as YOLO label files under
+    ``labels/`` at the same relative path (``.txt``; rows ``category_id cx cy w h score`` normalised by the image's
+    size, :func:`common.detection.yolo_txt.label_lines`; empty for an image without detections). Every process
+    detects its share; each batch's detections are gathered to the main process, which writes them (an image repeated by
     the padding once). ``model_threshold``: the field and value below which the model itself drops detections
     (YOLO's ``conf_threshold``), named in the counts. Returns the number of images and of detections."""
     from accelerate.utils import gather_object
@@ -221,6 +225,11 @@ def save_predictions(
             out = (folder / relative).with_suffix(".png")
             out.parent.mkdir(parents=True, exist_ok=True)
             drawn.save(out)
+            # the same detections as a YOLO label file (id cx cy w h score), as labelling tools import them
+            label = (run.dir / LABELS / relative).with_suffix(".txt")
+            label.parent.mkdir(parents=True, exist_ok=True)
+            ids = [category_ids[int(c)] for c in labels]
+            label.write_text(label_lines(boxes.tolist(), scores.tolist(), ids, (w, h)))
             totals["detections"] += len(detections)
     if accelerator.is_main_process:
         entries.sort(key=lambda e: e["file"])
@@ -232,7 +241,10 @@ def save_predictions(
         elif floor > 0:
             scoring += f" (predict_score; the model drops scores below {floor}, {field})"
         found = counted(int(totals["detections"]), "detection")
-        run.print(f"{counted(len(entries), 'image')}, {found} {scoring}: {run.dir / DETECTIONS}, pictures in {folder}")
+        run.print(
+            f"{counted(len(entries), 'image')}, {found} {scoring}: {run.dir / DETECTIONS}, pictures in {folder}, "
+            f"YOLO label files in {run.dir / LABELS}"
+        )
         below = np.concatenate(lower) if lower else np.zeros(0)
         if len(below):  # a young model's detections may all score below the threshold: say they exist
             between = f"between {floor} and {score_threshold}" if floor > 0 else f"below {score_threshold}"
