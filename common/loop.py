@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from accelerate.utils import set_seed
 
+from common.heartbeat import SILENCE_S
 from common.meters import Meters, format_seconds, prefixed
-from common.run import SILENCE_S, Run, TrainState
+from common.run import Run, TrainState
 
 
 def rate(means: Mapping[str, float]) -> str:

@@ -16,16 +16,14 @@ safetensors weights written by the recipe, ``plots/``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import signal
 import sys
 import textwrap
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -46,8 +44,8 @@ from common import RunStopped, StepsFailed, UserError
 from common.config import RunConfig, save_config, to_dict
 from common.console import emulated_bf16_note, launch_command, recorded_failure, shown_value
 from common.guard import NonFiniteGuard
+from common.heartbeat import heartbeat, progress
 from common.loaders import STOP_SIGNALS, auto_workers
-from common.meters import format_seconds
 from common.run_folder import (
     TrainState,
     check_resume,
@@ -60,9 +58,6 @@ from common.run_folder import (
 )
 from common.trackers import check_hub_push, init_trackers, log_images, log_weights, push_folder
 from common.weights import weights_line
-
-#: The longest the main process goes without a line where no progress bar shows (a log file), in seconds.
-SILENCE_S = 60.0
 
 
 class Run:
@@ -182,58 +177,13 @@ class Run:
             tqdm.write(" ".join(str(a) for a in args), file=sys.stdout)
 
     def progress(self, iterable: Iterable[Any], desc: str, images: int | None = None) -> Iterable[Any]:
-        """``iterable`` (an evaluation's or a prediction's batches) with a transient progress bar on the main
-        process; where no bar shows (a log file, a cluster job), a line every :data:`SILENCE_S` seconds instead
-        (``eval 40/72 images, 0:01:10``). ``images``: how many the whole pass holds, default the loader's
-        dataset's length (a process's share of the batches counts as its share of them)."""
-        from tqdm.auto import tqdm
+        """``iterable`` (a pass's batches) with a progress bar, or a line a minute where none shows
+        (:func:`common.heartbeat.progress`; ``images``: how many the pass holds)."""
+        return progress(iterable, desc, self.accelerator.is_main_process, self.print, images)
 
-        bar = tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True, disable=None if self.is_main else True)
-        if not (self.is_main and bar.disable):
-            return bar
-        return self._beating(iterable, desc, images)
-
-    def _beating(self, iterable: Iterable[Any], desc: str, images: int | None) -> Iterator[Any]:
-        total = len(iterable) if hasattr(iterable, "__len__") else None  # type: ignore[arg-type]
-        if images is None and hasattr(getattr(iterable, "dataset", None), "__len__"):
-            images = len(iterable.dataset)  # type: ignore[attr-defined]
-        done = 0
-
-        def where() -> str:
-            if total and images:
-                return f" {round(images * done / total):,}/{images:,} images"
-            return f" {done:,}/{total:,} batches" if total else f" {done:,} batches"
-
-        with self.heartbeat(desc, where):
-            for item in iterable:
-                yield item
-                done += 1
-
-    @contextlib.contextmanager
-    def heartbeat(self, what: str, where: Callable[[], str] = lambda: "") -> Iterator[None]:
-        """Around work that can take minutes without a line where no progress bar shows (an evaluation in a log
-        file, an export and its checks): every :data:`SILENCE_S` seconds, on the main process, ``what``, ``where()``
-        (how far it is) and the time since it began, from a thread, so one long call is covered too."""
-        if not self.is_main or sys.stderr.isatty():  # a terminal shows the progress bars
-            yield
-            return
-        began, stop = time.monotonic(), threading.Event()
-
-        def beat() -> None:
-            while not stop.wait(SILENCE_S):
-                self.print(f"{what}{where()}, {format_seconds(time.monotonic() - began)}")
-
-        thread = threading.Thread(target=beat, name=f"heartbeat {what}", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
-
-    @property
-    def is_main(self) -> bool:
-        return self.accelerator.is_main_process
+    def heartbeat(self, what: str) -> AbstractContextManager[None]:
+        """Around one long call (the export and its checks): a line a minute where no progress bar shows."""
+        return heartbeat(what, self.accelerator.is_main_process, self.print)
 
     def evaluation_started(self) -> None:
         """Start an evaluation's clock (:meth:`common.loop.Loop.eval_due` does, and a recipe before its

@@ -34,6 +34,7 @@ import yaml
 
 from common import UserError
 from common.config import RunConfig, to_dict
+from common.console import launch_command
 
 
 @dataclasses.dataclass
@@ -280,3 +281,78 @@ def record_resume(run_dir: Path, checkpoint: Path, step: int, changed: dict[str,
     record = {"step": step, "checkpoint": checkpoint.name, "changed": {k: [a, b] for k, (a, b) in changed.items()}}
     with open(run_dir / "resumes.jsonl", "a") as f:
         f.write(json.dumps(record, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# A checkpoint as weights (--weights <run>/checkpoints/step_X; common.weights reads it)
+# --------------------------------------------------------------------------------------------
+def is_checkpoint_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a run's checkpoint folder (Accelerate's state: its ``train_state.json``, or the random
+    states of a save that was cut short), which ``--weights`` takes as the trained model's weights."""
+    path = Path(path)
+    return path.is_dir() and ((path / "train_state.json").is_file() or any(path.glob("random_states_*.pkl")))
+
+
+def finish_command(run: Path, recipe: str) -> str:
+    """The command that finishes the run in the folder ``run`` (its weights files), as far as it is known."""
+    flags = f"--config {run / 'config.yaml'} --resume auto"
+    return f"{launch_command(recipe)} {flags}" if recipe else f"the recipe with {flags}"
+
+
+def checkpoint_model(folder: Path, recipe: str = "") -> Path:
+    """The trained model's file in the checkpoint ``folder`` (Accelerate writes ``model.safetensors``); a save cut
+    short, an FSDP run's sharded state or a pickled model is one :class:`UserError` naming the command that
+    writes the run's weights files (``recipe``: the script that saved it, where known)."""
+    finish = finish_command(folder.parent.parent, recipe)
+    if not is_checkpoint(folder):
+        raise UserError(
+            f"weights '{folder}' are not a complete checkpoint (no train_state.json: its save was cut short)"
+        )
+    model = folder / "model.safetensors"
+    if model.is_file():
+        return model
+    sharded = sorted(p.name for p in folder.glob("pytorch_model_fsdp*"))
+    if sharded:  # torch.distributed.checkpoint's files (its .metadata is a pickle) or a pickled full state
+        raise UserError(
+            f"weights '{folder}' are an FSDP run's checkpoint ({sharded[0]}: the model as the processes held it, "
+            f"not one safetensors file); its weights files come from finishing the run, launched as it was: {finish}"
+        )
+    raise UserError(
+        f"weights '{folder}': the checkpoint holds no model.safetensors (a pickled model is never loaded); "
+        f"its weights files come from finishing the run: {finish}"
+    )
+
+
+def checkpoint_metadata(folder: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """The metadata strings (``common.weights.weights_metadata``) of the checkpoint ``folder`` and what
+    ``common.weights.read_metadata`` adds as ``checkpoint``; checks the model file is there
+    (:func:`checkpoint_model`)."""
+    file = folder / CHECKPOINT_METADATA
+    if file.is_file():
+        try:
+            meta = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"weights '{folder}': {file.name} could not be read: {type(e).__name__}: {e}") from None
+    else:  # a checkpoint written before checkpoints carried it: the run's own config alone
+        config = folder.parent.parent / "config.yaml"
+        meta = {"config": json.dumps((yaml.safe_load(config.read_text()) if config.is_file() else None) or {})}
+    checkpoint_model(folder, meta.get("recipe", ""))
+    state = json.loads((folder / "train_state.json").read_text())
+    part = meta.pop("part", "")
+    info = {"step": state.get("step", 0), "run": str(folder.parent.parent), "part": part, "complete": file.is_file()}
+    return meta, info
+
+
+def checkpoint_tensors(folder: Path, part: str = "", keys_only: bool = False) -> dict[str, Any]:
+    """The trained model's tensors in the checkpoint ``folder``, named as the recipe's own weights files name them:
+    without torch.compile's ``_orig_mod.`` and DDP's ``module.`` (as ``common.weights.save_weights``), and of
+    ``part`` (a prefix, such as DINO's ``backbone.``) alone, without it. ``keys_only``: the names alone, each
+    mapped to its name in the file (nothing read)."""
+    import safetensors
+
+    with safetensors.safe_open(str(checkpoint_model(folder)), "pt") as f:
+        keys = {k.replace("_orig_mod.", ""): k for k in f.keys()}
+        if keys and all(k.startswith("module.") for k in keys):  # DDP's wrapper, when not unwrapped
+            keys = {k.removeprefix("module."): v for k, v in keys.items()}
+        keys = {k.removeprefix(part): v for k, v in keys.items() if k.startswith(part)}
+        return dict(keys) if keys_only else {k: f.get_tensor(v) for k, v in keys.items()}

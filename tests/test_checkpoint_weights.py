@@ -23,8 +23,8 @@ import safetensors.torch
 import torch
 from PIL import Image
 
-from common.run_folder import CHECKPOINT_METADATA
-from common.weights import checkpoint_tensors, config_with_weights, read_metadata
+from common.run_folder import CHECKPOINT_METADATA, checkpoint_tensors
+from common.weights import config_with_weights, read_metadata
 from conftest import TINY_CLASSIFIER, TINY_RUNS, error_line, export_and_predict, load_recipe, scene_files
 
 NONE = ["--report_to", "none", "--num_workers", "0"]

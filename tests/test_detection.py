@@ -316,7 +316,7 @@ def test_bad_input_is_one_clear_error(tmp_path):
     images_only = tmp_path / "images_only" / "train"  # images, no annotation json at all
     images_only.mkdir(parents=True)
     Image.fromarray(splits["train"][0]["pixels"]).save(images_only / "a.png")
-    with pytest.raises(UserError, match="has no 'objects' column.*COCO-json folder"):
+    with pytest.raises(UserError, match="is in no detection form: found 1 image .*no annotations.*COCO json"):
         load_detection(str(images_only.parent))
     empty = _write_coco(tmp_path / "empty", "coco", {"train": splits["train"], "val": []})
     with pytest.raises(UserError, match="the evaluation split of .* is empty"):

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-import common.run
+import common.heartbeat
 from common.config import RunConfig
 from common.run import Run
 
@@ -37,7 +37,7 @@ def run(tmp_path):
 
 
 def test_an_evaluation_without_a_progress_bar_says_where_it_is(run, monkeypatch, capsys):
-    monkeypatch.setattr(common.run, "SILENCE_S", 0.25)
+    monkeypatch.setattr(common.heartbeat, "SILENCE_S", 0.25)
     assert sum(len(batch[0]) for batch in run.progress(Slow(0.2), "eval")) == 72
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval")]
     assert len(lines) >= 3, lines
@@ -46,7 +46,7 @@ def test_an_evaluation_without_a_progress_bar_says_where_it_is(run, monkeypatch,
 
 
 def test_a_prediction_over_files_counts_its_images(run, monkeypatch, capsys):
-    monkeypatch.setattr(common.run, "SILENCE_S", 0.1)
+    monkeypatch.setattr(common.heartbeat, "SILENCE_S", 0.1)
     for _ in run.progress(range(0, 200, 64), "predict", 200):
         time.sleep(0.15)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("predict")]
@@ -54,7 +54,7 @@ def test_a_prediction_over_files_counts_its_images(run, monkeypatch, capsys):
 
 
 def test_one_long_call_prints_its_time(run, monkeypatch, capsys):
-    monkeypatch.setattr(common.run, "SILENCE_S", 0.2)
+    monkeypatch.setattr(common.heartbeat, "SILENCE_S", 0.2)
     with run.heartbeat("export"):
         time.sleep(0.7)
     time.sleep(0.3)  # nothing after the work ended
