@@ -39,17 +39,18 @@ class Floor:
 
 #: What every run imports: training, evaluation, prediction from safetensors weights.
 CORE: tuple[Floor, ...] = (
-    Floor("torch", "torch", "2.9.1"),
-    Floor("torchvision", "torchvision", "0.24.1"),
+    Floor("torch", "torch", "2.4"),
+    Floor("torchvision", "torchvision", "0.19"),
     Floor("timm", "timm", "1.0.26"),
     Floor("accelerate", "accelerate", "1.0"),
     Floor("datasets", "datasets", "3.0"),
     Floor("huggingface_hub", "huggingface_hub", "0.25"),
     Floor("safetensors", "safetensors", "0.4.3"),
+    Floor("numpy", "numpy", "2.0"),
     Floor("yaml", "pyyaml", "6.0"),
-    Floor("sklearn", "scikit-learn", "1.3"),
-    Floor("scipy", "scipy", "1.10"),
-    Floor("pycocotools", "pycocotools", "2.0.7"),
+    Floor("sklearn", "scikit-learn", "1.4.2"),
+    Floor("scipy", "scipy", "1.13"),
+    Floor("pycocotools", "pycocotools", "2.0.8"),
     Floor("PIL", "pillow", "10.0"),
     Floor("tqdm", "tqdm", "4.66.3"),
 )
@@ -59,7 +60,7 @@ TRACKERS: dict[str, tuple[Floor, ...]] = {
     "tensorboard": (Floor("tensorboard", "tensorboard", "2.16.2"),),
 }
 #: The PNGs under plots/ and the fonts of the detectors' pictures.
-PLOTS: tuple[Floor, ...] = (Floor("matplotlib", "matplotlib", "3.8"),)
+PLOTS: tuple[Floor, ...] = (Floor("matplotlib", "matplotlib", "3.8.4"),)
 #: ``--export``: torch.onnx's exporter writes the file, ONNX Runtime checks it against eager.
 ONNX_EXPORT: tuple[Floor, ...] = (
     Floor("onnx", "onnx", "1.18"),
@@ -70,11 +71,11 @@ ONNX_EXPORT: tuple[Floor, ...] = (
 ONNX_RUN: tuple[Floor, ...] = (ONNX_EXPORT[0], ONNX_EXPORT[2])
 #: Recipe -> the oldest torch whose exporter writes its ONNX file; a renamed copy is held to the newest of them.
 EXPORT_TORCH: dict[str, str] = {
-    "classifier": "2.9.1",
-    "dino": "2.9.1",
-    "yolo": "2.9.1",
-    "detr": "2.9.1",
-    "faster_rcnn": "2.9.1",
+    "classifier": "2.5",
+    "dino": "2.5",
+    "yolo": "2.7",
+    "detr": "2.7",
+    "faster_rcnn": "2.4",
 }
 
 
