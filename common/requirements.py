@@ -90,17 +90,25 @@ def export_torch(recipe: str) -> str:
     return EXPORT_TORCH.get(recipe) or max(EXPORT_TORCH.values(), key=release)
 
 
+def exports(cfg: Any) -> bool:
+    """Whether the run ``cfg`` writes an export: ``export`` at the end of training, or ``--export --weights W``;
+    ``--predict`` and ``--eval_only`` never do, whatever ``export`` says (YOLO's default is true)."""
+    return (
+        bool(getattr(cfg, "export", False)) and not getattr(cfg, "predict", "") and not getattr(cfg, "eval_only", False)
+    )
+
+
 def needs(cfg: Any) -> list[Floor]:
     """What the run ``cfg`` imports (the module docstring; ``report_to``, ``export``, ``weights`` and ``eval_only``
     decide), each module once; the torch an export needs is :func:`export_torch`'s, checked by :func:`check_run`."""
     weights = str(getattr(cfg, "weights", "") or "")
-    export_only = bool(getattr(cfg, "export", False) and weights and not getattr(cfg, "eval_only", False))
+    export_only = exports(cfg) and bool(weights)
     found = [*CORE, *TRACKERS.get(getattr(cfg, "report_to", "none"), ())]
     if not export_only:  # everything else draws: curves, confusion matrices, detections
         found += PLOTS
     if weights.lower().endswith(".onnx"):
         found += ONNX_RUN
-    if getattr(cfg, "export", False):
+    if exports(cfg):
         found += ONNX_EXPORT
     unique: dict[str, Floor] = {}
     for floor in found:  # ONNX_RUN's are ONNX_EXPORT's
@@ -184,5 +192,6 @@ def check_run(cfg: Any, recipe: str) -> None:
     """:func:`check_requirements` for what the run ``cfg`` of ``recipe`` uses (:func:`needs`), then, with
     ``--export``, the torch that exports ``recipe``: a run that would fail after its training is refused before."""
     check_requirements(needs(cfg))
-    if getattr(cfg, "export", False):
-        check_requirements([Floor("torch", "torch", export_torch(recipe))], f"--export of {recipe}.py")
+    if exports(cfg):
+        floor = Floor("torch", "torch", export_torch(recipe))
+        check_requirements([floor], f"--export of {recipe}.py (train without it: --export false)")

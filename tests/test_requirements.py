@@ -71,6 +71,9 @@ def test_a_run_is_checked_for_what_it_uses():
     assert _modules(predict="photos", weights="run/export/model.onnx") == core | {"matplotlib", "onnx", "onnxruntime"}
     assert _modules(export=True, weights="run/best.safetensors") == core | {"onnx", "onnxscript", "onnxruntime"}
     assert _modules(eval_only=True, weights="run/best.safetensors") == core | {"matplotlib"}
+    # --predict and --eval_only never export, whatever `export` says (YOLO's default is true)
+    assert _modules(export=True, predict="photos", weights="w.safetensors") == core | {"matplotlib"}
+    assert _modules(export=True, eval_only=True, weights="w.safetensors") == core | {"matplotlib"}
 
 
 def test_the_installed_environment_passes_every_use():
@@ -167,8 +170,13 @@ def test_export_on_a_torch_too_old_to_export_is_refused_before_training(capsys, 
     monkeypatch.setitem(requirements.EXPORT_TORCH, "classifier", "99.0")  # no torch exports it
     classifier = load_recipe("classifier")
     err = error_line(capsys, classifier.main, TINY_CLASSIFIER + ["--output_dir", str(tmp_run), "--export", "true"])
-    assert err.startswith("error: torch ") and "; --export of classifier.py needs torch>=99.0: pip install" in err
+    assert (
+        err.startswith("error: torch ")
+        and "; --export of classifier.py (train without it: --export false) needs torch>=99.0: pip" in err
+    )
     assert not tmp_run.exists()
     requirements.check_run(SimpleNamespace(report_to="none", export=False, weights="", eval_only=False), "classifier")
+    predicting = SimpleNamespace(report_to="none", export=True, weights="w.safetensors", eval_only=False, predict="x")
+    requirements.check_run(predicting, "classifier")  # a prediction never exports
     newest = max(requirements.EXPORT_TORCH.values(), key=requirements.release)
     assert requirements.export_torch("my_classifier") == newest == "99.0"  # a renamed copy: the newest floor
