@@ -222,6 +222,21 @@ class LeavingStopSignals:
             self.then(worker_id)
 
 
+def _kill_leftover_workers() -> None:
+    """At the exit of a process whose loader workers ignore SIGTERM: multiprocessing's own exit handler ends the
+    daemonic children still alive (a persistent loader's workers no iterator shut down) with SIGTERM and then
+    waits for them, which would wait forever; they are killed first. Registered with ``atexit`` after
+    multiprocessing's handler, so it runs before it."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+_exit_registered = False
+
+
 def loader_kwargs(
     num_workers: int, persistent: bool = True, worker_init_fn: Callable[[int], Any] | None = None
 ) -> dict[str, Any]:
@@ -238,6 +253,13 @@ def loader_kwargs(
     }
     if num_workers > 0:
         kwargs.update(persistent_workers=persistent, prefetch_factor=4)
+        global _exit_registered
+        if not _exit_registered:
+            import atexit
+            import multiprocessing.util  # noqa: F401  # its exit handler registered first, so ours runs before it
+
+            atexit.register(_kill_leftover_workers)
+            _exit_registered = True
     return kwargs
 
 

@@ -259,3 +259,24 @@ def test_group_sigterm_under_torchrun_with_two_processes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {folder / 'checkpoints' / f'step_{step:08d}'} at step {step} " in resumed.stdout
     assert (folder / "final.safetensors").is_file()
+
+
+EXIT_WITH_A_LIVE_WORKER = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from common.loaders import eval_loader_for
+loader = eval_loader_for(torch.utils.data.TensorDataset(torch.zeros(64, 1)), 4, 2)
+batches = iter(loader)
+next(batches)  # the workers run, and nothing shuts them down before the interpreter exits
+globals()["kept"] = (loader, batches)
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_exits_although_its_workers_ignore_sigterm(tmp_path):
+    """multiprocessing's exit handler ends live daemonic children with SIGTERM, which the workers ignore, then
+    waits for them: the workers are killed first, so the process ends (it hung before)."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_WITH_A_LIVE_WORKER)
+    proc = subprocess.run([sys.executable, str(script), str(ROOT)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-2000:]
