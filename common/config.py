@@ -7,11 +7,13 @@ reads a config only through RunConfig's fields. :func:`parse_config` layers a YA
 flags on top; every field is a flag of the same name. An unknown key is an error naming the closest valid
 key, a value of the wrong type one naming the field; both raise :class:`ConfigError`, one ``error:`` line.
 
-A field with a fixed set of values is annotated ``Literal["a", "b"]``; a set known only at run time (timm's
-optimizers) is ``field(metadata={"choices": fn})``, ``fn()`` called only when the field is given. A value
-outside the set, or a number outside its field's range (``ranges`` on RunConfig and each recipe's Config), is
-a ConfigError raised while parsing, before a recipe writes anything. ``--help`` (:mod:`common.config_help`)
-documents every field from the comments in the ``Config`` source.
+Each field is declared in one place, ``name: type = arg(default, "help", ge=..., le=...)``
+(:func:`common.config_help.arg`): its default, its description for ``--help`` and, for a number, its range. A
+field with a fixed set of values is annotated ``Literal["a", "b"]``; a set known only at run time (timm's
+optimizers) is ``arg(..., choices=fn)``, ``fn()`` called only when the field is given. A value outside the set,
+or a number outside its field's range, is a ConfigError raised while parsing, before a recipe writes anything.
+``--help`` (:mod:`common.config_help`) lists every field with its help and range, under the comment-line
+headings of the ``Config`` source.
 """
 
 from __future__ import annotations
@@ -20,24 +22,23 @@ import ast
 import dataclasses
 import difflib
 import math
-import re
 import sys
 import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 
 from common import UserError
-from common.config_help import ALIASES, field_ranges, ordered_fields, recipe_file
+from common.config_help import ALIASES, Range, arg, field_metadata, field_ranges, ordered_fields, recipe_file
 from common.config_help import show as _show
 
 C = TypeVar("C")
 
 _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
-# the upper ends of the ranges below: beyond them a run would only allocate its way to a crash
+# the upper ends of the fields' ranges: beyond them a run would only allocate its way to a crash
 MAX_SIDE = 16384  # an image side, pixels
 MAX_COUNT = 2**20  # a batch, a width, a number of things made per image or per step
 MAX_EPOCHS = 100_000  # the schedules hold one value per optimizer step
@@ -51,62 +52,58 @@ class ConfigError(UserError):
 class RunConfig:
     """The fields every recipe's ``Config`` has (``class Config(RunConfig)``), as DETR's ``main.py`` takes
     its shared arguments from a parent parser. A recipe re-declares a field to give its own default and
-    description; one it re-declares without a comment keeps the description written here."""
+    description; one it re-declares with a plain default keeps the description and range written here."""
 
-    config: str = ""  # the YAML file this run was read from (set by --config)
+    # fmt: off
+    config: str = arg("", "the YAML file this run was read from (set by --config)")
     # data, budget and precision
-    data: str = ""  # the dataset: a built-in name, a local folder or a hub dataset name
-    train_split: str = "train"  # the split to train on
-    eval_split: str = ""  # the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train
-    num_workers: int = -1  # DataLoader workers per training process; -1: its share of the cores, at most 8; 0: none
-    bad_images: Literal["skip", "error"] = "skip"  # unreadable images found before training: left out, or refused
-    cache_images: Literal["", "ram", "disk"] = ""  # each image decoded once, kept in ram or on disk
-    epochs: int = 1  # training epochs
-    max_steps: int = 0  # >0: stop after this many optimizer steps
-    batch_size: int = 16  # images per process and micro-step: global batch = this x processes x grad_accum_steps
-    grad_accum_steps: int = 1  # micro-batches accumulated into each optimizer step
-    lr: float = 1e-3  # peak learning rate for a global batch of lr_batch images (scaled to the run's: lr_scale)
-    lr_batch: int = 256  # the global batch lr is written for
-    lr_scale: Literal["linear", "sqrt"] = "linear"  # the peak x (global batch / lr_batch), or x its square
-    #   root (timm's rule for adam-type optimizers); global batch = batch_size x processes x grad_accum_steps
-    warmup_epochs: float = 0.0  # linear learning-rate warmup, epochs (fractions allowed)
-    weight_decay: float = 0.0  # weight decay; biases and norms get none
-    clip_grad: float = 0.0  # clip the global gradient norm to this (0: off)
-    mixed_precision: Literal["", "no", "fp16", "bf16"] = ""  # no: fp32; empty: as `accelerate launch` says
-    tf32: bool = True  # CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false:
-    #   full fp32 precision and a fixed convolution algorithm)
-    compile: bool = False  # torch.compile through Accelerate (inductor); the first steps are slow while it compiles
+    data: str = arg("", "the dataset: a built-in name, a local folder or a hub dataset name")
+    train_split: str = arg("train", "the split to train on")
+    eval_split: str = arg("", "the split to evaluate on; empty: validation/val/valid/test, else a seeded 10 % of train")
+    num_workers: int = arg(-1, "DataLoader workers per training process; -1: its share of the "
+        "cores, at most 8; 0: none", ge=-1, le=1024)
+    bad_images: Literal["skip", "error"] = arg("skip", "unreadable images found before training: left out, or refused")
+    cache_images: Literal["", "ram", "disk"] = arg("", "each image decoded once, kept in ram or on disk")
+    epochs: int = arg(1, "training epochs", ge=1, le=MAX_EPOCHS,
+        note="evaluating saved weights without training is --eval_only --weights W")
+    max_steps: int = arg(0, ">0: stop after this many optimizer steps", ge=0)
+    batch_size: int = arg(16, "images per process and micro-step: global batch = this x processes x grad_accum_steps",
+        ge=1, le=MAX_COUNT)
+    grad_accum_steps: int = arg(1, "micro-batches accumulated into each optimizer step", ge=1, le=MAX_COUNT)
+    lr: float = arg(1e-3, "peak learning rate for a global batch of lr_batch images (scaled to the run's: lr_scale)",
+        ge=0)
+    lr_batch: int = arg(256, "the global batch lr is written for", ge=1, le=MAX_COUNT)
+    lr_scale: Literal["linear", "sqrt"] = arg("linear", "the peak x (global batch / lr_batch), or x its square root "
+        "(timm's rule for adam-type optimizers); global batch = batch_size x processes x grad_accum_steps")
+    warmup_epochs: float = arg(0.0, "linear learning-rate warmup, epochs (fractions allowed)", ge=0)
+    weight_decay: float = arg(0.0, "weight decay; biases and norms get none", ge=0)
+    clip_grad: float = arg(0.0, "clip the global gradient norm to this (0: off)", ge=0)
+    mixed_precision: Literal["", "no", "fp16", "bf16"] = arg("", "no: fp32; empty: as `accelerate launch` says")
+    tf32: bool = arg(True, "CUDA: TF32 tensor-core matmuls and convolutions, and cudnn.benchmark autotuning (false: "
+        "full fp32 precision and a fixed convolution algorithm)")
+    compile: bool = arg(False, "torch.compile through Accelerate (inductor); the first steps "
+        "are slow while it compiles")
     # run
-    output_dir: str = ""  # the run folder; empty: runs/<recipe file name>/<config name>
-    seed: int = 0  # seeds data order, augmentation and initialisation
-    log_every: int = 20  # log training metrics every this many optimizer steps
-    eval_every: int = 1  # evaluate every this many epochs; also at the end
-    checkpoint_every: int = 500  # save a checkpoint every this many optimizer steps; also at the end
-    keep_checkpoints: int = 3  # the newest checkpoints kept; older ones are deleted
-    resume: str = ""  # auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)
-    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"  # tracker; wandb logs offline without credentials;
-    #   metrics.jsonl is written in every case
-    project: str = ""  # tracker project; empty: $WANDB_PROJECT, else the recipe's file name
-    run_name: str = ""  # tracker run name; empty: $WANDB_NAME, else the run folder's name
-    log_weights: bool = False  # wandb: upload the final and best weights (model folder, ONNX) as W&B model artifacts
-    push_to_hub: str = ""  # ORG/NAME: upload the model folder (<run>/model) to the Hugging Face hub at the end
+    output_dir: str = arg("", "the run folder; empty: runs/<recipe file name>/<config name>")
+    seed: int = arg(0, "seeds data order, augmentation and initialisation", ge=0, le=2**31 - 1)
+    log_every: int = arg(20, "log training metrics every this many optimizer steps", ge=1)
+    eval_every: int = arg(1, "evaluate every this many epochs; also at the end", ge=1)
+    checkpoint_every: int = arg(500, "save a checkpoint every this many optimizer steps; also at the end", ge=1)
+    keep_checkpoints: int = arg(3, "the newest checkpoints kept; older ones are deleted", ge=1)
+    resume: str = arg("", "auto (the run folder's newest complete checkpoint), a checkpoint folder, or empty (afresh)")
+    report_to: Literal["wandb", "tensorboard", "none"] = arg("wandb", "tracker; wandb logs offline without "
+        "credentials; metrics.jsonl is written in every case")
+    project: str = arg("", "tracker project; empty: $WANDB_PROJECT, else the recipe's file name")
+    run_name: str = arg("", "tracker run name; empty: $WANDB_NAME, else the run folder's name")
+    log_weights: bool = arg(False, "wandb: upload the final and best weights (model folder, "
+        "ONNX) as W&B model artifacts")
+    push_to_hub: str = arg("", "ORG/NAME: upload the model folder (<run>/model) to the Hugging Face hub at the end")
     # saved weights (the model fields default to the file's saved config)
-    weights: str = ""  # weights this recipe saved: best.safetensors, a model/ or checkpoint folder, model.onnx
-    predict: str = ""  # an image file or folder to run --weights on; the predictions go to the run folder
-    eval_only: bool = False  # evaluate --weights on the evaluation split, no training
-    export: bool = False  # ONNX (+ .pt2) in <run>/export/, checked against eager; --export --weights W: W only
-
-    # the legal values of the numeric fields, checked while parsing: an interval ("[" and "]" include the end,
-    # "(" and ")" do not; an optional note after ";") -> the fields it bounds, every item of a list field. A
-    # recipe's Config adds its own fields' the same way; a field named in a subclass takes the subclass's range
-    ranges: ClassVar[dict[str, str]] = {
-        "[-1, 1024]": "num_workers",
-        f"[1, {MAX_EPOCHS}]; evaluating saved weights without training is --eval_only --weights W": "epochs",
-        "[0, inf)": "max_steps lr warmup_epochs weight_decay clip_grad",
-        f"[1, {MAX_COUNT}]": "batch_size grad_accum_steps lr_batch",
-        f"[0, {2**31 - 1}]": "seed",
-        "[1, inf)": "log_every eval_every checkpoint_every keep_checkpoints",
-    }
+    weights: str = arg("", "weights this recipe saved: best.safetensors, a model/ or checkpoint folder, model.onnx")
+    predict: str = arg("", "an image file or folder to run --weights on; the predictions go to the run folder")
+    eval_only: bool = arg(False, "evaluate --weights on the evaluation split, no training")
+    export: bool = arg(False, "ONNX (+ .pt2) in <run>/export/, checked against eager; --export --weights W: W only")
+    # fmt: on
 
     def peak_lr(self, processes: int) -> float:
         """The run's peak learning rate: ``lr`` carried from ``lr_batch`` images to the global batch."""
@@ -211,36 +208,24 @@ def _coerce(name: str, value: Any, hint: Any, from_cli: bool) -> Any:
     raise TypeError(f"unsupported config field type {hint!r} for '{name}'")  # a recipe bug
 
 
-def _check_choices(f: dataclasses.Field, value: Any) -> None:
-    """``field(metadata={"choices": fn})``: the value must be one of ``fn()`` (an empty list checks nothing)."""
-    choices = f.metadata.get("choices")
+def _check_choices(name: str, value: Any, choices: Any) -> None:
+    """``arg(..., choices=fn)``: the value must be one of ``fn()`` (an empty list checks nothing)."""
     if choices is None or value is None:
         return
     allowed = list(choices() if callable(choices) else choices)
     for item in value if isinstance(value, (list, tuple)) else [value]:
         if allowed and item not in allowed:
-            raise _choices_error(f.name, item, allowed, f"{getattr(choices, '__name__', 'its choices')}()")
+            raise _choices_error(name, item, allowed, f"{getattr(choices, '__name__', 'its choices')}()")
 
 
-def _check_range(name: str, value: Any, spec: str) -> None:
-    """A number (or each number of a list) within ``spec``, e.g. ``"[1, inf)"`` or ``"(0, 1]; a note"``;
-    outside it is a ConfigError naming the field and the range in words."""
-    interval, _, note = spec.partition(";")
-    match = re.fullmatch(r"\s*([\[(])\s*(\S+?)\s*,\s*(\S+?)\s*([\])])\s*", interval)
-    if match is None:
-        raise TypeError(f"range {spec!r} of '{name}' is not an interval like [0, 1)")  # a recipe bug
-    low_end, low, high, high_end = match.groups()
-    low_v, high_v = float(low), float(high)
-    if all(
-        (low_v <= v if low_end == "[" else low_v < v) and (v <= high_v if high_end == "]" else v < high_v)
-        for v in _numbers(value)
-    ):
+def _check_range(name: str, value: Any, legal: Range) -> None:
+    """A number (or each number of a list) within ``legal``; outside it is a ConfigError naming the field and
+    the range in words."""
+    if all(v in legal for v in _numbers(value)):
         return
-    words = [f"at least {low}" if low_end == "[" else f"more than {low}"] if low_v > -math.inf else []
-    words += [f"at most {high}" if high_end == "]" else f"less than {high}"] if high_v < math.inf else []
     every = "every value of " if isinstance(value, (list, tuple)) else ""
-    note = f"; {note.strip()}" if note.strip() else ""
-    raise ConfigError(f"{every}{name} must be {' and '.join(words)}, got {_show(value)}{note}")
+    note = f"; {legal.note}" if legal.note else ""
+    raise ConfigError(f"{every}{name} must be {legal.words()}, got {_show(value)}{note}")
 
 
 def _numbers(value: Any) -> list[float]:
@@ -251,14 +236,12 @@ def _numbers(value: Any) -> list[float]:
 
 
 def _apply(cfg: Any, values: dict[str, Any], hints: dict[str, Any], source: str, from_cli: bool) -> None:
-    fields = {f.name: f for f in dataclasses.fields(cfg)}
-    ranges = field_ranges(type(cfg))
+    declared, ranges = field_metadata(type(cfg)), field_ranges(type(cfg))
     for key, value in values.items():
         if key not in hints:
-            raise ConfigError(f"unknown config key '{key}' in {source}{_closest(key, list(fields), ALIASES)}")
+            raise ConfigError(f"unknown config key '{key}' in {source}{_closest(key, list(declared), ALIASES)}")
         value = _coerce(key, value, hints[key], from_cli)
-        if key in fields:
-            _check_choices(fields[key], value)
+        _check_choices(key, value, declared.get(key, {}).get("choices"))
         if key in ranges:
             _check_range(key, value, ranges[key])
         setattr(cfg, key, value)
@@ -312,12 +295,12 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, base: dict[str
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        from common.config_help import print_usage  # reads the recipe's source: only for --help
+        from common.config_help import print_usage  # reads the recipe's source (the headings): only for --help
 
         print_usage(cls)
         raise SystemExit(0)
     every_hint = typing.get_type_hints(cls)
-    hints = {f.name: every_hint[f.name] for f in dataclasses.fields(cls)}  # the fields: not the ClassVar ranges
+    hints = {f.name: every_hint[f.name] for f in dataclasses.fields(cls)}  # the fields: not the ClassVars
     cli: dict[str, Any] = {}
     config_file = None
     i = 0
@@ -390,6 +373,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     }
 
 
-def save_config(cfg: Any, path: str | Path) -> None:
-    """Write the resolved config; ``--config`` on this file reproduces the run."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+def save_config(cfg: Any, path: str | Path, header: str = "") -> None:
+    """Write the resolved config; ``--config`` on this file reproduces the run. ``header``: YAML comment lines
+    to put first (a run's: which ``common/`` it ran with), which loading the file ignores."""
+    Path(path).write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,29 +1,34 @@
-"""``--help`` for a recipe's ``Config``: every field's description, read from the comments in the
-Config source, so the comments are the one place the text lives (:func:`field_docs`)::
+"""A ``Config`` field in one place, :func:`arg`: its default, its description for ``--help`` and, for a number,
+its legal range; and ``--help`` itself (:func:`usage`)::
 
-    # data                                          <- a comment line above a documented field: a group heading
-    img_size: int = 32  # resolution, pixels        <- the trailing comment: the field's description
-    hflip: float = 0.0  # 0.5 for natural images;   <- a long one goes on under the field, in comment
-    #   digits must not be mirrored                 <- lines indented inside the comment ("#   ")
-    # the comment lines right above a field with no trailing comment: its description
-    label_column: str = ""
+    # fmt: off
+    # data                                                        <- a comment line above a field: a group heading
+    img_size: int = arg(32, "training and evaluation resolution (pixels)", ge=8, le=MAX_SIDE)
+    hflip: float = arg(0.0, "horizontal flip probability: 0.5 for natural images; digits must "
+        "not be mirrored", ge=0, le=1)                            <- a long description goes on below
+    opt: str = arg("adamw", "any timm optimizer name", choices=timm_optimizers)    <- a set known at run time
+    epochs: int = 12                      <- re-declared with a plain default: the base's description and range
+    # fmt: on
 
-Continuation lines are indented inside the comment, not before it, so that the formatter (ruff
-format, which puts every comment line at its block's indentation) leaves them as they are.
+The bounds read as the error says them: ``ge`` at least, ``gt`` more than, ``le`` at most, ``lt`` less than
+(:class:`Range`); a list field's every item is checked. ``# fmt: off`` keeps a field on its line or two: ruff
+format would put each argument of a call longer than a line on a line of its own.
 """
 
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
 import functools
 import inspect
-import io
+import math
 import os
 import sys
 import textwrap
-import tokenize
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,62 +63,115 @@ def show(value: Any) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Range:
+    """A field's legal numbers: from ``low`` to ``high``, each end included unless open (an infinite end is open).
+    ``str()`` is what --help shows, ``[0, 1)`` or ``(0, inf)``; ``note`` follows it there and in the error."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = True
+    high_open: bool = True
+    note: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        above = self.low < value if self.low_open else self.low <= value
+        return above and (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        ends = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"{ends[0]}{self.low}, {self.high}{ends[1]}" + (f"; {self.note}" if self.note else "")
+
+    def words(self) -> str:
+        """The range as an error says it: ``at least 1 and less than 2``."""
+        low = [f"{'more than' if self.low_open else 'at least'} {self.low}"] if self.low > -math.inf else []
+        high = [f"{'less than' if self.high_open else 'at most'} {self.high}"] if self.high < math.inf else []
+        return " and ".join(low + high)
+
+
+def arg(
+    default: Any,
+    help: str = "",
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    note: str = "",
+    choices: Callable[[], Any] | None = None,
+) -> Any:
+    """A Config field: its ``default`` (a list or dict is copied for each config), its ``help`` for --help; for a
+    number its range, each value (or item of a list) at least ``ge`` or more than ``gt``, at most ``le`` or less
+    than ``lt``, with a ``note`` shown after the range; ``choices``: a function listing the legal values, called only
+    when the field is given (a fixed set is a ``Literal`` annotation). What a re-declaration leaves out, its base
+    says (:func:`field_metadata`)."""
+    low, high = ge if gt is None else gt, le if lt is None else lt
+    if None not in (ge, gt) or None not in (le, lt) or (note and low is None and high is None):
+        raise TypeError("a range takes one of ge/gt, one of le/lt, and a note only with a bound")  # a recipe bug
+    metadata: dict[str, Any] = {"help": help} if help else {}
+    if low is not None or high is not None:
+        low, high = -math.inf if low is None else low, math.inf if high is None else high
+        metadata["range"] = Range(low, high, low_open=ge is None, high_open=le is None, note=note)
+    if choices is not None:
+        metadata["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@functools.cache
+def field_metadata(cls: type) -> dict[str, dict[str, Any]]:
+    """Field name -> what :func:`arg` declared (help, range, choices), each from the nearest class in ``cls``'s
+    MRO that declares it: a field re-declared with a plain default keeps its base's description and range."""
+    merged: dict[str, dict[str, Any]] = {}
+    for klass in reversed(cls.__mro__):
+        own = vars(klass).get("__dataclass_fields__", {})
+        for name in inspect.get_annotations(klass):
+            if name in own:
+                merged[name] = {**merged.get(name, {}), **own[name].metadata}
+    return {f.name: merged.get(f.name, {}) for f in dataclasses.fields(cls)}
+
+
+def field_ranges(cls: type) -> dict[str, Range]:
+    """Field name -> its legal range, for the fields that have one."""
+    return {name: meta["range"] for name, meta in field_metadata(cls).items() if "range" in meta}
+
+
+@dataclasses.dataclass(frozen=True)
 class FieldDoc:
-    description: str  # the trailing comment and its continuation lines, or the comment lines above
-    heading: str  # the group this field starts (a comment line above a documented field), else ""
+    description: str  # the field's help
+    heading: str  # the group this field starts (the comment lines right above it), else ""
 
 
-def _class_docs(cls: type) -> dict[str, tuple[str, str]]:
-    """Field name -> (trailing comment, comment lines right above) for the fields written in ``cls``'s
-    own source (not its bases'), each with its continuation lines joined."""
+def _headings(cls: type) -> dict[str, str]:
+    """Field name -> the comment lines right above its declaration in ``cls``'s own source, joined: a group
+    heading. ``# fmt:`` lines, and comment lines indented inside the comment (``#   goes on``), are none."""
     try:
-        source = textwrap.dedent(inspect.getsource(cls))
-        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-    except (OSError, TypeError, tokenize.TokenError, IndentationError):
-        return {}  # no source (an interactive session, a frozen program): help without descriptions
-    comments: dict[int, tuple[int, str]] = {}  # row -> (column, text) of every comment
-    continued: set[int] = set()  # rows of comments indented inside the comment: "#   goes on"
-    code_rows: set[int] = set()  # rows holding anything but a comment
-    fields: list[tuple[str, int, int]] = []  # (name, first row, last row) of each annotated assignment
-    depth, body_col = 0, -1  # nesting (the class body is 1) and the class body's indentation
-    statement: tuple[str, int] | None = None  # the field being read: (name, first row)
-    at_start = True  # the next token begins a logical line
-    for i, tok in enumerate(tokens):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip())
-            if tok.string.startswith("#  "):
-                continued.add(tok.start[0])
-        elif tok.type in (tokenize.INDENT, tokenize.DEDENT):
-            depth += 1 if tok.type == tokenize.INDENT else -1
-        elif tok.type == tokenize.NEWLINE:
-            if statement is not None:
-                fields.append((*statement, tok.start[0]))
-            statement, at_start = None, True
-        elif tok.type not in (tokenize.NL, tokenize.ENDMARKER):
-            code_rows.update(range(tok.start[0], tok.end[0] + 1))
-            if at_start and depth == 1:  # a statement of the class body: `name: type ...` is a field
-                body_col = tok.start[1] if body_col < 0 else body_col
-                if tok.type == tokenize.NAME and i + 1 < len(tokens) and tokens[i + 1].string == ":":
-                    statement = (tok.string, tok.start[0])
-            at_start = False
-
-    def comment_only(row: int) -> bool:
-        return row in comments and row not in code_rows
-
-    docs: dict[str, tuple[str, str]] = {}
-    for name, first, last in fields:
-        trailing = [comments[r][1] for r in range(first, last + 1) if r in comments]
-        row = last + 1  # continuation: comment lines right below, indented inside the comment or deeper
-        while comment_only(row) and (row in continued or comments[row][0] > body_col):
-            trailing.append(comments[row][1])
-            row += 1
-        above: list[str] = []  # comment lines right above, at the field's indentation
-        row = first - 1
-        while comment_only(row) and comments[row][0] <= body_col and row not in continued:
-            above.insert(0, comments[row][1])
+        lines = textwrap.dedent(inspect.getsource(cls)).split("\n")
+        (node,) = ast.parse("\n".join(lines)).body
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return {}  # no source (an interactive session, a frozen program): help without headings
+    headings = {}
+    for field in (n for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)):
+        above, row = [], field.lineno - 2
+        while row >= 0 and lines[row].startswith(" " * field.col_offset + "# "):
+            text = lines[row].strip()[2:]
+            if text.startswith(("fmt:", " ")):
+                break
+            above.insert(0, text.strip())
             row -= 1
-        docs[name] = (" ".join(t for t in trailing if t), " ".join(a for a in above if a))
-    return docs
+        headings[field.target.id] = " ".join(above)
+    return headings
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, FieldDoc]:
+    """Field name -> FieldDoc: its help (:func:`field_metadata`; "" if none) and its group heading, read from the
+    source of the nearest class that declares it."""
+    headings: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            headings.update(_headings(klass))
+    return {name: FieldDoc(meta.get("help", ""), headings.get(name, "")) for name, meta in field_metadata(cls).items()}
 
 
 def ordered_fields(cls: type) -> list[dataclasses.Field]:
@@ -124,39 +182,9 @@ def ordered_fields(cls: type) -> list[dataclasses.Field]:
     return [fields[n] for n in own if n in fields] + [f for f in fields.values() if f.name not in own]
 
 
-@functools.cache
-def field_docs(cls: type) -> dict[str, FieldDoc]:
-    """Field name -> FieldDoc (description and group heading), from the comments in the source of
-    ``cls`` and of the dataclasses it derives from (a re-declaration without a comment keeps the base's
-    description); a field described nowhere has an empty description."""
-    docs: dict[str, FieldDoc] = {}
-    for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass):
-            for name, (trailing, above) in _class_docs(klass).items():
-                inherited = docs[name].description if name in docs else ""
-                if trailing:
-                    docs[name] = FieldDoc(trailing, above)
-                elif inherited:  # re-declared without a comment: the lines above can only be a heading
-                    docs[name] = FieldDoc(inherited, above)
-                else:
-                    docs[name] = FieldDoc(above, "")
-    return {f.name: docs.get(f.name, FieldDoc("", "")) for f in dataclasses.fields(cls)}
-
-
 def recipe_file(cls: type) -> Path:
     """The script that defines ``cls`` (a recipe's ``Config``: ``recipes/detr.py``); ``Path("")`` if none."""
     return Path(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
-
-
-@functools.cache
-def field_ranges(cls: type) -> dict[str, str]:
-    """Field name -> its legal range, e.g. ``"[1, inf)"`` (common.config.RunConfig.ranges), from the ``ranges``
-    of ``cls`` and of the classes it derives from, a subclass's winning."""
-    ranges: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        for interval, names in vars(klass).get("ranges", {}).items():
-            ranges.update(dict.fromkeys(names.split(), interval))
-    return ranges
 
 
 def _type_name(hint: Any) -> str:
@@ -172,13 +200,13 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def field_choices(f: dataclasses.Field, hint: Any) -> str:
-    """What ``--help`` prints after ``choices:`` for a field with a fixed set of values, else ""."""
+def field_choices(hint: Any, choices: Any = None) -> str:
+    """What ``--help`` prints after ``choices:`` for a field with a fixed set of values (a ``Literal``), or with
+    ``choices`` (a function listing them at run time), else ""."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if typing.get_origin(hint) is typing.Literal:
         return ", ".join(show(a) for a in typing.get_args(hint))
-    choices = f.metadata.get("choices")
     if callable(choices):  # a run-time set: say where it comes from rather than list it
         doc = (inspect.getdoc(choices) or "").split("\n")[0].rstrip(".")
         return doc or f"the names {getattr(choices, '__name__', 'its choices')}() lists"
@@ -195,12 +223,12 @@ def print_usage(cls: type) -> None:
 
 def usage(cls: type) -> str:
     """``--help``: the recipe's first docstring line, the usage line, then every field by group:
-    ``--name TYPE (default: X)`` with its description (and ``choices:``) wrapped below it."""
+    ``--name TYPE (default: X)`` with its description (and ``choices:``, ``range:``) wrapped below it."""
     module = sys.modules.get(cls.__module__)
     script = Path(getattr(module, "__file__", None) or sys.argv[0]).name
     summary = (inspect.getdoc(module) or "").strip().split("\n")[0] if module is not None else ""
     hints = typing.get_type_hints(cls)
-    docs, ranges = field_docs(cls), field_ranges(cls)
+    docs, ranges, meta = field_docs(cls), field_ranges(cls), field_metadata(cls)
     wrap = functools.partial(
         textwrap.fill,
         width=HELP_WIDTH,
@@ -232,7 +260,7 @@ def usage(cls: type) -> str:
         lines.append(f"  --{f.name} {_type_name(hints[f.name])} (default: {show(default)})")
         if doc.description:
             lines.append(wrap(doc.description))
-        choices = field_choices(f, hints[f.name])
+        choices = field_choices(hints[f.name], meta[f.name].get("choices"))
         if choices:
             lines.append(wrap(f"choices: {choices}"))
         if f.name in ranges:

@@ -134,22 +134,44 @@ def _value(v: Any, key: str = "") -> str:
     return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
+HEADLINE = 8  # the most final metrics the summary shows
+
+
 def summary(
     seconds: float, final: Mapping[str, Any], best: Mapping[str, tuple[float, int]], weights: Sequence[str]
 ) -> str:
-    """The end of a run: its final evaluation as a table, the best value of each tracked metric and
-    the step it came from, the weights written, and the wall time of this session."""
+    """The end of a run: its final evaluation's headline metrics as a table (at most :data:`HEADLINE` values
+    named ``<group>/<metric>``; per-class values, ``<group>/<metric>/<class>``, stay in metrics.jsonl and the
+    files), the best value of each tracked metric and its step, the weights written, and the session's time."""
     lines = [f"done in {format_seconds(seconds)}"]  # the run folder is the command's last line (Run.finish)
-    shown = {k: v for k, v in final.items() if not k.startswith("best/") and isinstance(v, (int, float))}
+    scalars = {k: v for k, v in final.items() if not k.startswith("best/") and isinstance(v, (int, float))}
+    headline = [k for k in scalars if k.count("/") == 1][:HEADLINE]
+    shown = {k: scalars[k] for k in headline}
     if shown:
         width = max(len(k) for k in [*shown, "final metrics"])
         lines.append(f"  {'final metrics':<{width}}  value")
         lines += [f"  {k:<{width}}  {_value(v, k)}" for k, v in shown.items()]
+    if len(scalars) > len(shown):
+        lines.append(f"  ... {len(scalars) - len(shown)} more in metrics.jsonl")
     for metric, (value, step) in best.items():
         lines.append(f"  best {metric} {_value(value, metric)} at step {step}")
     if weights:
         lines.append("  weights   " + ", ".join(weights))
     return "\n".join(_fit(line) for line in lines)
+
+
+def step_line(epoch: int, step: int, total: int, means: Mapping[str, float]) -> str:
+    """A log interval's line: the loss and, when the total has several, its terms (``loss_<name>``, not the
+    auxiliary decoder layers' ``loss_<name>_<i>``), the learning rate, the speed and the time left."""
+    terms = [(k[5:], v) for k, v in means.items() if k.startswith("loss_") and not k.rsplit("_", 1)[1].isdigit()]
+    shown = f" ({' '.join(f'{k} {v:.3g}' for k, v in terms)})" if len(terms) > 1 else ""
+    lr = f"  lr {means['lr']:.3g}" if "lr" in means else ""
+    if means.get("images_per_s", 0.0) >= 1 or "s_per_step" not in means:  # below one image a second: s/step
+        speed = f"{means.get('images_per_s', 0.0):.0f} img/s"
+    else:
+        speed = f"{means['s_per_step']:.1f} s/step"
+    eta = format_seconds(means.get("eta_s", 0.0))
+    return f"epoch {epoch} step {step}/{total}  loss {means.get('loss', math.nan):.4g}{shown}{lr}  {speed}  eta {eta}"
 
 
 def launch_command(recipe: str) -> str:

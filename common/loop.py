@@ -1,31 +1,33 @@
-"""The training loop's bookkeeping, shared by every recipe: epochs, the mid-epoch resume skip, the
-checkpoint cadence, stop requests, meters and the progress bar, and the best metric so far.
+"""The training loop's bookkeeping: epochs, the mid-epoch resume skip, meters, the progress bar and the best
+metric. Every change of a run's state is a call the recipe makes; the questions only answer::
 
-A recipe's loop then shows only its method::
-
-    loop = Loop(run, train_loader, total_steps)       # after run.resume(): continues where it stopped
-    for epoch in loop.epochs():                        # checkpoints the epoch's end after its body
-        model.train()
-        for batch in loop.batches():                   # skips what a resumed checkpoint already saw
-            ...forward, loss terms, backward, clip, optimizer.step()...
-            if not loop.optimizer_stepped():           # still accumulating gradients
+    loop = Loop(run, train_loader, total_steps)        # after run.resume(): continues where it stopped
+    for epoch in loop.epochs():                         # sets the samplers' epoch; ends at total_steps
+        for batch in loop.batches():                    # skips what a resumed checkpoint already saw
+            ...forward: losses = {"loss_x": ..., ...}; loss = sum(w * losses[k] for k, w in weight_dict.items())
+            ...backward, clip, optimizer.step()
+            loop.record(loss, losses, len(images))      # meters and the non-finite guard, on the device
+            if not accelerator.sync_gradients:          # still accumulating gradients
                 continue
-            ...schedules, EMA; every log_every steps: loop.log_train(lr=...)
+            loop.end_step()                             # one more optimizer step
+            ...EMA; if loop.log_due(): loop.log_train(lr=lr)
+            if loop.stop_requested():                   # SIGTERM/SIGINT/SIGUSR1 on any process
+                loop.save_checkpoint()
+                return loop.stop(results)
+            if loop.checkpoint_due():
+                loop.save_checkpoint()
         if loop.eval_due():
-            ...evaluate; if loop.improved("map_50", value): save best weights
-    if loop.stopped:                                   # SIGTERM/SIGINT: checkpoint saved, run ended
-        return
+            loop.start_evaluation()                     # the non-finite check, then the evaluation's clock
+            ...evaluate; if loop.update_best("map_50", value): save best weights
+        if loop.checkpoint_due():                       # every checkpoint_every steps, and after the last epoch
+            loop.save_checkpoint()
 
-Between two optimizer steps (when the loop asks for the next batch, so after the recipe's EMA update
-and logging) the iterator checks for a stop request on every process and saves a checkpoint every
-``cfg.checkpoint_every`` steps. Each checkpoint records the position (epoch, batches consumed in it)
-and ``extra`` (the best metrics, recipe values), so ``--resume auto`` continues with exactly the
-batches, augmentations and random numbers the uninterrupted run would have used.
+A checkpoint records the position and ``extra`` (best metrics, recipe values): a resume continues with the very
+batches and random numbers of the uninterrupted run. Terms are ``losses`` keys named ``loss_*`` (DETR's naming).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,171 +36,58 @@ from typing import Any
 
 import torch
 from accelerate.utils import set_seed
+from tqdm.auto import tqdm
 
+from common.console import step_line, summary
 from common.heartbeat import SILENCE_S
 from common.meters import Meters, format_seconds, prefixed
-from common.run import Run, TrainState
-
-
-def rate(means: Mapping[str, float]) -> str:
-    """A step line's speed: images/s, or seconds per step where that is below one image a second."""
-    if means.get("images_per_s", 0.0) >= 1 or "s_per_step" not in means:
-        return f"{means.get('images_per_s', 0.0):.0f} img/s"
-    return f"{means['s_per_step']:.1f} s/step"
-
-
-def schedule_warnings(cfg: Any, total_steps: int, steps_per_epoch: int) -> list[str]:
-    """Lines for under the start banner when the schedule does not fit the run (it still starts): warmup that
-    lasts the whole run, and an evaluation interval longer than the run (the only evaluation is then its last)."""
-    warnings = []
-    epochs = min(cfg.epochs, math.ceil(total_steps / max(steps_per_epoch, 1)))  # those max_steps leaves
-    warmup = round(cfg.warmup_epochs * steps_per_epoch)
-    if warmup >= total_steps > 0 and cfg.warmup_epochs > 0:
-        warnings.append(
-            f"warning: warmup_epochs {cfg.warmup_epochs:g} ({warmup:,} steps) outlasts the run ({total_steps:,} "
-            "steps): the lr never reaches its peak; lower --warmup_epochs"
-        )
-    if cfg.eval_every > epochs > 1:
-        warnings.append(
-            f"warning: eval_every {cfg.eval_every} epochs is longer than the run's {epochs}: it is evaluated at its "
-            "end only; lower --eval_every"
-        )
-    return warnings
-
-
-def steps_total(epochs: int, steps_per_epoch: Any, max_steps: int = 0) -> int:
-    """Optimizer steps in the whole run: ``steps_per_epoch`` (an int, or a function of the epoch)
-    summed over epochs, capped by ``max_steps`` (0 = no cap)."""
-    per_epoch = steps_per_epoch if callable(steps_per_epoch) else (lambda e: steps_per_epoch)
-    total = sum(per_epoch(e) for e in range(epochs))
-    return min(total, max_steps) if max_steps > 0 else total
+from common.run import Run
+from common.run_folder import TrainState
+from common.schedules import resumed_schedule
 
 
 class Loop:
-    """Epochs and batches of one training run (see the module docstring for the loop it serves).
+    """Epochs and batches of one run (the module docstring shows the loop it serves). ``train_loader``: prepared,
+    its batch sampler with ``set_epoch``; ``total_steps``: :func:`common.schedules.steps_total`; ``eval_images``,
+    ``classes``: for the banner; ``replaced``: the training set's :func:`common.loaders.shared_count` of images
+    replaced during the run; ``lr``: each step's learning rate, kept in checkpoints so that a resume with another
+    schedule says what changes. Creates the run folder, prints the banner and resumes (``run.resume()``)."""
 
-    ``train_loader`` is the prepared loader; its batch sampler must have ``set_epoch`` (as
-    :class:`common.loaders.EpochBatchSampler`). ``total_steps`` is the run's optimizer-step count
-    (:func:`steps_total`). ``eval_images`` and ``classes`` describe the data in the start banner.
-    ``lr``: the recipe's learning rate per optimizer step (its schedule), recorded with each checkpoint so that a
-    resume whose schedule differs (another ``max_steps`` or ``epochs``) says what it changes.
-    ``replaced``: the training dataset's count of images replaced during the run
-    (:attr:`common.data.classification.ImageRows.replaced`, a :func:`common.loaders.shared_count`), logged as
-    ``train/replaced_images`` once it is above 0; None for a dataset without one.
-    Here the run folder is created (``run.begin()``), the banner printed, and the state to continue
-    from read with ``run.resume()``.
-    """
-
-    def __init__(
-        self,
-        run: Run,
-        train_loader: Any,
-        total_steps: int,
-        eval_images: int | None = None,
-        classes: Sequence[str] | None = None,
-        replaced: Any = None,
-        lr: Sequence[float] | None = None,
-    ) -> None:
+    def __init__(self, run: Run, train_loader: Any, total_steps: int, eval_images: int | None = None,
+                 classes: Any = None, replaced: Any = None, lr: Sequence[float] | None = None) -> None:  # fmt: skip
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
-        self.train_loader, self.total_steps, self.replaced = train_loader, total_steps, replaced
-        self.lr = lr  # the learning rate of each optimizer step: a resume that changes it says so
+        self.train_loader, self.total_steps, self.replaced, self.lr = train_loader, total_steps, replaced, lr
         run.begin()
-        self._banner(eval_images, classes)
-        # From here on each process draws its own random numbers (dropout, drop path, Mixup/CutMix),
-        # as timm and DeiT do: seed + process index. Models were initialised under the shared seed
-        # and prepared (DDP broadcasts rank 0's weights); per-sample augmentation stays keyed by
-        # (seed, epoch, index). A resumed run restores every process's generators below.
+        run.print_banner(train_loader, total_steps, eval_images, classes)
+        # From here on each process draws its own random numbers (dropout, drop path, Mixup), as timm and DeiT do;
+        # models were initialised under the shared seed, per-sample augmentation is keyed by (seed, epoch, index).
         set_seed(self.cfg.seed, device_specific=True)
-        self.start = run.resume()
+        self.start = run.resume()  # every process's generators too
         self.step, self.epoch, self.batches_done = self.start.step, self.start.epoch, self.start.batches_in_epoch
         self.extra: dict[str, Any] = dict(self.start.extra)
-        self._schedule_changed()
-        self.stopped = False
+        if changed := resumed_schedule(self.extra, self.total_steps, self.step, lr):  # another max_steps or epochs
+            run.print(changed)
         self.meters = Meters(self.accelerator.device)
-        self.meters.pause()  # the clock of img/s runs inside the epochs' steps (batches()) only
-        self._tail_s: float | None = None  # the last epoch's final loader call (it found no batch), seconds
-        self._loop_end: float | None = None  # perf_counter() when the epochs ended, for time/save_s
+        self.meters.pause()  # the clock of img/s runs inside the epochs' batches only
+        self._in_epoch = self._epoch_done = False
+        # the last epoch's final loader call (it found no batch), seconds; perf_counter() at the epochs' end
+        self._tail_s: float | None = None
+        self._loop_end: float | None = None
         self._last_line, self._last_step = time.monotonic(), self.step  # the last step line (no progress bar)
-        self._epoch_done = False
-        self._stepped = False
-        from tqdm.auto import tqdm
+        main = None if self.accelerator.is_main_process else True  # None: no bar in a log file
+        self.progress = tqdm(total=total_steps, initial=self.step, desc=run.recipe, dynamic_ncols=True, disable=main)
 
-        self.progress = tqdm(
-            total=total_steps,
-            initial=self.step,
-            desc=run.recipe,
-            dynamic_ncols=True,
-            disable=None if self.accelerator.is_main_process else True,  # None: no bar in a log file
-        )
-
-    def _banner(self, eval_images: int | None, classes: Sequence[str] | None) -> None:
-        from common.console import banner, tracker_line
-        from common.trackers import project_name, run_name
-
-        acc, cfg, run = self.accelerator, self.cfg, self.run
-        precision = {"no": "fp32"}.get(str(acc.mixed_precision), f"{acc.mixed_precision} autocast")
-        tracker = tracker_line(cfg.report_to, project_name(cfg, run.recipe), run_name(cfg, run.dir))
-        run.print(
-            banner(
-                run.recipe,
-                str(run.dir),
-                str(acc.device),
-                acc.num_processes,
-                precision,
-                len(self.train_loader.dataset),
-                eval_images,
-                classes,
-                math.ceil(len(self.train_loader) / cfg.grad_accum_steps),
-                cfg.epochs,
-                self.total_steps,
-                cfg.batch_size * acc.num_processes * cfg.grad_accum_steps,
-                tracker,
-            )
-        )
-        for note in run.notes:  # the recipe's own lines about this run's settings
-            run.print(note)
-        for warning in schedule_warnings(
-            cfg, self.total_steps, math.ceil(len(self.train_loader) / cfg.grad_accum_steps)
-        ):
-            run.print(warning)
-
-    def _schedule_changed(self) -> None:
-        """After a resume: when the schedule's length differs from the checkpoint's (a resume with another
-        ``max_steps`` or ``epochs`` stretches or squeezes the cosine over what is left), one line with the old and
-        new length and the learning rate the next step jumps to."""
-        old = self.extra.get("schedule_steps")
-        if old is None or old == self.total_steps or self.step == 0:
-            return
-        line = f"resume: the schedule is now {self.total_steps:,} optimizer steps, was {old:,}"
-        if self.lr is not None and "next_lr" in self.extra and self.step < len(self.lr):
-            line += (
-                f"; the lr of step {self.step + 1} goes from {self.extra['next_lr']:.3g} to {self.lr[self.step]:.3g}"
-            )
-        self.run.print(line)
-
-    def _extra(self) -> dict[str, Any]:
-        """What a checkpoint keeps beside the position: ``extra``, the schedule's length and the next step's lr."""
-        kept = {**self.extra, "schedule_steps": self.total_steps}
-        if self.lr is not None and self.step < len(self.lr):
-            kept["next_lr"] = float(self.lr[self.step])
-        return kept
-
-    def state(self) -> TrainState:
-        return TrainState(self.step, self.epoch, self.batches_done, self._extra())
-
-    # -- epochs ----------------------------------------------------------------------------------
+    # -- iterating ---------------------------------------------------------------------------------
     def epochs(self) -> Iterator[int]:
-        """The epochs left to train. After each epoch's body (its evaluation included) the position is
-        checkpointed: a finished epoch as the start of the next (every ``checkpoint_every`` steps, and
-        always after the last), a last epoch cut short by ``max_steps`` as where it stopped."""
+        """The epochs left to train; when they end, the progress bar closes and from then on a stop signal ends
+        the run at once (``run.loop_done()``)."""
         for epoch in range(self.start.epoch, self.cfg.epochs):
             if self.step >= self.total_steps:
                 break
             self.epoch, self._epoch_done = epoch, False
             if epoch != self.start.epoch:
                 self.batches_done = 0
-            # Accelerate's loader re-applies its own epoch counter to the sampler whenever it starts
-            # iterating; a resumed run's counter starts at 0, so both are set to the true epoch here.
+            # Accelerate's loader re-applies its own epoch counter (0 after a resume) whenever it starts iterating
             if hasattr(self.train_loader, "set_epoch"):
                 self.train_loader.set_epoch(epoch)
             sampler = self.train_loader.batch_sampler
@@ -206,153 +95,138 @@ class Loop:
                 if hasattr(candidate, "set_epoch"):
                     candidate.set_epoch(epoch)
             yield epoch
-            if self.stopped:
-                return
-            if self._epoch_done and (self.step % self.cfg.checkpoint_every == 0 or self.last_epoch):
-                self.run.save_checkpoint(TrainState(self.step, epoch + 1, 0, self._extra(), self.last_epoch))
-            elif self.last_epoch:
-                self.run.save_checkpoint(dataclasses.replace(self.state(), finished=True))
         self._loop_end = time.perf_counter()
         self.progress.close()
         self.run.loop_done()
 
-    @property
-    def last_epoch(self) -> bool:
-        return self.epoch + 1 >= self.cfg.epochs or self.step >= self.total_steps
-
-    def eval_due(self) -> bool:
-        """Whether the epoch just trained is evaluated: every ``eval_every`` epochs and after the last
-        (never after a stop request: the run ends at once). Before an evaluation, a loss that went
-        non-finite since the last check stops the run (one host sync): diverged weights are never
-        evaluated, nor saved as the best or the final ones. A due evaluation starts its clock
-        (:meth:`common.run.Run.evaluation_started`)."""
-        due = not self.stopped and ((self.epoch + 1) % self.cfg.eval_every == 0 or self.last_epoch)
-        if due:
-            self.run.guard.check(self.accelerator, self.run.last_checkpoint)
-            self.run.evaluation_started()  # its metrics' record gets time/eval_s
-        return due
-
-    # -- batches ---------------------------------------------------------------------------------
     def batches(self) -> Iterator[Any]:
-        """This epoch's batches, from where a resumed checkpoint left off. Between optimizer steps:
-        the stop check (every process agrees) and the checkpoint cadence; ends at ``total_steps``."""
+        """This epoch's batches from where a resumed checkpoint left off, until ``total_steps``. A batch counts as
+        consumed once handed out (a checkpoint in the loop's body resumes after it). Waiting for the loader is
+        the meters' data time; an epoch's first wait is ``time/epoch_boundary_s``, outside the steps' clock."""
         skip = self.batches_done
         loader = self.accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
-        length = len(self.train_loader)
-        restart = time.perf_counter()
-        iterator = iter(loader)
-        first = True
-        while True:
+        self._in_epoch, restart, iterator, first, over = True, time.perf_counter(), iter(loader), True, False
+        while self.step < self.total_steps:
             tick = time.perf_counter()
             batch = next(iterator, None)
-            if batch is None:
+            if over := batch is None:  # the epoch is over: its evaluation, plots and checkpoint are not steps
                 self._tail_s = time.perf_counter() - tick
-                self.meters.pause()  # evaluation, plots and checkpoints between epochs: not a step
-                self._epoch_done = True
-                return
-            if first:  # the loader's (re)start: time/epoch_boundary_s, outside the steps' clock
+                self.meters.pause()
+                break
+            if first:
                 first = False
-                if self._tail_s is not None:  # not the session's first epoch (that one is in time/first_step_s)
+                if self._tail_s is not None:  # not the session's first epoch (that one is time/first_step_s)
                     boundary = self._tail_s + time.perf_counter() - restart
                     self.run.log({"time/epoch_boundary_s": boundary}, self.step, echo=False)
                 self.meters.resume()
             else:
                 self.meters.data_time(time.perf_counter() - tick)
-            self._stepped = False
-            yield batch
             self.batches_done += 1
-            if not self._stepped:
-                continue
-            last_batch = self.batches_done == length
-            stopping = self.run.should_stop()
-            # An epoch's last batch is checkpointed by epochs(), after the evaluation.
-            if stopping or (self.step % self.cfg.checkpoint_every == 0 and not last_batch):
-                self.meters.pause()  # time/checkpoint_s, not a step
-                self.run.save_checkpoint(self.state())
-                self.meters.resume()
-            if stopping:
-                self.stopped = True
-                self.progress.close()
-                self.run.stopped(self.step)
-                return
-            if self.step >= self.total_steps:
-                self._epoch_done = last_batch
-                return
+            yield batch
+        self._in_epoch, self._epoch_done = False, over or self.batches_done == len(self.train_loader)
 
-    def optimizer_stepped(self) -> bool:
-        """Call once per batch, after ``optimizer.step()``: whether this batch completed an optimizer
-        step (Accelerate's ``sync_gradients``; False while gradients accumulate). If so it counts it
-        in ``step``, the meters and the progress bar."""
-        if not self.accelerator.sync_gradients:
-            return False
-        self._stepped = True
+    # -- a step ------------------------------------------------------------------------------------
+    def record(self, loss: torch.Tensor, losses: Mapping[str, torch.Tensor], images: int, **counts: Any) -> None:
+        """One (micro-)batch's ``loss`` and its terms into the meters (means weighted by ``images``) and the
+        non-finite guard (the total and the ``loss_*`` terms), on the device: nothing synchronises.
+        ``counts``: per-batch totals for the interval's rates (boxes, dropped boxes)."""
+        terms = {k: v for k, v in losses.items() if k.startswith("loss_")}
+        self.run.guard.observe(self.step + 1, {"loss": loss, **terms})  # the step it belongs to, 1-based as logged
+        self.meters.update(n=images, loss=loss, **losses)
+        self.meters.images(images, **counts)
+
+    def end_step(self) -> None:
+        """After ``optimizer.step()`` of a batch that completed a step (``accelerator.sync_gradients``): count it
+        in ``step``, the meters and the progress bar; the session's first step, and a step after a long silence
+        without a progress bar, print a line (host clocks only: no meter is read)."""
         self.step += 1
         self.meters.step()
         self.progress.update(1)
-        if self.step == self.start.step + 1:  # the session's first step: one line, no meters read (no sync)
+        quiet = self.accelerator.is_main_process and self.progress.disable  # no bar: output to a file
+        where = f"epoch {self.epoch} step {self.step}/{self.total_steps}"
+        if self.step == self.start.step + 1:
             took = time.perf_counter() - self.run.started
             self.run.log({"time/first_step_s": took}, self.step, echo=False)
-            self.run.print(
-                f"epoch {self.epoch} step {self.step}/{self.total_steps}  first step {took:.1f} s after the start"
-            )
-            self._last_line, self._last_step = time.monotonic(), self.step
-        elif self._silent_too_long():
-            self._progress_line()
-        return True
+            self.run.print(f"{where}  first step {took:.1f} s after the start")
+        elif quiet and not self.log_due() and time.monotonic() - self._last_line >= SILENCE_S:
+            per_step = (time.monotonic() - self._last_line) / max(self.step - self._last_step, 1)
+            eta = format_seconds(per_step * (self.total_steps - self.step))
+            self.run.print(f"{where}  {per_step:.1f} s/step  eta {eta}")
+        else:
+            return
+        self._last_line, self._last_step = time.monotonic(), self.step
 
-    # -- logging and the best metric ---------------------------------------------------------------
     def log_due(self) -> bool:
-        """Whether this optimizer step logs the training meters: every ``log_every`` steps, and the last
-        step, so a run shorter than ``log_every`` still has its training loss."""
+        """Every ``log_every`` steps, and the last step (a run shorter than ``log_every`` still logs its loss)."""
         return self.step % self.cfg.log_every == 0 or self.step == self.total_steps
 
-    def _silent_too_long(self) -> bool:
-        """Whether the main process, without a progress bar (a log file, a cluster job), has printed no step
-        line for :data:`SILENCE_S` seconds: ``log_every`` steps take longer than that."""
-        quiet = self.accelerator.is_main_process and self.progress.disable  # no bar: output to a file
-        return bool(quiet) and time.monotonic() - self._last_line >= SILENCE_S
-
-    def _progress_line(self) -> None:
-        """A step line between two ``log_every`` logs, on the main process: where the run is and how fast it
-        goes since the last line (host clocks only: no meter is read, nothing synchronises, metrics.jsonl is
-        unchanged, so a slow run is never silent and every run logs the same records)."""
-        now = time.monotonic()
-        per_step = (now - self._last_line) / max(self.step - self._last_step, 1)
-        self.run.print(
-            f"epoch {self.epoch} step {self.step}/{self.total_steps}  {per_step:.1f} s/step  "
-            f"eta {format_seconds(per_step * (self.total_steps - self.step))}"
-        )
-        self._last_line, self._last_step = now, self.step
-
     def log_train(self, **values: float) -> dict[str, float]:
-        """The interval's meter means (one all-reduce, one host sync) and ``values`` (host floats such
-        as the learning rate), under ``train/``, to metrics.jsonl and the trackers; raises if a loss
-        went non-finite since the last check. Returns the logged means."""
+        """The interval's meter means (one all-reduce, one host sync) and ``values`` (host floats: the learning
+        rate) under ``train/``, to metrics.jsonl and the trackers, and the step line with the loss terms; stops
+        the run if a loss went non-finite since the last check. Returns the logged means."""
         means = self.meters.summary(self.accelerator, steps_left=self.total_steps - self.step)
         self.run.guard.check(self.accelerator, self.run.last_checkpoint)
         means.update({k: float(v) for k, v in values.items()})
-        replaced = self.replaced.value if self.replaced is not None else 0
-        if replaced:  # images that broke during the run, replaced (this process's count, since the start)
-            means["replaced_images"] = float(replaced)
+        if self.replaced is not None and self.replaced.value:  # images that broke during the run, replaced
+            means["replaced_images"] = float(self.replaced.value)
         if self.accelerator.device.type == "cuda":  # this process's peak since the start, GiB
             means["max_memory_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
         self.run.log({**prefixed(means, "train"), "epoch": self.epoch}, self.step, echo=False)
         self._last_line, self._last_step = time.monotonic(), self.step
-        self.run.print(
-            f"epoch {self.epoch} step {self.step}/{self.total_steps}  loss {means.get('loss', math.nan):.4g}"
-            + (f"  lr {means['lr']:.3g}" if "lr" in means else "")
-            + f"  {rate(means)}  eta {format_seconds(means.get('eta_s', 0.0))}"
-        )
+        self.run.print(step_line(self.epoch, self.step, self.total_steps, means))
         return means
 
-    def improved(self, metric: str, value: float) -> bool:
-        """Record an evaluation's ``value`` of ``metric`` (higher is better). True when it beats every
-        earlier evaluation of the run (a tie does not); the best is kept as ``extra['best/<metric>']``
-        and survives resume."""
-        key = f"best/{metric}"
-        if value > self.extra.get(key, -math.inf):
-            self.extra[key] = value
-            self.extra[f"best_step/{metric}"] = self.step
+    # -- checkpoints and stops -----------------------------------------------------------------------
+    @property
+    def last_epoch(self) -> bool:
+        return self.epoch + 1 >= self.cfg.epochs or self.step >= self.total_steps
+
+    def stop_requested(self) -> bool:
+        """Whether a stop signal reached any process (every process gets the same answer at the same step)."""
+        return self.run.should_stop()
+
+    def checkpoint_due(self) -> bool:
+        """In an epoch's batches: every ``checkpoint_every`` steps but at its last batch (the epoch's end saves
+        that one, after the evaluation). After them: every ``checkpoint_every`` steps and after the last epoch."""
+        if self._in_epoch:
+            return self.step % self.cfg.checkpoint_every == 0 and self.batches_done != len(self.train_loader)
+        return (self._epoch_done and self.step % self.cfg.checkpoint_every == 0) or self.last_epoch
+
+    def save_checkpoint(self) -> None:
+        """Checkpoint the position: in the batches, the batch just read; after a whole epoch, the start of the
+        next; marked finished after the last epoch (``--resume auto`` alone then looks for other runs)."""
+        kept = {**self.extra, "schedule_steps": self.total_steps}
+        if self.lr is not None and self.step < len(self.lr):
+            kept["next_lr"] = float(self.lr[self.step])
+        if self._in_epoch:
+            self.meters.pause()  # time/checkpoint_s, not a step
+            self.run.save_checkpoint(TrainState(self.step, self.epoch, self.batches_done, kept))
+            self.meters.resume()
+        else:  # a whole epoch: the start of the next; a last epoch cut short by max_steps: where it stopped
+            at = (self.epoch + 1, 0) if self._epoch_done else (self.epoch, self.batches_done)
+            self.run.save_checkpoint(TrainState(self.step, *at, kept, finished=self.last_epoch))
+
+    def stop(self, results: dict[str, float]) -> dict[str, float]:
+        """End a run a signal stopped (its checkpoint saved): how to continue it, the run's finish; ``results``."""
+        self.progress.close()
+        self.run.stopped(self.step)
+        return results
+
+    # -- evaluation and the best metric ----------------------------------------------------------------
+    def eval_due(self) -> bool:  # every eval_every epochs and after the last
+        return (self.epoch + 1) % self.cfg.eval_every == 0 or self.last_epoch
+
+    def start_evaluation(self) -> None:
+        """Before an evaluation: stop the run if a loss went non-finite since the last check (one host sync), so
+        diverged weights are never evaluated nor saved; then start the evaluation's clock (``time/eval_s``)."""
+        self.run.guard.check(self.accelerator, self.run.last_checkpoint)
+        self.run.evaluation_started()
+
+    def update_best(self, metric: str, value: float) -> bool:
+        """Record ``value`` of ``metric`` (higher is better); True when it beats every earlier one (a tie does not).
+        Kept as ``extra['best/<metric>']`` with its step: it survives a resume."""
+        if value > self.extra.get(f"best/{metric}", -math.inf):
+            self.extra[f"best/{metric}"], self.extra[f"best_step/{metric}"] = value, self.step
             return True
         return False
 
@@ -365,14 +239,12 @@ class Loop:
         return {f"{metric}{unit}, the best evaluation (step {step})": self.best(metric)}
 
     def finish(self, results: Mapping[str, Any], weights: Sequence[Path] = ()) -> None:
-        """End a completed run: the summary (final metrics, the best ones and their steps, the weights
-        files, wall time), then ``run.finish`` (weights as W&B artifacts with ``log_weights``)."""
-        from common.console import summary
-
-        if self._loop_end is not None:  # the final weights, model folder and exports (time/save_s)
+        """End a completed run: ``time/save_s``, the summary (final metrics, the best ones and their steps, the
+        weights files, wall time), then ``run.finish`` (the weights as W&B artifacts with ``log_weights``)."""
+        if self._loop_end is not None:  # the final weights, model folder and exports
             self.run.log({"time/save_s": time.perf_counter() - self._loop_end}, self.step, echo=False)
         weights = [Path(w) for w in weights if Path(w).is_file()]  # best.safetensors: only once one improved
-        bests = {k.removeprefix("best/"): v for k, v in self.extra.items() if k.startswith("best/")}
-        best = {m: (v, self.extra.get(f"best_step/{m}", self.step)) for m, v in bests.items()}
+        steps = {k[10:]: v for k, v in self.extra.items() if k.startswith("best_step/")}
+        best = {k[5:]: (v, steps.get(k[5:], self.step)) for k, v in self.extra.items() if k.startswith("best/")}
         self.run.print(summary(time.perf_counter() - self.run.started, results, best, [w.name for w in weights]))
         self.run.finish(weights)

@@ -1,4 +1,4 @@
-"""Run plumbing: Accelerator, run folder, trackers, checkpoints and resume, signals, non-finite guard.
+"""Run plumbing: the Accelerator, the run folder, trackers, logging, and the steps after the weights.
 
 A recipe makes one :class:`Run` from its config first thing in ``main()``: it chooses the run folder
 (:mod:`common.run_folder`: refusing a resume whose config changed), builds the ``Accelerator``
@@ -6,8 +6,8 @@ A recipe makes one :class:`Run` from its config first thing in ``main()``: it ch
 every generator with ``cfg.seed``. Nothing is written before :meth:`Run.begin`, which
 :class:`common.loop.Loop` (or the first :meth:`Run.log`) calls once data and model are built: a
 mistake found while loading the data or building the model leaves no run folder behind. The recipe uses
-``run.accelerator``, ``run.log(values, step)``, ``run.log_plots``, ``run.guard.observe(step,
-losses)``; the loop uses ``run.resume()``, ``run.save_checkpoint(state)`` and ``run.should_stop()``.
+``run.accelerator``, ``run.log(values, step)``, ``run.log_plots`` and ``run.guarded``; checkpoints, resume
+and the stop signals are :mod:`common.checkpoints` (mixed in), which :class:`common.loop.Loop` drives.
 
 Run folder (``runs/<recipe>/<name>/``): ``config.yaml``, ``metrics.jsonl`` (every logged value,
 always), ``checkpoints/step_XXXXXXXX/`` (Accelerate state + ``train_state.json``, last K kept),
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
+import math
 import sys
 import textwrap
 import time
@@ -29,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -40,27 +38,24 @@ from accelerate.utils import (
 )
 from PIL import Image
 
-from common import RunStopped, StepsFailed, UserError
+from common import StepsFailed
+from common.checkpoints import Checkpoints
 from common.config import RunConfig, save_config, to_dict
-from common.console import emulated_bf16_note, launch_command, recorded_failure, shown_value
+from common.console import banner, emulated_bf16_note, launch_command, recorded_failure, shown_value, tracker_line
 from common.guard import NonFiniteGuard
 from common.heartbeat import heartbeat, progress
-from common.loaders import STOP_SIGNALS, auto_workers
+from common.loaders import auto_workers
+from common.origin import origin_comment
 from common.run_folder import (
-    TrainState,
     check_resume,
     choose_output_dir,
-    complete_checkpoints,
-    flag_value,
-    is_checkpoint,
-    record_resume,
-    write_checkpoint,
 )
-from common.trackers import check_hub_push, init_trackers, log_images, log_weights, push_folder
+from common.schedules import schedule_warnings
+from common.trackers import check_hub_push, init_trackers, log_images, log_weights, project_name, push_folder, run_name
 from common.weights import weights_line
 
 
-class Run:
+class Run(Checkpoints):
     """Everything around the training loop that is the same for every recipe (the module docstring)."""
 
     def __init__(self, cfg: RunConfig, recipe: str) -> None:
@@ -119,25 +114,10 @@ class Run:
         torch.backends.cudnn.benchmark = fast
         self.begun = False
         self.guard = NonFiniteGuard(self.accelerator.device)
-        self.last_checkpoint = ""
         # set by the recipe before its loop: its weights files' metadata, in every checkpoint (--weights takes those)
         self.weights_metadata: dict[str, str] | None = None
         self.failed: list[str] = []  # steps after the weights that failed, one line each (guarded)
-        self._stop_signal: int | None = None
-        self._loop_done = False  # after the training loop a stop signal ends the run at once (RunStopped)
-        self._stop_group = None
-        self._pending: tuple[Any, torch.Tensor] | None = None
-        if self.accelerator.num_processes > 1 and dist.is_initialized():
-            # Stop requests are agreed on over gloo (CPU) so that checking every step never
-            # waits on the GPU stream.
-            self._stop_group = dist.new_group(
-                backend="gloo"
-            )  # its own group: never interleaves with training collectives
-        # SIGTERM, SIGINT and SIGUSR1 (Slurm's pre-emption warning), to this process or its whole group. Loader
-        # workers ignore them (common.loaders.leave_stop_signals); until they have set that, forked ones inherit
-        # this handler, and only the process that installed it acts on a signal.
-        self._pid = os.getpid()
-        self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        self.start_checkpoints()  # checkpoints, resume and the stop signals (common/checkpoints.py)
 
     def begin(self) -> None:
         """Create the run folder, write ``config.yaml`` and start the tracker (once; every process)."""
@@ -150,7 +130,7 @@ class Run:
             # ``resume`` is an action, not a setting: `--config <run>/config.yaml` alone starts a new run. A
             # resumed run keeps the config it was started with; what the resume changed goes to resumes.jsonl.
             if self.resume_checkpoint() is None or not (self.dir / "config.yaml").is_file():
-                save_config(dataclasses.replace(cfg, resume=""), self.dir / "config.yaml")
+                save_config(dataclasses.replace(cfg, resume=""), self.dir / "config.yaml", origin_comment())
             for name, text in self.files.items():
                 (self.dir / name).write_text(text)
         acc.wait_for_everyone()
@@ -162,6 +142,19 @@ class Run:
             self.print(
                 "resume with changed " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.resume_changes.items())
             )
+
+    def print_banner(self, train_loader: Any, total_steps: int, eval_images: int | None, classes: Any) -> None:
+        """The start banner (devices, data, steps, tracker), the notes under it and the schedule's warnings."""
+        acc, cfg = self.accelerator, self.cfg
+        precision = {"no": "fp32"}.get(str(acc.mixed_precision), f"{acc.mixed_precision} autocast")
+        per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
+        tracker = tracker_line(cfg.report_to, project_name(cfg, self.recipe), run_name(cfg, self.dir))
+        global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum_steps
+        data = (len(train_loader.dataset), eval_images, classes)
+        where = (self.recipe, str(self.dir), str(acc.device), acc.num_processes, precision)
+        self.print(banner(*where, *data, per_epoch, cfg.epochs, total_steps, global_batch, tracker))
+        for line in [*self.notes, *schedule_warnings(cfg, total_steps, per_epoch)]:
+            self.print(line)
 
     # -- output -----------------------------------------------------------------------------
     def note(self, *lines: str) -> None:
@@ -238,123 +231,6 @@ class Run:
             return None
         return self.accelerator.get_tracker("wandb", unwrap=True)
 
-    # -- checkpoints ---------------------------------------------------------------------------
-    def save_checkpoint(self, state: TrainState) -> None:
-        """Write Accelerate state and ``state`` as the newest checkpoint, whole or not at all
-        (:func:`common.run_folder.write_checkpoint`). Refuses to save (raising :class:`NonFiniteLoss`) once a
-        loss went non-finite, so the last good one stays newest; logs ``time/checkpoint_s``."""
-        self.begin()
-        tick = time.perf_counter()
-        self.guard.check(self.accelerator, self.last_checkpoint)
-        final = write_checkpoint(
-            self.accelerator, self.checkpoint_dir, state, self.cfg.keep_checkpoints, self.weights_metadata
-        )
-        self.last_checkpoint = str(final)
-        self.log({"time/checkpoint_s": time.perf_counter() - tick}, state.step, echo=False)
-
-    def checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
-        return complete_checkpoints(self.checkpoint_dir)
-
-    def resume_checkpoint(self) -> Path | None:
-        """The checkpoint ``cfg.resume`` names (``auto``: the newest complete one), or None when the
-        run starts afresh; lets a recipe skip work the checkpoint already holds before :meth:`resume`."""
-        if not self.cfg.resume:
-            return None
-        if self.cfg.resume == "auto":
-            found = self.checkpoints()
-            return found[-1] if found else None
-        path = Path(self.cfg.resume)
-        if not is_checkpoint(path):
-            raise UserError(f"--resume '{path}' is not a complete checkpoint folder (no train_state.json)")
-        return path
-
-    def resume(self) -> TrainState:
-        """Load the checkpoint :meth:`resume_checkpoint` names.
-
-        Model, optimizer, scaler, RNG states and every object registered with
-        ``accelerator.register_for_checkpointing`` come back; the returned state says where to
-        continue. ``metrics.jsonl`` lines past the checkpoint are dropped, as they will be logged
-        again. Returns a fresh state when there is nothing to resume.
-        """
-        path = self.resume_checkpoint()
-        if path is None:
-            if self.cfg.resume == "auto":
-                self.print("resume auto: no checkpoint yet, starting from scratch")
-            return TrainState()
-        self.accelerator.load_state(str(path))
-        state = TrainState(**json.loads((path / "train_state.json").read_text()))
-        self.last_checkpoint = str(path)
-        if self.accelerator.is_main_process:
-            record_resume(self.dir, path, state.step, self.resume_changes)
-        self.accelerator.wait_for_everyone()
-        self.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batches_in_epoch})")
-        return state
-
-    # -- signals -------------------------------------------------------------------------------
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._pid:  # a DataLoader worker: the training process stops it
-            return
-        if self._stop_signal is not None:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C stops at once
-            return  # already stopping (Slurm's SIGTERM at the time limit after its SIGUSR1 warning): said once
-        self._stop_signal = signum
-        if self._loop_done:
-            self._raise_stopped()
-        self.print(f"{signal.Signals(signum).name} received: finishing the step, saving a checkpoint, then exiting")
-
-    def loop_done(self) -> None:
-        """The training loop ended and its last checkpoint is written: from here on (the recipe's final
-        weights, the export) a stop signal ends the run at once with :class:`RunStopped`, as does one
-        that arrived during the last epoch's evaluation."""
-        self._loop_done = True
-        if self._stop_signal is not None:
-            self._raise_stopped()
-
-    def _raise_stopped(self) -> None:
-        for sig, handler in self._handlers.items():  # the run ends here: the signals go back
-            signal.signal(sig, handler)
-        name = signal.Signals(self._stop_signal).name
-        raise RunStopped(
-            f"stopped by {name} after the training loop, before the run's last files were written; everything "
-            f"written so far is kept (last checkpoint: {self.last_checkpoint or 'none'})\n"
-            f"finish it with: {self.continue_command()}"
-        )
-
-    def should_stop(self) -> bool:
-        """True on every process once any process got a stop signal (SIGTERM, SIGINT, SIGUSR1); call once per step.
-
-        With several processes the flags are combined by an asynchronous all-reduce over gloo
-        (CPU): each call collects the reduction started by the previous call and starts the next,
-        so the loop never waits on it and every process sees the same answer at the same step
-        (one step after the signal).
-        """
-        if self._stop_group is None:
-            return self._stop_signal is not None
-        stop = False
-        if self._pending is not None:
-            work, flag = self._pending
-            work.wait()
-            stop = bool(flag.item())  # a CPU tensor: no device synchronisation
-        flag = torch.tensor([0 if self._stop_signal is None else 1])
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group, async_op=True), flag)
-        return stop
-
-    def stopped(self, step: int) -> None:
-        """End a run stopped by a signal at ``step``: say how to continue, then :meth:`finish`."""
-        reason = signal.Signals(self._stop_signal).name if self._stop_signal is not None else "a stop request"
-        self.print(f"stopped by {reason} at step {step}; checkpoint {self.last_checkpoint}")
-        self.print(f"continue with: {self.continue_command()}")
-        self.finish()
-
-    def continue_command(self) -> str:
-        """The command that continues this run where its newest checkpoint left off: its own saved config
-        (every flag it was started with), the flags a resume changed, and ``--resume auto``. After the end of
-        training it redoes what follows the final checkpoint (final weights, model folder, export, hub push)."""
-        changed = "".join(f" --{k} {flag_value(new)}" for k, (_, new) in self.resume_changes.items())
-        return f"{launch_command(self.recipe)} --config {self.dir / 'config.yaml'}{changed} --resume auto"
-
     def export_command(self, weights: Path) -> str:
         """The command that exports ``weights`` (a file this recipe saved) as the run's ``--export`` does."""
         return f"{launch_command(self.recipe)} --export --weights {weights}"
@@ -379,16 +255,13 @@ class Run:
             folder, repo = self.dir / "model", self.cfg.push_to_hub
             with self.guarded("push_to_hub", f"hf upload {repo} {folder} ."):
                 self.print(push_folder(folder, repo))
-        if self._pending is not None:  # collect the last stop-flag reduction before shutting down
-            self._pending[0].wait()
-            self._pending = None
+        self.collect_stop_flags()
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         for line in self.failed:  # after the summary, beside the run folder's line
             print(f"error: {line}", file=sys.stderr, flush=True)
         if self._stop_signal is None:  # a stopped run's last line is the command that continues it
             self.print(f"output: {self.dir}")
-        for sig, handler in self._handlers.items():  # a run inside a longer program hands the signals back
-            signal.signal(sig, handler)
+        self.hand_back_signals()  # a run inside a longer program gets them back
         if self.failed:
             raise StepsFailed("\n".join(self.failed))

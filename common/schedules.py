@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -86,3 +87,43 @@ def set_group_values(optimizer: torch.optim.Optimizer, name: str, value: float) 
         if key not in group:
             group[key] = 0.0 if group.get(name, 1.0) == 0 else 1.0
         group[name] = value * group[key]
+
+
+def steps_total(epochs: int, steps_per_epoch: Any, max_steps: int = 0) -> int:
+    """Optimizer steps in the whole run: ``steps_per_epoch`` (an int, or a function of the epoch)
+    summed over epochs, capped by ``max_steps`` (0 = no cap)."""
+    per_epoch = steps_per_epoch if callable(steps_per_epoch) else (lambda e: steps_per_epoch)
+    total = sum(per_epoch(e) for e in range(epochs))
+    return min(total, max_steps) if max_steps > 0 else total
+
+
+def schedule_warnings(cfg: Any, total_steps: int, steps_per_epoch: int) -> list[str]:
+    """Lines for under the start banner when the schedule does not fit the run (it still starts): warmup that
+    lasts the whole run, and an evaluation interval longer than the run (the only evaluation is then its last)."""
+    warnings = []
+    epochs = min(cfg.epochs, math.ceil(total_steps / max(steps_per_epoch, 1)))  # those max_steps leaves
+    warmup = round(cfg.warmup_epochs * steps_per_epoch)
+    if warmup >= total_steps > 0 and cfg.warmup_epochs > 0:
+        warnings.append(
+            f"warning: warmup_epochs {cfg.warmup_epochs:g} ({warmup:,} steps) outlasts the run ({total_steps:,} "
+            "steps): the lr never reaches its peak; lower --warmup_epochs"
+        )
+    if cfg.eval_every > epochs > 1:
+        warnings.append(
+            f"warning: eval_every {cfg.eval_every} epochs is longer than the run's {epochs}: it is evaluated at its "
+            "end only; lower --eval_every"
+        )
+    return warnings
+
+
+def resumed_schedule(extra: dict[str, Any], total_steps: int, step: int, lr: Sequence[float] | None) -> str:
+    """After a resume at ``step`` whose schedule length differs from the checkpoint's (``extra``: its
+    ``schedule_steps`` and ``next_lr``), one line with both lengths and the learning rate the next step jumps to
+    (a resume with another ``max_steps`` or ``epochs`` stretches or squeezes the cosine over what is left)."""
+    old = extra.get("schedule_steps")
+    if old is None or old == total_steps or step == 0:
+        return ""
+    line = f"resume: the schedule is now {total_steps:,} optimizer steps, was {old:,}"
+    if lr is not None and "next_lr" in extra and step < len(lr):
+        line += f"; the lr of step {step + 1} goes from {extra['next_lr']:.3g} to {lr[step]:.3g}"
+    return line

@@ -123,6 +123,20 @@ def log_images(accelerator: Any, report_to: str, images: Mapping[str, Image.Imag
             tracker.add_image(key, np.asarray(image.convert("RGB")), global_step=step, dataformats="HWC")
 
 
+def log_table(accelerator: Any, report_to: str, key: str, rows: Sequence[Mapping[str, Any]], step: int) -> None:
+    """A table (per-class values) to the tracker (main process): a W&B table, a TensorBoard text summary."""
+    if report_to == "none" or not rows or not accelerator.is_main_process:
+        return
+    tracker, columns = accelerator.get_tracker(report_to, unwrap=True), list(rows[0])
+    if report_to == "wandb":
+        import wandb
+
+        tracker.log({key: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step)
+    elif report_to == "tensorboard":  # a markdown table
+        lines = [" | ".join(columns), " | ".join("---" for _ in columns)]
+        tracker.add_text(key, "\n".join(lines + [" | ".join(str(r[c]) for c in columns) for r in rows]), step)
+
+
 def log_weights(accelerator: Any, report_to: str, paths: Sequence[Path], name: str) -> None:
     """Each weights file or model folder as a W&B model artifact ``<name>-<label>`` (main process, wandb
     only), the label being a safetensors file's stem (``best``), else its name with ``_`` for ``.``

@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -36,13 +36,12 @@ except ModuleNotFoundError:
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
-from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 
 from common import UserError
 from common.artifacts.export import export
-from common.artifacts.figures import format_table, plot_confusion_matrix, save_table_csv
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, timm_optimizers
+from common.artifacts.figures import per_class_line, plot_confusion_matrix, save_table_csv
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, arg, timm_optimizers
 from common.console import cli_main, own_files
 from common.data.classification import ClassificationDataset, load_classification, with_label_fraction
 from common.data.image_cache import image_caches
@@ -50,10 +49,11 @@ from common.data.images import needed_side
 from common.data.scan import without_unreadable
 from common.ema import ModelEma
 from common.loaders import eval_loader_for, train_loader_for
-from common.loop import Loop, steps_total
+from common.loop import Loop
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
-from common.schedules import schedule, set_group_values
+from common.schedules import schedule, set_group_values, steps_total
+from common.trackers import log_table
 from common.weights import (
     config_with_weights,
     kept_weights,
@@ -65,7 +65,12 @@ from common.weights import (
 
 with own_files("classifier_"):  # the classifier's own files, beside this one: copy them with it (README)
     from classifier_inference import MODEL_FIELDS, export_files, predict, trained_model, write_model_folder
-    from classifier_model import BlockProbe, create_transforms, data_config  # DINO's probe head, timm's transforms
+    from classifier_model import (
+        BlockProbe,
+        create_criterion,
+        create_transforms,
+        data_config,
+    )  # DINO's probe head, timm's transforms
 
 
 # ============================================================================================
@@ -73,104 +78,103 @@ with own_files("classifier_"):  # the classifier's own files, beside this one: c
 # ============================================================================================
 @dataclass
 class Config(RunConfig):
+    # fmt: off
     # data
-    data: str = "digits"  # built-in name, local folder (imagefolder / saved dataset) or hub name
-    train_fraction: float = 1.0  # a seeded fraction of the training images, stratified by class (the rest unused)
-    image_column: str = ""  # the column holding the images; empty: detected (the first Image column)
-    label_column: str = ""  # the column holding the class labels; empty: detected (a ClassLabel, or label)
-    img_size: int = 32  # training and evaluation resolution (pixels)
-    crop_pct: float = 1.0  # eval: resize to img_size / crop_pct, then centre crop (ImageNet: 0.875 for convnets)
-    scale: list[float] = field(default_factory=lambda: [0.6, 1.0])  # RandomResizedCrop area range (timm: 0.08, 1)
-    ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])  # RandomResizedCrop aspect range, w / h
-    hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
-    color_jitter: float = 0.0  # brightness, contrast and saturation jitter strength (0: off; timm turns it off
-    #   under auto_augment)
-    auto_augment: str = ""  # timm AutoAugment / RandAugment policy, e.g. rand-m9-mstd0.5-inc1 (empty: off)
-    reprob: float = 0.0  # random erasing probability (0: off; DeiT: 0.25)
-    remode: Literal["pixel", "rand", "const"] = "pixel"  # random erasing fill: per-pixel normal noise (timm and
-    #   DeiT's default), one random colour per box, or zeros
-    recount: int = 1  # random erasing boxes per image
-    interpolation: Literal["bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"] = "bicubic"  # resampling
-    #   filter of the training crop and the evaluation resize
-    mean: list[float] = field(default_factory=list)  # input normalisation per RGB channel (0..1 pixels), with std;
-    #   empty: what --init_backbone was trained with (DINO's backbones: ImageNet's), else the timm model's default
-    std: list[float] = field(default_factory=list)  # input normalisation standard deviation per RGB channel; see mean
-    aug_repeats: int = 1  # repeated augmentation (DeiT: 3): each image this many times per epoch, differently
-    #   augmented, on different processes; the epoch keeps its length (1: off)
-    mixup: float = 0.0  # Mixup alpha (0: off; DeiT: 0.8); Mixup and CutMix need an even batch_size
-    cutmix: float = 0.0  # CutMix alpha (0: off; DeiT: 1.0)
-    mixup_prob: float = 1.0  # probability that a batch is mixed at all (when mixup or cutmix is on)
-    mixup_switch_prob: float = 0.5  # probability of CutMix rather than Mixup for a batch when both are on
-    smoothing: float = 0.1  # label smoothing: the target's weight spread over the other classes (0: off)
-    bce_loss: bool = False  # binary cross-entropy per class (timm's BinaryCrossEntropy; ResNet strikes back, DeiT III)
-    #   instead of softmax cross-entropy; Mixup/CutMix and smoothing targets as with cross-entropy
-    bce_target_thresh: float = 0.0  # >0: BCE targets binarised at this threshold (timm's --bce-target-thresh)
+    data: str = arg("digits", "built-in name, local folder (imagefolder / saved dataset) or hub name")
+    train_fraction: float = arg(1.0, "a seeded fraction of the training images, stratified by class (the rest unused)",
+        gt=0, le=1, note="1 trains on every image")
+    image_column: str = arg("", "the column holding the images; empty: detected (the first Image column)")
+    label_column: str = arg("", "the column holding the class labels; empty: detected (a ClassLabel, or label)")
+    img_size: int = arg(32, "training and evaluation resolution (pixels)", ge=8, le=MAX_SIDE)
+    crop_pct: float = arg(1.0, "eval: resize to img_size / crop_pct, then centre crop (ImageNet: 0.875 for convnets)",
+        gt=0, le=1)
+    scale: list[float] = arg([0.6, 1.0], "RandomResizedCrop area range (timm: 0.08, 1)", gt=0, le=1)
+    ratio: list[float] = arg([0.75, 1.3333], "RandomResizedCrop aspect range, w / h", gt=0)
+    hflip: float = arg(0.0, "horizontal flip probability: 0.5 for natural images; digits must not be mirrored",
+        ge=0, le=1)
+    color_jitter: float = arg(0.0, "brightness, contrast and saturation jitter strength (0: off; timm turns "
+        "it off under auto_augment)", ge=0)
+    auto_augment: str = arg("", "timm AutoAugment / RandAugment policy, e.g. rand-m9-mstd0.5-inc1 (empty: off)")
+    reprob: float = arg(0.0, "random erasing probability (0: off; DeiT: 0.25)", ge=0, le=1)
+    remode: Literal["pixel", "rand", "const"] = arg("pixel", "random erasing fill: per-pixel normal noise (timm and "
+        "DeiT's default), one random colour per box, or zeros")
+    recount: int = arg(1, "random erasing boxes per image", ge=1, le=256)
+    interpolation: Literal["bicubic", "bilinear", "nearest", "lanczos", "box", "hamming"] = arg("bicubic",
+        "resampling filter of the training crop and the evaluation resize")
+    mean: list[float] = arg([], "input normalisation per RGB channel (0..1 pixels), with std; empty: what "
+        "--init_backbone was trained with (DINO's backbones: ImageNet's), else the timm model's default")
+    std: list[float] = arg([], "input normalisation standard deviation per RGB channel; see mean", gt=0)
+    aug_repeats: int = arg(1, "repeated augmentation (DeiT: 3): each image this many times per epoch, differently "
+        "augmented, on different processes; the epoch keeps its length (1: off)", ge=1, le=256)
+    mixup: float = arg(0.0, "Mixup alpha (0: off; DeiT: 0.8); Mixup and CutMix need an even batch_size", ge=0)
+    cutmix: float = arg(0.0, "CutMix alpha (0: off; DeiT: 1.0)", ge=0)
+    mixup_prob: float = arg(1.0, "probability that a batch is mixed at all (when mixup or cutmix is on)", ge=0, le=1)
+    mixup_switch_prob: float = arg(0.5, "probability of CutMix rather than Mixup for a batch when both are on",
+        ge=0, le=1)
+    smoothing: float = arg(0.1, "label smoothing: the target's weight spread over the other classes (0: off)",
+        ge=0, lt=1)
+    bce_loss: bool = arg(False, "binary cross-entropy per class (timm's BinaryCrossEntropy; ResNet strikes back, DeiT "
+        "III) instead of softmax cross-entropy; Mixup/CutMix and smoothing targets as with cross-entropy")
+    bce_target_thresh: float = arg(0.0, ">0: BCE targets binarised at this threshold (timm's --bce-target-thresh)",
+        ge=0, le=1)
     # model
-    model: str = "resnet18"  # any timm model name (timm.list_models())
-    model_kwargs: dict = field(default_factory=dict)  # extra timm.create_model arguments, e.g. {depth: 4}
-    pretrained: bool = False  # timm's hub weights (needs network)
-    init_backbone: str = ""  # safetensors of the same timm model to start from (a DINO teacher backbone, another
-    #   classifier's weights); the head starts new where the file has none or one of another size
-    linear_probe: bool = False  # train only the classifier head; the backbone stays frozen, in eval mode
-    probe_blocks: int = 0  # with linear_probe on a ViT, DINO's linear evaluation: the head reads the [CLS] tokens
-    #   of the last this many blocks, concatenated (DINO: 4 for ViT-S/16, 1 with probe_avgpool for ViT-B); 0: pooled
-    probe_avgpool: bool = False  # with probe_blocks: also the last block's mean patch token (avgpool_patchtokens)
-    drop_rate: float = 0.0  # dropout before the classifier head
-    drop_path_rate: float = 0.0  # stochastic depth rate (DeiT-S: 0.1; 0 for small convnets)
-    bn_momentum: float = 0.0  # 0: the model's default (PyTorch convention: weight of the new batch)
-    bn_momentum_end: float = 0.0  # >0: anneal bn_momentum to this by epochs (cosine)
-    channels_last: bool = False  # channels_last memory format: faster convnets on GPUs with tensor cores
-    sync_bn: bool = False  # several CUDA processes: batch-norm statistics over the global batch (SyncBatchNorm);
-    #   otherwise each process's running statistics are averaged over the processes before every evaluation
+    model: str = arg("resnet18", "any timm model name (timm.list_models())")
+    model_kwargs: dict = arg({}, "extra timm.create_model arguments, e.g. {depth: 4}")
+    pretrained: bool = arg(False, "timm's hub weights (needs network)")
+    init_backbone: str = arg("", "safetensors of the same timm model to start from (a DINO teacher backbone, another "
+        "classifier's weights); the head starts new where the file has none or one of another size")
+    linear_probe: bool = arg(False, "train only the classifier head; the backbone stays frozen, in eval mode")
+    probe_blocks: int = arg(0, "with linear_probe on a ViT, DINO's linear evaluation: the head reads the [CLS] tokens "
+        "of the last this many blocks, concatenated (DINO: 4 for ViT-S/16, 1 with "
+        "probe_avgpool for ViT-B); 0: pooled", ge=0, le=1024)
+    probe_avgpool: bool = arg(False, "with probe_blocks: also the last block's mean patch token (avgpool_patchtokens)")
+    drop_rate: float = arg(0.0, "dropout before the classifier head", ge=0, lt=1)
+    drop_path_rate: float = arg(0.0, "stochastic depth rate (DeiT-S: 0.1; 0 for small convnets)", ge=0, lt=1)
+    bn_momentum: float = arg(0.0, "0: the model's default (PyTorch convention: weight of the new batch)", ge=0, le=1)
+    bn_momentum_end: float = arg(0.0, ">0: anneal bn_momentum to this by epochs (cosine)", ge=0, le=1)
+    channels_last: bool = arg(False, "channels_last memory format: faster convnets on GPUs with tensor cores")
+    sync_bn: bool = arg(False, "several CUDA processes: batch-norm statistics over the global batch (SyncBatchNorm); "
+        "otherwise each process's running statistics are averaged over the processes before every evaluation")
     # optimization
-    epochs: int = 12  # training epochs
-    batch_size: int = 64  # images per process and micro-step: global batch = this x processes x grad_accum_steps
-    eval_batch_size: int = 0  # evaluation images per process; 0: batch_size (the shapes training compiled)
-    grad_accum_switch_epoch: int = 0  # >0: from this epoch on, accumulate grad_accum_steps_after_switch
-    grad_accum_steps_after_switch: int = 0  # grad_accum_steps from grad_accum_switch_epoch on (0: no switch)
-    opt: str = field(default="adamw", metadata={"choices": timm_optimizers})  # any timm optimizer name:
-    #   sgd, adamw, lamb, lars, ... (biases and norms get no weight decay)
-    lr: float = 8e-3  # peak learning rate per lr_batch images: the run peaks at lr x global batch / lr_batch
-    #   (global batch = batch_size x processes x grad_accum_steps), so it follows the number of GPUs; see lr_scale
-    lr_batch: int = 256  # the global batch lr is written for (timm's and DeiT's 256)
-    lr_scale: Literal["linear", "sqrt"] = "linear"  # how the peak follows the global batch: linear (Goyal et
-    #   al., DeiT, DINO) or sqrt, lr x sqrt(global batch / lr_batch), which timm's train.py uses for adam*/lamb:
-    #   port a timm --lr-base for those optimizers with sqrt
-    min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules (not scaled)
-    warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to the peak over warmup_epochs (not scaled)
-    warmup_epochs: float = 2.0  # linear warmup length in epochs (fractions allowed)
-    sched: Literal["cosine", "linear", "step", "poly", "constant"] = "cosine"  # learning rate after warmup:
-    #   to min_lr (cosine, linear; poly = linear here), x decay_rate at decay_milestones (step), or constant
-    decay_milestones: list[int] = field(default_factory=list)  # epochs, for sched=step
-    decay_rate: float = 0.1  # factor on the learning rate at each of decay_milestones (sched=step)
-    weight_decay: float = 0.05  # decoupled for AdamW, L2 for SGD; biases and norms get none
-    momentum: float = 0.9  # SGD momentum (and the other timm optimizers that take one)
-    layer_decay: float = 0.0  # >0: timm layer-wise lr decay (ViT fine-tuning)
-    clip_grad: float = 0.0  # >0: clip the global gradient norm to this
-    ema_decay: float = 0.0  # >0: keep a model EMA and evaluate it too (e.g. 0.9998)
-    ema_warmup: bool = True  # the EMA decay ramps as min(ema_decay, (1 + step) / (10 + step)), so the init fades fast
+    epochs: int = arg(12, "training epochs")
+    batch_size: int = arg(64, "images per process and micro-step: global batch = this x processes x grad_accum_steps")
+    eval_batch_size: int = arg(0, "evaluation images per process; 0: batch_size (the shapes training compiled)",
+        ge=0, le=MAX_COUNT)
+    grad_accum_switch_epoch: int = arg(0, ">0: from this epoch on, accumulate grad_accum_steps_after_switch",
+        ge=0, le=MAX_EPOCHS)
+    grad_accum_steps_after_switch: int = arg(0, "grad_accum_steps from grad_accum_switch_epoch on (0: no switch)",
+        ge=0, le=MAX_COUNT)
+    opt: str = arg("adamw", "any timm optimizer name: sgd, adamw, lamb, lars, ... (biases and "
+        "norms get no weight decay)", choices=timm_optimizers)
+    lr: float = arg(8e-3, "peak learning rate per lr_batch images: the run peaks at lr x global batch / lr_batch "
+        "(global batch = batch_size x processes x grad_accum_steps), so it follows the number of GPUs; see lr_scale")
+    lr_batch: int = arg(256, "the global batch lr is written for (timm's and DeiT's 256)")
+    lr_scale: Literal["linear", "sqrt"] = arg("linear", "how the peak follows the global batch: linear (Goyal et al., "
+        "DeiT, DINO) or sqrt, lr x sqrt(global batch / lr_batch), which timm's train.py uses for adam*/lamb: port a "
+        "timm --lr-base for those optimizers with sqrt")
+    min_lr: float = arg(1e-5, "learning rate at the end of the cosine, linear and poly schedules (not scaled)", ge=0)
+    warmup_lr: float = arg(1e-5, "learning rate at step 0, rising linearly to the peak over warmup_epochs (not scaled)",
+        ge=0)
+    warmup_epochs: float = arg(2.0, "linear warmup length in epochs (fractions allowed)")
+    sched: Literal["cosine", "linear", "step", "poly", "constant"] = arg("cosine", "learning rate after warmup: to "
+        "min_lr (cosine, linear; poly = linear here), x decay_rate at decay_milestones (step), or constant")
+    decay_milestones: list[int] = arg([], "epochs, for sched=step", ge=0, le=MAX_EPOCHS)
+    decay_rate: float = arg(0.1, "factor on the learning rate at each of decay_milestones (sched=step)", ge=0, le=1)
+    weight_decay: float = arg(0.05, "decoupled for AdamW, L2 for SGD; biases and norms get none")
+    momentum: float = arg(0.9, "SGD momentum (and the other timm optimizers that take one)", ge=0, lt=1)
+    layer_decay: float = arg(0.0, ">0: timm layer-wise lr decay (ViT fine-tuning)", ge=0, le=1)
+    clip_grad: float = arg(0.0, ">0: clip the global gradient norm to this")
+    ema_decay: float = arg(0.0, ">0: keep a model EMA and evaluate it too (e.g. 0.9998)", ge=0, lt=1)
+    ema_warmup: bool = arg(True, "the EMA decay ramps as min(ema_decay, (1 + step) / (10 + "
+        "step)), so the init fades fast")
     # run
-    checkpoint_every: int = 200  # save a checkpoint every this many optimizer steps; also at the end
+    checkpoint_every: int = arg(200, "save a checkpoint every this many optimizer steps; also at the end")
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
-    eval_only: bool = False  # evaluate --weights on the evaluation split (top-1/top-5, per-class accuracy), no training
-    predict: str = ""  # an image or a folder of images: with --weights, write predictions.csv (top-5 class names and
-    #   probabilities per image); no dataset needed
-
-    # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones')
-    ranges: ClassVar[dict[str, str]] = {
-        "(0, 1]; 1 trains on every image": "train_fraction",
-        f"[8, {MAX_SIDE}]": "img_size",
-        "(0, 1]": "crop_pct scale",
-        "(0, inf)": "ratio std",
-        "[0, 1]": "hflip reprob mixup_prob mixup_switch_prob bce_target_thresh bn_momentum bn_momentum_end "
-        "layer_decay decay_rate",
-        "[0, 1)": "smoothing drop_rate drop_path_rate momentum ema_decay",
-        "[0, inf)": "color_jitter mixup cutmix min_lr warmup_lr",
-        "[1, 256]": "recount aug_repeats",
-        "[0, 1024]": "probe_blocks",
-        f"[0, {MAX_COUNT}]": "eval_batch_size grad_accum_steps_after_switch",
-        f"[0, {MAX_EPOCHS}]": "grad_accum_switch_epoch decay_milestones",
-    }
+    eval_only: bool = arg(False, "evaluate --weights on the evaluation split (top-1/top-5, "
+        "per-class accuracy), no training")
+    predict: str = arg("", "an image or a folder of images: with --weights, write predictions.csv (top-5 class names "
+        "and probabilities per image); no dataset needed")
+    # fmt: on
 
 
 # ============================================================================================
@@ -212,7 +216,7 @@ def input_normalization(cfg: Config) -> tuple[Config, str]:
     from the file, or a warning that an explicit one differs from it ('' when there is nothing to say).
     A backbone fed inputs normalised for another model sees them scaled and shifted: a DINO ViT trained
     on ImageNet's statistics, probed with timm's ViT default (0.5, 0.5), gets about half its input range."""
-    if len(cfg.mean) != len(cfg.std) or len(cfg.mean) not in (0, 3):  # their values: Config.ranges
+    if len(cfg.mean) != len(cfg.std) or len(cfg.mean) not in (0, 3):  # their values: their fields' ranges
         raise UserError(f"mean and std are 3 values each (R, G, B), or both empty: got mean {cfg.mean}, std {cfg.std}")
     if not cfg.init_backbone or not Path(cfg.init_backbone).is_file():
         return cfg, ""
@@ -364,8 +368,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         picture = None
         if accelerator.is_main_process:
             rows = per_class_accuracy(confusion, data.classes)
-            save_table_csv(rows, run.dir / "per_class_accuracy.csv")
-            run.print(format_table(rows))
+            save_table_csv(rows, run.dir / "per_class_accuracy.csv")  # and a tracker table; the console: one line
+            log_table(accelerator, cfg.report_to, "eval/accuracy_per_class", rows, 0)
+            run.print(per_class_line("accuracy per class", rows, "accuracy", run.dir / "per_class_accuracy.csv"))
             picture = plot_confusion_matrix(
                 confusion.numpy(),
                 data.classes,
@@ -389,16 +394,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             label_smoothing=cfg.smoothing,
             num_classes=num_classes,
         )
-    if cfg.bce_loss:  # one sigmoid per class, on hard targets or Mixup's soft ones (already smoothed)
-        criterion = BinaryCrossEntropy(
-            smoothing=0.0 if mixup_fn else cfg.smoothing, target_threshold=cfg.bce_target_thresh or None
-        )
-    elif mixup_fn is not None:
-        criterion = SoftTargetCrossEntropy()  # Mixup already smoothed the targets
-    elif cfg.smoothing > 0:
-        criterion = LabelSmoothingCrossEntropy(cfg.smoothing)
-    else:
-        criterion = torch.nn.CrossEntropyLoss()
+    criterion = create_criterion(cfg, mixed=mixup_fn is not None)  # recipes/classifier_model.py
+    weight_dict = {"loss_cls": 1.0}  # the total loss: sum of weight x term (a new term: one more entry)
 
     # ---- optimizer and schedules --------------------------------------------------------------
     # timm's factory puts biases and norm parameters in a group with weight_decay 0 (and, with
@@ -474,25 +471,31 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
             with accelerator.accumulate(model):
                 logits = model(images)
-                loss = criterion(logits, soft_targets)
+                losses = {"loss_cls": criterion(logits, soft_targets)}
+                loss = sum(losses[k] * w for k, w in weight_dict.items())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip_grad > 0:
                     meters.update(grad_norm=accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(loop.step + 1, {"loss": loss})  # the step this loss belongs to, 1-based as logged
-            meters.update(n=len(images), loss=loss)
-            meters.images(len(images))
-            if not loop.optimizer_stepped():
+            loop.record(loss, losses, len(images))  # meters and the non-finite guard, on the device
+            if not accelerator.sync_gradients:  # still accumulating gradients
                 continue
+            loop.end_step()
             if ema is not None:
                 ema.update(unwrapped, loop.step)
             if loop.log_due():
                 loop.log_train(lr=lr)
+            if loop.stop_requested():  # SIGTERM/SIGINT/SIGUSR1 on any process: checkpoint, then end the run
+                loop.save_checkpoint()
+                return loop.stop(results)
+            if loop.checkpoint_due():
+                loop.save_checkpoint()
 
         # ---- evaluation and best weights (raw or EMA, by top-1) ----------------------------------
         if loop.eval_due():
+            loop.start_evaluation()  # a loss gone non-finite stops the run here; the evaluation's clock
             if not cfg.sync_bn:  # each process's BN statistics saw its own batches: evaluate their mean
                 average_bn_statistics(unwrapped, accelerator)
                 if ema is not None:
@@ -509,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 results.update({f"eval_ema/{k}": v for k, v in metrics.items()})
                 candidates.append((results["eval_ema/top1"], "ema", confusion))
             top1, which, confusion = max(candidates, key=lambda c: c[0])
-            improved = loop.improved("top1", top1)
+            improved = loop.update_best("top1", top1)
             results["best/top1"] = loop.best("top1")
             run.log({**results, "epoch": epoch}, loop.step)
             picture = None
@@ -525,8 +528,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 weights = accelerator.get_state_dict(model) if which == "raw" else ema.module.state_dict()
                 if accelerator.is_main_process:
                     save_weights(weights, run.dir / "best.safetensors", cfg, **saved_as)
-    if loop.stopped:
-        return results
+        if loop.checkpoint_due():  # every checkpoint_every steps, and after the last epoch
+            loop.save_checkpoint()
 
     # ---- saving ---------------------------------------------------------------------------------
     final = accelerator.get_state_dict(model)

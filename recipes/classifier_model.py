@@ -1,5 +1,6 @@
 """The classifier's model pieces and its input, beside recipes/classifier.py: DINO's linear evaluation head
-on a frozen ViT (:class:`BlockProbe`), and timm's data config and transforms, which training, prediction
+on a frozen ViT (:class:`BlockProbe`), the loss a config asks for (:func:`create_criterion`), and timm's data
+config and transforms, which training, prediction
 and the exports (recipes/classifier_inference.py) feed the model with.
 
 recipes/classifier.py builds the model from its Config; copy classifier.py and its ``classifier_*.py`` files
@@ -13,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 from timm.data import create_transform, resolve_data_config
+from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
 from common import UserError
 
@@ -92,3 +94,18 @@ def create_transforms(cfg: InputSettings, model: torch.nn.Module) -> tuple[Calla
         re_count=cfg.recount,
     )
     return train_tf, create_transform(**data_cfg, is_training=False)
+
+
+def create_criterion(cfg: Any, mixed: bool) -> torch.nn.Module:
+    """The classification loss of a config (``smoothing``, ``bce_loss``, ``bce_target_thresh``); ``mixed``:
+    Mixup/CutMix makes the targets soft and already smoothed. Takes logits [B, K] and targets: class indices [B],
+    or soft targets [B, K] when ``mixed``."""
+    if cfg.bce_loss:  # one sigmoid per class (ResNet strikes back, DeiT III), on hard or soft targets
+        return BinaryCrossEntropy(
+            smoothing=0.0 if mixed else cfg.smoothing, target_threshold=cfg.bce_target_thresh or None
+        )
+    if mixed:
+        return SoftTargetCrossEntropy()
+    if cfg.smoothing > 0:
+        return LabelSmoothingCrossEntropy(cfg.smoothing)
+    return torch.nn.CrossEntropyLoss()

@@ -44,9 +44,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -63,16 +63,16 @@ from torch import nn
 
 from common import UserError
 from common.artifacts.export import export
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, arg
 from common.console import cli_main, own_files
 from common.data.classification import with_label_fraction
 from common.data.image_cache import image_caches
 from common.data.scan import without_unreadable
 from common.detection.coco_eval import CocoEvaluator, EvalDetails
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
-from common.detection.outputs import per_class_text, report_evaluation
+from common.detection.outputs import ap_per_class_line, report_evaluation
 from common.loaders import eval_loader_for, train_loader_for
-from common.loop import Loop, steps_total
+from common.loop import Loop
 from common.models import (
     average_bn_statistics,
     create_timm_model,
@@ -82,7 +82,7 @@ from common.models import (
     sync_batchnorm,
 )
 from common.run import Run
-from common.schedules import schedule, set_group_values
+from common.schedules import schedule, set_group_values, steps_total
 from common.weights import config_with_weights, kept_weights, load_backbone, save_weights, weights_metadata
 
 with own_files("detr_"):  # DETR's own files, beside this one: copy them with it (README, "Your own recipe")
@@ -101,113 +101,102 @@ LOSS_TERMS = ("loss_ce", "loss_bbox", "loss_giou")
 # ============================================================================================
 @dataclass
 class Config(RunConfig):
+    # fmt: off
     # data
-    data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
-    train_fraction: float = 1.0  # a seeded fraction of the training images (the rest unused)
-    scales: list[int] = field(default_factory=lambda: [96])  # shorter side, px: one drawn per training image;
-    #   eval at the last (DETR: 480..800 step 32)
-    max_size: int = 96  # longer side at most, px (DETR: 1333)
-    crop: float = 0.0  # probability of DETR's crop branch: resize to crop_resize, random crop of crop_size,
-    #   resize to scales (DETR: 0.5)
-    crop_resize: list[int] = field(default_factory=lambda: [72, 84, 96])  # shorter side before the crop, px
-    #   (DETR: 400, 500, 600)
-    crop_size: list[int] = field(default_factory=lambda: [64, 96])  # crop width and height drawn in [min, max] px
-    #   (DETR: 384, 600)
-    hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
-    num_workers: int = -1  # DataLoader worker processes per training process; -1: the cores available per process,
-    #   at most 8 (common.loaders.auto_workers); 0: load in the main process
+    data: str = arg("digits_det", "built-in name, COCO-json folder, or hub dataset with an `objects` column")
+    train_fraction: float = arg(1.0, "a seeded fraction of the training images (the rest unused)", gt=0, le=1,
+        note="1 trains on every image")
+    scales: list[int] = arg([96], "shorter side, px: one drawn per training image; eval at the last "
+        "(DETR: 480..800 step 32)", ge=1, le=MAX_SIDE)
+    max_size: int = arg(96, "longer side at most, px (DETR: 1333)", ge=1, le=MAX_SIDE)
+    crop: float = arg(0.0, "probability of DETR's crop branch: resize to crop_resize, random crop of crop_size, "
+        "resize to scales (DETR: 0.5)", ge=0, le=1)
+    crop_resize: list[int] = arg([72, 84, 96], "shorter side before the crop, px (DETR: 400, 500, 600)",
+        ge=1, le=MAX_SIDE)
+    crop_size: list[int] = arg([64, 96], "crop width and height drawn in [min, max] px (DETR: 384, 600)",
+        ge=1, le=MAX_SIDE)
+    hflip: float = arg(0.0, "horizontal flip probability: 0.5 for natural images; digits must not be mirrored",
+        ge=0, le=1)
+    num_workers: int = arg(-1, "DataLoader worker processes per training process; -1: the cores available per process, "
+        "at most 8 (common.loaders.auto_workers); 0: load in the main process")
     # model: backbone -> 1x1 projection -> encoder -> decoder -> heads
-    model: str = "resnet10t"  # any timm model with features_only (DETR: resnet50)
-    # extra timm.create_model arguments; the demo: resnet10t at half width, its last stage dilated
-    # (DETR-DC5's trick): stride 8, a 12 x 12 map at 96 px
-    model_kwargs: dict = field(
-        default_factory=lambda: {"channels": [32, 64, 128, 256], "stem_width": 16, "output_stride": 8}
-    )
-    out_index: int = 3  # the backbone level the transformer reads (timm's feature index; -1 = the last)
-    pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
-    frozen_bn: bool = False  # backbone batch norm as fixed affine layers (DETR does so with pretrained weights)
-    freeze_at: int = 0  # backbone levels whose weights never train: 0 none, 1 the stem, 2 the stem and the first
-    #   stage (DETR: 2, its resnet50 trains layer2-4 only); frozen weights stay out of the optimizer
-    init_backbone: str = ""  # safetensors of the same timm model (e.g. classifier.py's best.safetensors) for the
-    #   backbone; keys it does not use (head, later stages) are ignored
-    init_weights: str = ""  # the whole detector from a DETR checkpoint: the reference's COCO-trained .pth
-    #   (detr-r50-e632da11.pth), transformers' facebook/detr-resnet-50 model.safetensors, or this recipe's own
-    #   safetensors; the model fields must match it (DETR-R50: resnet50, out_index -1, d_model 256, 6 + 6
-    #   layers, 8 heads, dim_feedforward 2048, 100 queries). The class head is kept for COCO classes (the rows
-    #   of their ids) and for the file's own classes, else made anew (docs/detr.md)
+    model: str = arg("resnet10t", "any timm model with features_only (DETR: resnet50)")
+    model_kwargs: dict = arg({"channels": [32, 64, 128, 256], "stem_width": 16, "output_stride": 8},
+        "extra timm.create_model arguments; the demo: resnet10t at half width, its last stage dilated (DETR-DC5's "
+        "trick): stride 8, a 12 x 12 map at 96 px")
+    out_index: int = arg(3, "the backbone level the transformer reads (timm's feature index; -1 = the last)",
+        ge=-8, le=8)
+    pretrained: bool = arg(False, "timm's ImageNet weights for the backbone (needs network)")
+    frozen_bn: bool = arg(False, "backbone batch norm as fixed affine layers (DETR does so with pretrained weights)")
+    freeze_at: int = arg(0, "backbone levels whose weights never train: 0 none, 1 the stem, 2 the stem and the first "
+        "stage (DETR: 2, its resnet50 trains layer2-4 only); frozen weights stay out of the optimizer", ge=0, le=8)
+    init_backbone: str = arg("", "safetensors of the same timm model (e.g. classifier.py's best.safetensors) for the "
+        "backbone; keys it does not use (head, later stages) are ignored")
+    init_weights: str = arg("", "the whole detector from a DETR checkpoint: the reference's COCO-trained .pth "
+        "(detr-r50-e632da11.pth), transformers' facebook/detr-resnet-50 model.safetensors, or this recipe's own "
+        "safetensors; the model fields must match it (DETR-R50: resnet50, out_index -1, d_model 256, 6 + 6 layers, 8 "
+        "heads, dim_feedforward 2048, 100 queries). The class head is kept for COCO classes (the rows of their ids) "
+        "and for the file's own classes, else made anew (docs/detr.md)")
     # backbone pre-training on the training set's own boxes, before DETR: what stands in for ImageNet weights
     # without network (skipped with pretrained, init_backbone or init_weights weights, and when resuming)
-    pretrain_crops_epochs: int = 6  # epochs of classifying every ground-truth box, cut out, with backbone + linear
-    #   head (0: off)
-    pretrain_crops_size: int = 32  # crop side, px (digits_det's digits are 12-47 px tall)
-    pretrain_crops_margin: float = 0.15  # context around each box, a fraction of its longer side
-    pretrain_crops_shift: float = 0.1  # the crop window moves by up to this fraction of its side (x and y)
-    pretrain_crops_lr: float = 2e-3  # peak AdamW learning rate of the pre-training: 1 warmup epoch, then cosine to 0
-    pretrain_crops_batch_size: int = 64  # crops per process
+    pretrain_crops_epochs: int = arg(6, "epochs of classifying every ground-truth box, cut out, with "
+        "backbone + linear head (0: off)", ge=0, le=MAX_EPOCHS)
+    pretrain_crops_size: int = arg(32, "crop side, px (digits_det's digits are 12-47 px tall)", ge=8, le=MAX_SIDE)
+    pretrain_crops_margin: float = arg(0.15, "context around each box, a fraction of its longer side", ge=0, le=10)
+    pretrain_crops_shift: float = arg(0.1, "the crop window moves by up to this fraction of its side (x and y)",
+        ge=0, le=1)
+    pretrain_crops_lr: float = arg(2e-3, "peak AdamW learning rate of the pre-training: 1 "
+        "warmup epoch, then cosine to 0", ge=0)
+    pretrain_crops_batch_size: int = arg(64, "crops per process", ge=1, le=MAX_COUNT)
     # transformer and heads
-    d_model: int = 128  # transformer width (DETR: 256)
-    nheads: int = 8  # attention heads; d_model must be a multiple of it (DETR: 8)
-    enc_layers: int = 3  # encoder layers (DETR: 6)
-    dec_layers: int = 3  # decoder layers, each with its own auxiliary loss (DETR: 6)
-    dim_feedforward: int = 512  # hidden width of each layer's feed-forward MLP (DETR: 2048)
-    dropout: float = 0.0  # dropout in the transformer (DETR: 0.1)
-    num_queries: int = 16  # object queries, the most objects per image (DETR: 100; digits_det has at most 6)
-    aux_loss: bool = True  # the losses after every decoder layer, not only the last (DETR: true)
+    d_model: int = arg(128, "transformer width (DETR: 256)", ge=4, le=MAX_COUNT)
+    nheads: int = arg(8, "attention heads; d_model must be a multiple of it (DETR: 8)", ge=1, le=1024)
+    enc_layers: int = arg(3, "encoder layers (DETR: 6)", ge=0, le=1024)
+    dec_layers: int = arg(3, "decoder layers, each with its own auxiliary loss (DETR: 6)", ge=1, le=1024)
+    dim_feedforward: int = arg(512, "hidden width of each layer's feed-forward MLP (DETR: 2048)", ge=1, le=MAX_COUNT)
+    dropout: float = arg(0.0, "dropout in the transformer (DETR: 0.1)", ge=0, lt=1)
+    num_queries: int = arg(16, "object queries, the most objects per image (DETR: 100; digits_det has at most 6)",
+        ge=1, le=MAX_COUNT)
+    aux_loss: bool = arg(True, "the losses after every decoder layer, not only the last (DETR: true)")
     # loss
-    matcher_costs: list[float] = field(default_factory=lambda: [2.0, 5.0, 2.0])  # Hungarian matching cost weights:
-    #   class, L1, GIoU (DETR: 1, 5, 2; Deformable DETR weighs the class 2, which teaches the demo its classes sooner)
-    loss_weights: list[float] = field(default_factory=lambda: [2.0, 5.0, 2.0])  # loss weights: CE, L1, GIoU
-    #   (DETR: 1, 5, 2; the class 2 as in the costs)
-    eos_coef: float = 0.1  # cross-entropy weight of the no-object class (DETR: 0.1)
+    matcher_costs: list[float] = arg([2.0, 5.0, 2.0], "Hungarian matching cost weights: class, L1, GIoU (DETR: 1, 5, "
+        "2; Deformable DETR weighs the class 2, which teaches the demo its classes sooner)")
+    loss_weights: list[float] = arg([2.0, 5.0, 2.0], "loss weights: CE, L1, GIoU (DETR: 1, 5, 2; the "
+        "class 2 as in the costs)")
+    eos_coef: float = arg(0.1, "cross-entropy weight of the no-object class (DETR: 0.1)", ge=0, le=1)
     # optimization
-    epochs: int = 12  # training epochs (after pretrain_crops_epochs)
-    lr: float = 5e-4  # peak learning rate of the transformer and heads for a global batch of lr_batch images,
-    #   carried to the run's global batch by lr_scale (DETR: 1e-4 at 64 images; a small model from scratch takes more)
-    lr_batch: int = 16  # the global batch lr and lr_backbone are written for (the demo's: batch_size 16, 1 process)
-    lr_scale: Literal["linear", "sqrt"] = "sqrt"  # sqrt: peak = lr x sqrt(global batch / lr_batch), timm's rule for
-    #   adam-type optimizers; linear: x global batch / lr_batch. lr_backbone is carried by the same factor
-    lr_backbone: float = 2.5e-4  # peak learning rate of the backbone at lr_batch images (DETR: 1e-5 for its ImageNet
-    #   one); here half of lr for the crop-pretrained one, which must learn whole scenes after 32 px crops (5e-4 from
-    #   scratch)
-    weight_decay: float = 1e-4  # AdamW weight decay, on every parameter as in DETR (DETR: 1e-4)
-    warmup_epochs: float = 1.0  # linear learning-rate warmup from 0, epochs (DETR: none)
-    lr_drop_epochs: int = 0  # the lr (both groups) drops x0.1 after this epoch; 0: at 2/3 of epochs
-    #   (DETR: 200 of 300)
-    clip_grad: float = 0.1  # clip the global gradient norm to this (0: off; DETR: 0.1)
-    compile: bool = False  # torch.compile the model through Accelerate (inductor); the matcher stays eager
+    epochs: int = arg(12, "training epochs (after pretrain_crops_epochs)")
+    lr: float = arg(5e-4, "peak learning rate of the transformer and heads for a global batch of lr_batch images, "
+        "carried to the run's global batch by lr_scale (DETR: 1e-4 at 64 images; a small model "
+        "from scratch takes more)")
+    lr_batch: int = arg(16, "the global batch lr and lr_backbone are written for (the demo's: "
+        "batch_size 16, 1 process)")
+    lr_scale: Literal["linear", "sqrt"] = arg("sqrt", "sqrt: peak = lr x sqrt(global batch / lr_batch), timm's rule "
+        "for adam-type optimizers; linear: x global batch / lr_batch. lr_backbone is carried by the same factor")
+    lr_backbone: float = arg(2.5e-4, "peak learning rate of the backbone at lr_batch images (DETR: 1e-5 for its "
+        "ImageNet one); here half of lr for the crop-pretrained one, which must learn whole scenes after 32 px "
+        "crops (5e-4 from scratch)", ge=0)
+    weight_decay: float = arg(1e-4, "AdamW weight decay, on every parameter as in DETR (DETR: 1e-4)")
+    warmup_epochs: float = arg(1.0, "linear learning-rate warmup from 0, epochs (DETR: none)")
+    lr_drop_epochs: int = arg(0, "the lr (both groups) drops x0.1 after this epoch; 0: at 2/3 of "
+        "epochs (DETR: 200 of 300)", ge=0, le=MAX_EPOCHS)
+    clip_grad: float = arg(0.1, "clip the global gradient norm to this (0: off; DETR: 0.1)")
+    compile: bool = arg(False, "torch.compile the model through Accelerate (inductor); the matcher stays eager")
     # evaluation
-    plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
-    best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
-    #   COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
+    plot_images: int = arg(4, "evaluation images drawn with ground truth and predictions in "
+        "plots/detections.png (0: none)", ge=0, le=64)
+    best_metric: Literal["map_50", "map", "map_50_11pt"] = arg("map_50", "what best.safetensors follows: mAP@0.5, "
+        "COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5")
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
-    eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
-    #   dataset's category ids), no training
-    predict: str = ""  # an image or a folder of images: with --weights, write detections.json and the images with
-    #   their boxes drawn (predictions/) in the run folder; no dataset needed
-    predict_score: float = 0.5  # predict: detections scoring below this are neither written nor drawn (DETR's
-    #   100 queries each answer, most with a low score)
+    eval_only: bool = arg(False, "evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in "
+        "the dataset's category ids), no training")
+    predict: str = arg("", "an image or a folder of images: with --weights, write detections.json and the images with "
+        "their boxes drawn (predictions/) in the run folder; no dataset needed")
+    predict_score: float = arg(0.5, "predict: detections scoring below this are neither written nor drawn (DETR's 100 "
+        "queries each answer, most with a low score)", ge=0, le=1)
     # run
-    eval_every: int = 5  # evaluate every this many epochs; also at the end
-
-    # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones'; loss_weights
-    # and matcher_costs are checked with d_model's multiple in check_config)
-    ranges: ClassVar[dict[str, str]] = {
-        "(0, 1]; 1 trains on every image": "train_fraction",
-        f"[1, {MAX_SIDE}]": "scales max_size crop_resize crop_size",
-        f"[8, {MAX_SIDE}]": "pretrain_crops_size",
-        "[0, 1]": "crop hflip pretrain_crops_shift eos_coef predict_score",
-        "[-8, 8]": "out_index",
-        "[0, 8]": "freeze_at",
-        f"[0, {MAX_EPOCHS}]": "pretrain_crops_epochs lr_drop_epochs",
-        "[0, 10]": "pretrain_crops_margin",
-        "[0, inf)": "pretrain_crops_lr lr_backbone",
-        f"[1, {MAX_COUNT}]": "pretrain_crops_batch_size dim_feedforward num_queries",
-        f"[4, {MAX_COUNT}]": "d_model",
-        "[1, 1024]": "nheads dec_layers",
-        "[0, 1024]": "enc_layers",
-        "[0, 1)": "dropout",
-        "[0, 64]": "plot_images",
-    }
+    eval_every: int = arg(5, "evaluate every this many epochs; also at the end")
+    # fmt: on
 
 
 # ============================================================================================
@@ -322,7 +311,7 @@ def check_config(cfg: Config) -> None:
         raise UserError(f"loss_weights must be 3 non-negative numbers (CE, L1, GIoU), got {cfg.loss_weights}")
     if len(cfg.matcher_costs) != 3 or any(w < 0 for w in cfg.matcher_costs):
         raise UserError(f"matcher_costs must be 3 non-negative numbers (class, L1, GIoU), got {cfg.matcher_costs}")
-    if not cfg.scales:  # their values, and the other numbers' ranges, were checked while parsing (Config.ranges)
+    if not cfg.scales:  # their values, and the other numbers' ranges, were checked while parsing
         raise UserError(f"scales must be one or more positive sizes, got {cfg.scales}")
     if len(cfg.crop_size) != 2 or cfg.crop_size[0] > cfg.crop_size[1] or not cfg.crop_resize:
         raise UserError(
@@ -465,22 +454,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(loop.step + 1, {"loss": loss, **{k: losses[k] for k in weight_dict}})
-            meters.update(n=len(images), loss=loss, **losses)
-            meters.images(
+            loop.record(  # meters and the non-finite guard, on the device
+                loss,
+                losses,
                 len(images),
                 boxes=sum(len(t["boxes"]) for t in targets),  # shapes: no device sync
                 dropped_boxes=sum(t["dropped"] for t in targets),
             )
-            if not loop.optimizer_stepped():
+            if not accelerator.sync_gradients:  # still accumulating gradients
                 continue
+            loop.end_step()
             if loop.log_due():
                 loop.log_train(lr=lr)
+            if loop.stop_requested():  # SIGTERM/SIGINT/SIGUSR1 on any process: checkpoint, then end the run
+                loop.save_checkpoint()
+                return loop.stop(results)
+            if loop.checkpoint_due():
+                loop.save_checkpoint()
 
         # ---- evaluation and best weights ---------------------------------------------------------
         if loop.eval_due():
+            loop.start_evaluation()  # a loss gone non-finite stops the run here; the evaluation's clock
             metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
-            improved = loop.improved(cfg.best_metric, metrics[cfg.best_metric])
+            improved = loop.update_best(cfg.best_metric, metrics[cfg.best_metric])
             # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
             results = report_evaluation(
                 run,
@@ -495,8 +491,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
                 save_weights(weights, run.dir / "best.safetensors", cfg, **saved_as)
-    if loop.stopped:
-        return results
+        if loop.checkpoint_due():  # every checkpoint_every steps, and after the last epoch
+            loop.save_checkpoint()
 
     # ---- saving -----------------------------------------------------------------------------------
     weights = accelerator.get_state_dict(model)
@@ -511,8 +507,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))), create_model)
             write = lambda folder: export_files(kept, cfg, meta, folder, run.recipe)  # noqa: E731
             results.update(export(run, write, loop.step))
-    if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
-        run.print(per_class_text(details))
+    if details is not None:  # the last evaluation's AP per class: one line, the table in a file
+        run.print(ap_per_class_line(details, run.plots_dir))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary
     return results
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import math
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -48,7 +48,7 @@ from torchvision import transforms as T
 
 from common import UserError
 from common.artifacts.export import export
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, arg
 from common.console import cli_main, own_files
 from common.data.classification import ClassificationDataset, load_classification
 from common.data.image_cache import image_caches
@@ -57,10 +57,10 @@ from common.data.scan import without_unreadable
 from common.detection.data import detection_images
 from common.ema import ema_update_
 from common.loaders import train_loader_for
-from common.loop import Loop, steps_total
+from common.loop import Loop
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
-from common.schedules import schedule, set_group_values, weight_decay_groups
+from common.schedules import schedule, set_group_values, steps_total, weight_decay_groups
 from common.weights import config_with_weights, is_onnx, save_weights, weights_metadata
 
 with own_files("dino_"):  # DINO's own files, beside this one: copy them with it (README, "Your own recipe")
@@ -74,96 +74,96 @@ with own_files("dino_"):  # DINO's own files, beside this one: copy them with it
 # ============================================================================================
 @dataclass
 class Config(RunConfig):
+    # fmt: off
     # data
-    data: str = "digits_ssl"  # built-in name, local folder or hub name; labels are optional (a folder of plain
-    #   image files trains), used only by the kNN evaluation
-    image_column: str = ""  # the column holding the images; empty: detected (the first Image column)
-    label_column: str = ""  # the column holding the labels, used by the kNN evaluation only; empty: detected
-    train_split: str = "train"  # the split to train on, also the kNN memory bank
-    eval_split: str = ""  # the split the kNN evaluation classifies; empty: validation/val/valid/test, else a seeded
-    #   10 % of train
-    knn_data: str = ""  # a labelled set for the kNN evaluation (any source the classifier takes; its training split
-    #   is the bank, its evaluation split the queries); empty: data itself when it has labels, else no kNN
-    global_size: int = 32  # global crop size in pixels (224 for ImageNet)
-    local_size: int = 16  # local crop size in pixels (96 for ImageNet)
-    local_crops: int = 6  # number of local crops per image (10 for ImageNet; 0: the 2 global crops only)
-    global_scale: list[float] = field(default_factory=lambda: [0.4, 1.0])  # global crops' RandomResizedCrop area
-    #   range (reference: 0.4, 1.0)
-    local_scale: list[float] = field(default_factory=lambda: [0.05, 0.4])  # local crops' RandomResizedCrop area
-    #   range (reference: 0.05, 0.4)
-    hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
-    blur_radius: list[float] = field(default_factory=lambda: [0.1, 0.6])  # PIL Gaussian radius, px ([0.1, 2] at 224)
-    color_jitter: list[float] = field(default_factory=lambda: [0.4, 0.4, 0.2, 0.1])  # brightness, contrast, saturation,
-    #   hue of the colour jitter applied with probability 0.8 (reference); where colour tells images apart, raise the
-    #   last two so that views must match by shape
-    grayscale: float = 0.2  # probability that a crop is turned grey (reference: 0.2)
+    data: str = arg("digits_ssl", "built-in name, local folder or hub name; labels are optional (a folder of plain "
+        "image files trains), used only by the kNN evaluation")
+    image_column: str = arg("", "the column holding the images; empty: detected (the first Image column)")
+    label_column: str = arg("", "the column holding the labels, used by the kNN evaluation only; empty: detected")
+    train_split: str = arg("train", "the split to train on, also the kNN memory bank")
+    eval_split: str = arg("", "the split the kNN evaluation classifies; empty: validation/val/valid/test, "
+        "else a seeded 10 % of train")
+    knn_data: str = arg("", "a labelled set for the kNN evaluation (any source the classifier takes; its training "
+        "split is the bank, its evaluation split the queries); empty: data itself when it has labels, else no kNN")
+    global_size: int = arg(32, "global crop size in pixels (224 for ImageNet)", ge=8, le=MAX_SIDE)
+    local_size: int = arg(16, "local crop size in pixels (96 for ImageNet)", ge=8, le=MAX_SIDE)
+    local_crops: int = arg(6, "number of local crops per image (10 for ImageNet; 0: the 2 global crops only)",
+        ge=0, le=64)
+    global_scale: list[float] = arg([0.4, 1.0], "global crops' RandomResizedCrop area range (reference: 0.4, 1.0)",
+        gt=0, le=1)
+    local_scale: list[float] = arg([0.05, 0.4], "local crops' RandomResizedCrop area range (reference: 0.05, 0.4)",
+        gt=0, le=1)
+    hflip: float = arg(0.0, "horizontal flip probability: 0.5 for natural images; digits must not be mirrored",
+        ge=0, le=1)
+    blur_radius: list[float] = arg([0.1, 0.6], "PIL Gaussian radius, px ([0.1, 2] at 224)", ge=0)
+    color_jitter: list[float] = arg([0.4, 0.4, 0.2, 0.1], "brightness, contrast, saturation, hue of the colour jitter "
+        "applied with probability 0.8 (reference); where colour tells images apart, raise the last two so that "
+        "views must match by shape", ge=0, le=1)
+    grayscale: float = arg(0.2, "probability that a crop is turned grey (reference: 0.2)", ge=0, le=1)
     # model
-    model: str = "resnet10t"  # any timm model (convnet or ViT); the demo: half width (model_kwargs), 1.2 M parameters
-    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256]})  # extra timm.create_model
-    #   arguments; the demo halves resnet10t's stage widths
-    drop_path_rate: float = 0.1  # stochastic depth of the student backbone (reference: 0.1)
-    out_dim: int = 1024  # K, prototypes of the projection head (65536 for ImageNet)
-    head_hidden_dim: int = 512  # hidden width of the projection head's MLP (2048 for ImageNet)
-    head_bottleneck_dim: int = 256  # the head's bottleneck, L2-normalised before the last layer (reference: 256)
-    norm_last_layer: bool = True  # fix the last layer's weight norm (stable); False is often better with ViT-S
-    head_use_bn: bool = True  # BatchNorm after the head's hidden layers (the reference's use_bn_in_head; False for ViT)
+    model: str = arg("resnet10t", "any timm model (convnet or ViT); the demo: half width "
+        "(model_kwargs), 1.2 M parameters")
+    model_kwargs: dict = arg({"channels": [32, 64, 128, 256]}, "extra timm.create_model arguments; the demo halves "
+        "resnet10t's stage widths")
+    drop_path_rate: float = arg(0.1, "stochastic depth of the student backbone (reference: 0.1)", ge=0, lt=1)
+    out_dim: int = arg(1024, "K, prototypes of the projection head (65536 for ImageNet)", ge=1, le=MAX_COUNT)
+    head_hidden_dim: int = arg(512, "hidden width of the projection head's MLP (2048 for ImageNet)", ge=1, le=MAX_COUNT)
+    head_bottleneck_dim: int = arg(256, "the head's bottleneck, L2-normalised before the last layer (reference: 256)",
+        ge=1, le=MAX_COUNT)
+    norm_last_layer: bool = arg(True, "fix the last layer's weight norm (stable); False is often better with ViT-S")
+    head_use_bn: bool = arg(True, "BatchNorm after the head's hidden layers (the reference's "
+        "use_bn_in_head; False for ViT)")
     # loss
-    warmup_teacher_temp: float = 0.04  # teacher temperature at the start, linear to teacher_temp
-    #   over warmup_teacher_temp_epochs (reference: 0.04)
-    teacher_temp: float = 0.04  # teacher softmax temperature after warmup (reference: 0.04; above 0.07 is unstable)
-    warmup_teacher_temp_epochs: int = 0  # teacher temperature warmup, epochs (reference: 0; 30 with teacher_temp 0.07)
-    student_temp: float = 0.1  # student softmax temperature (reference: 0.1)
-    center_momentum: float = 0.9  # EMA momentum of the centre subtracted from the teacher's outputs (reference: 0.9)
+    warmup_teacher_temp: float = arg(0.04, "teacher temperature at the start, linear to teacher_temp over "
+        "warmup_teacher_temp_epochs (reference: 0.04)", gt=0)
+    teacher_temp: float = arg(0.04, "teacher softmax temperature after warmup (reference: "
+        "0.04; above 0.07 is unstable)", gt=0)
+    warmup_teacher_temp_epochs: int = arg(0, "teacher temperature warmup, epochs (reference: 0; "
+        "30 with teacher_temp 0.07)", ge=0, le=MAX_EPOCHS)
+    student_temp: float = arg(0.1, "student softmax temperature (reference: 0.1)", gt=0)
+    center_momentum: float = arg(0.9, "EMA momentum of the centre subtracted from the teacher's "
+        "outputs (reference: 0.9)", ge=0, le=1)
     # optimization
-    epochs: int = 8  # training epochs
-    batch_size: int = 64  # images per process (each gives 2 + local_crops crops)
-    opt: Literal["adamw", "sgd"] = "adamw"  # adamw (ViT), or sgd with momentum 0.9 (the reference's ResNet-50 setting)
-    lr: float = 1.6e-2  # peak learning rate for a global batch of lr_batch images, carried to the run's global
-    #   batch by lr_scale (5e-4 per 256 for ViT-S/16 on ImageNet)
-    lr_batch: int = 256  # the global batch lr is written for (256: the reference's per-256 rule)
-    lr_scale: Literal["linear", "sqrt"] = "linear"  # linear: peak = lr x global batch / lr_batch, as the reference
-    min_lr: float = 1e-5  # learning rate at the end of the cosine (reference: 1e-6)
-    warmup_epochs: float = 1.0  # linear learning-rate warmup from 0, epochs (reference: 10)
-    weight_decay: float = 0.04  # cosine from this to weight_decay_end; none on biases and norms (reference: 0.04)
-    weight_decay_end: float = 0.4  # weight decay at the end of the cosine (reference: 0.4)
-    clip_grad: float = 3.0  # clip each parameter's gradient norm to this (0: off; reference: 3.0)
-    freeze_last_layer: int = 0  # epochs during which the last layer gets no gradient (1 on ImageNet)
-    momentum_teacher: float = 0.95  # teacher EMA momentum, cosine to 1 (0.996 on ImageNet: 0.95 lets the demo's
-    #   360-step teacher move)
-    compile: bool = False  # torch.compile the student through Accelerate (inductor)
+    epochs: int = arg(8, "training epochs")
+    batch_size: int = arg(64, "images per process (each gives 2 + local_crops crops)")
+    opt: Literal["adamw", "sgd"] = arg("adamw", "adamw (ViT), or sgd with momentum 0.9 (the "
+        "reference's ResNet-50 setting)")
+    lr: float = arg(1.6e-2, "peak learning rate for a global batch of lr_batch images, carried to the run's global "
+        "batch by lr_scale (5e-4 per 256 for ViT-S/16 on ImageNet)")
+    lr_batch: int = arg(256, "the global batch lr is written for (256: the reference's per-256 rule)")
+    lr_scale: Literal["linear", "sqrt"] = arg("linear", "linear: peak = lr x global batch / lr_batch, as the reference")
+    min_lr: float = arg(1e-5, "learning rate at the end of the cosine (reference: 1e-6)", ge=0)
+    warmup_epochs: float = arg(1.0, "linear learning-rate warmup from 0, epochs (reference: 10)")
+    weight_decay: float = arg(0.04, "cosine from this to weight_decay_end; none on biases and norms (reference: 0.04)")
+    weight_decay_end: float = arg(0.4, "weight decay at the end of the cosine (reference: 0.4)", ge=0)
+    clip_grad: float = arg(3.0, "clip each parameter's gradient norm to this (0: off; reference: 3.0)")
+    freeze_last_layer: int = arg(0, "epochs during which the last layer gets no gradient (1 on ImageNet)",
+        ge=0, le=MAX_EPOCHS)
+    momentum_teacher: float = arg(0.95, "teacher EMA momentum, cosine to 1 (0.996 on ImageNet: 0.95 lets the "
+        "demo's 360-step teacher move)", ge=0, le=1)
+    compile: bool = arg(False, "torch.compile the student through Accelerate (inductor)")
     # evaluation
-    knn_k: list[int] = field(default_factory=lambda: [20])  # neighbours that vote in the weighted kNN evaluation:
-    #   the first gives knn/teacher_top1, the others knn/teacher_top1_k<k> (reference eval_knn: 10, 20, 100, 200)
-    knn_temperature: float = 0.07  # the kNN votes weigh exp(cosine similarity / this) (reference: 0.07)
-    knn_train_limit: int = 0  # >0: at most this many memory-bank images (seeded subset)
-    knn_resize: int = 0  # kNN images: shorter side resized to this, then centre-cropped to global_size (reference:
-    #   256 for 224); 0: resized straight to global_size
-    knn_pixel_size: int = 32  # the raw-pixel kNN baseline compares images area-resized to this side, px
-    knn_pixel_limit: int = 20000  # the raw-pixel baseline's bank: at most this many images (seeded); 0: no baseline
-    weights: str = ""  # a backbone this recipe saved (teacher_backbone.safetensors, its model folder, a checkpoint
-    #   folder: the student's; model.onnx for predict), for eval_only, export and predict
-    predict: str = ""  # an image or a folder of images: with --weights, write each one's backbone features
-    #   (features.npy, rows named in features.csv) to the run folder
-    eval_only: bool = False  # the kNN evaluation of --weights on the labelled data, no training (metrics.jsonl only)
-    plot_images: int = 4  # evaluation images drawn under plots/ at each evaluation: their nearest neighbours in the
-    #   kNN bank, and for ViTs the [CLS] attention over them (0: none)
+    knn_k: list[int] = arg([20], "neighbours that vote in the weighted kNN evaluation: the first gives "
+        "knn/teacher_top1, the others knn/teacher_top1_k<k> (reference eval_knn: 10, 20, 100, 200)", ge=1, le=MAX_COUNT)
+    knn_temperature: float = arg(0.07, "the kNN votes weigh exp(cosine similarity / this) (reference: 0.07)", gt=0)
+    knn_train_limit: int = arg(0, ">0: at most this many memory-bank images (seeded subset)", ge=0)
+    knn_resize: int = arg(0, "kNN images: shorter side resized to this, then centre-cropped to global_size (reference: "
+        "256 for 224); 0: resized straight to global_size", ge=0, le=MAX_SIDE)
+    knn_pixel_size: int = arg(32, "the raw-pixel kNN baseline compares images area-resized to this side, px",
+        ge=1, le=512)
+    knn_pixel_limit: int = arg(20000, "the raw-pixel baseline's bank: at most this many images "
+        "(seeded); 0: no baseline", ge=0)
+    weights: str = arg("", "a backbone this recipe saved (teacher_backbone.safetensors, its model folder, a checkpoint "
+        "folder: the student's; model.onnx for predict), for eval_only, export and predict")
+    predict: str = arg("", "an image or a folder of images: with --weights, write each one's backbone features "
+        "(features.npy, rows named in features.csv) to the run folder")
+    eval_only: bool = arg(False, "the kNN evaluation of --weights on the labelled data, no "
+        "training (metrics.jsonl only)")
+    plot_images: int = arg(4, "evaluation images drawn under plots/ at each evaluation: their nearest neighbours in "
+        "the kNN bank, and for ViTs the [CLS] attention over them (0: none)", ge=0, le=64)
     # run
-    eval_every: int = 1  # evaluate every this many epochs; also at step 0 and at the end
-
-    # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones')
-    ranges: ClassVar[dict[str, str]] = {
-        f"[8, {MAX_SIDE}]": "global_size local_size",
-        f"[0, {MAX_SIDE}]": "knn_resize",
-        "[1, 512]": "knn_pixel_size",
-        "[0, 64]": "local_crops plot_images",
-        "(0, 1]": "global_scale local_scale",
-        "[0, inf)": "blur_radius min_lr weight_decay_end knn_train_limit knn_pixel_limit",
-        "[0, 1]": "hflip grayscale color_jitter center_momentum momentum_teacher",
-        "[0, 1)": "drop_path_rate",
-        f"[1, {MAX_COUNT}]": "out_dim head_hidden_dim head_bottleneck_dim knn_k",
-        "(0, inf)": "warmup_teacher_temp teacher_temp student_temp knn_temperature",
-        f"[0, {MAX_EPOCHS}]": "warmup_teacher_temp_epochs freeze_last_layer",
-    }
+    eval_every: int = arg(1, "evaluate every this many epochs; also at step 0 and at the end")
+    # fmt: on
 
 
 # ============================================================================================
@@ -334,7 +334,7 @@ MODEL_FIELDS = ("model", "model_kwargs", "global_size")  # what --weights restor
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = config_with_weights(Config, argv, MODEL_FIELDS)
-    if cfg.global_size < cfg.local_size:  # each number's own range was checked while parsing (Config.ranges)
+    if cfg.global_size < cfg.local_size:  # each number's own range was checked while parsing
         raise UserError("need global_size >= local_size")
     if len(cfg.color_jitter) != 4 or cfg.color_jitter[3] > 0.5:
         raise UserError(
@@ -406,6 +406,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cfg.student_temp,
         cfg.center_momentum,
     )
+    weight_dict = {"loss_dino": 1.0}  # the total loss: sum of weight x term (DINOv2's KoLeo: one more entry)
 
     # ---- optimizer -------------------------------------------------------------------------------
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
@@ -493,7 +494,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 with torch.no_grad(), accelerator.autocast():
                     teacher_out = teacher(crops[:2])  # [2B, K]: global crops only
                 student_out = student(crops)  # [ncrops*B, K]
-                loss = dino_loss(student_out, teacher_out, epoch)
+                losses = {"loss_dino": dino_loss(student_out, teacher_out, epoch)}
+                loss = sum(losses[k] * w for k, w in weight_dict.items())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.unscale_gradients()  # fp16: clip true gradients
@@ -505,11 +507,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(loop.step + 1, {"loss": loss})
-            meters.update(n=len(crops[0]), loss=loss)
-            meters.images(len(crops[0]))
-            if not loop.optimizer_stepped():
+            loop.record(loss, losses, len(crops[0]))  # meters and the non-finite guard, on the device
+            if not accelerator.sync_gradients:  # still accumulating gradients
                 continue
+            loop.end_step()
             ema_update_(teacher_params, student_params, float(momentum_values[it]))  # the teacher follows
             if loop.log_due():
                 loop.log_train(
@@ -518,9 +519,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     momentum=momentum_values[it],
                     teacher_temp=dino_loss.teacher_temp_schedule[min(epoch, cfg.epochs - 1)],
                 )
+            if loop.stop_requested():  # SIGTERM/SIGINT/SIGUSR1 on any process: checkpoint, then end the run
+                loop.save_checkpoint()
+                return loop.stop(results)
+            if loop.checkpoint_due():
+                loop.save_checkpoint()
 
         # ---- evaluation ------------------------------------------------------------------------
         if loop.eval_due() and knn_set is not None:
+            loop.start_evaluation()  # a loss gone non-finite stops the run here; the evaluation's clock
             knn, pictures = evaluate(
                 teacher.backbone, bank_set, query_set, bank_loader, query_loader, knn_set.classes, cfg, run
             )
@@ -528,8 +535,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             results = loop.extra["results"] = {**loop.extra["baseline"], **knn}
             run.log({**results, "epoch": epoch}, loop.step)
             run.log_plots(loop.step, **pictures)  # and the training curves
-    if loop.stopped:
-        return results
+        if loop.checkpoint_due():  # every checkpoint_every steps, and after the last epoch
+            loop.save_checkpoint()
 
     # ---- saving: the teacher backbone, for --init_backbone, a timm folder, ONNX -----------------
     path = run.dir / "teacher_backbone.safetensors"

@@ -34,9 +34,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -51,19 +51,19 @@ from torch import nn
 
 from common import UserError
 from common.artifacts.export import export
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, arg
 from common.console import cli_main, own_files
 from common.data.classification import with_label_fraction
 from common.data.image_cache import image_caches
 from common.data.scan import without_unreadable
 from common.detection.coco_eval import CocoEvaluator, EvalDetails
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
-from common.detection.outputs import per_class_text, report_evaluation
+from common.detection.outputs import ap_per_class_line, report_evaluation
 from common.loaders import eval_loader_for, loader_kwargs
-from common.loop import Loop, steps_total
+from common.loop import Loop
 from common.models import average_bn_statistics, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
-from common.schedules import schedule, set_group_values, weight_decay_groups
+from common.schedules import schedule, set_group_values, steps_total, weight_decay_groups
 from common.weights import config_with_weights, kept_weights, save_weights, weights_metadata
 
 with own_files("faster_rcnn_"):  # its own files, beside this one: copy them with it (README, "Your own recipe")
@@ -77,104 +77,92 @@ with own_files("faster_rcnn_"):  # its own files, beside this one: copy them wit
 # ============================================================================================
 @dataclass
 class Config(RunConfig):
+    # fmt: off
     # data
-    data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
-    train_fraction: float = 1.0  # a seeded fraction of the training images (the rest unused)
-    hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
-    color_jitter: bool = False  # torchvision's photometric distortion (SSD), p = 0.5
-    num_workers: int = -1  # DataLoader worker processes per training process; -1: the cores available per process,
-    #   at most 8 (common.loaders.auto_workers); 0: load in the main process
-    aspect_ratio_group_factor: int = 3  # k: batches of one aspect-ratio group, width / height cut at
-    #   2 ** linspace(-1, 1, 2k + 1) into 2k + 2 groups (torchvision's --aspect-ratio-group-factor; 3: 8 groups);
-    #   0: landscape or portrait; -1: no grouping
-    keep_empty: bool = False  # keep training images without boxes as negatives; false drops them, as torchvision's
-    #   reference does: no box, or only boxes at most 1 px wide or high, or only crowd regions (never targets)
+    data: str = arg("digits_det", "built-in name, COCO-json folder, or hub dataset with an `objects` column")
+    train_fraction: float = arg(1.0, "a seeded fraction of the training images (the rest unused)", gt=0, le=1,
+        note="1 trains on every image")
+    hflip: float = arg(0.0, "horizontal flip probability: 0.5 for natural images; digits must not be mirrored",
+        ge=0, le=1)
+    color_jitter: bool = arg(False, "torchvision's photometric distortion (SSD), p = 0.5")
+    num_workers: int = arg(-1, "DataLoader worker processes per training process; -1: the cores available per process, "
+        "at most 8 (common.loaders.auto_workers); 0: load in the main process")
+    aspect_ratio_group_factor: int = arg(3, "k: batches of one aspect-ratio group, width / height cut at 2 ** "
+        "linspace(-1, 1, 2k + 1) into 2k + 2 groups (torchvision's --aspect-ratio-group-factor; 3: 8 groups); 0: "
+        "landscape or portrait; -1: no grouping", ge=-1, le=16)
+    keep_empty: bool = arg(False, "keep training images without boxes as negatives; false drops them, as torchvision's "
+        "reference does: no box, or only boxes at most 1 px wide or high, or only crowd regions (never targets)")
     # model: backbone -> FPN -> RPN -> RoIAlign -> box head
-    model: str = "resnet10t"  # a timm model (features_only), or a torchvision preset (PRESETS)
-    model_kwargs: dict = field(default_factory=lambda: {"channels": [32, 64, 128, 256], "stem_width": 16})  # extra
-    #   timm.create_model arguments; the demo: resnet10t at half width
-    pretrained: bool = False  # timm: ImageNet backbone; presets: COCO weights (both need network)
-    pretrained_backbone: bool = False  # presets only: ImageNet backbone weights
-    init_backbone: str = ""  # timm models: safetensors of the same timm model (classifier.py's best.safetensors,
-    #   DINO's teacher_backbone.safetensors) for the backbone; the FPN, RPN and box head stay new
-    out_indices: list[int] = field(default_factory=lambda: [1, 2, 3])  # timm feature levels (1 = stride 4)
-    fpn_channels: int = 48  # FPN width at every level (torchvision: 256)
-    extra_pool: bool = False  # one more FPN level by max-pooling the coarsest (torchvision's "pool")
-    anchor_sizes: list[list[float]] = field(default_factory=lambda: [[12, 18], [24, 36], [48, 72]])  # px, per FPN
-    #   level, as many at each; empty: 8 x stride
-    aspect_ratios: list[float] = field(default_factory=lambda: [1.0, 2.0])  # height / width, at every level
-    min_size: list[int] = field(default_factory=lambda: [96])  # shorter side, px; several: one drawn per training
-    #   image, eval at the last
-    max_size: int = 96  # longer side at most, px
-    rpn_pre_nms_top_n: list[int] = field(default_factory=list)  # proposals per level before NMS, [train, eval];
-    #   empty: the model's own: a preset's torchvision values (2000, 1000), a timm backbone's 200, 200 (the demo's)
-    rpn_post_nms_top_n: list[int] = field(default_factory=list)  # proposals per image after NMS, [train, eval];
-    #   empty: the model's own: a preset's torchvision values (2000, 1000; the 320 preset evaluates with 150), a
-    #   timm backbone's 100, 100 (the demo's)
-    rpn_batch_size_per_image: int = 0  # anchors sampled per image for the RPN losses; 0: the model's own: a preset's
-    #   torchvision value (256), a timm backbone's 128 (the demo's)
-    roi_size: int = 7  # RoIAlign output side, cells (timm backbones; the presets keep torchvision's 7)
-    roi_sampling_ratio: int = 1  # bilinear samples per cell side (timm backbones; the presets keep torchvision's 2;
-    #   the CPU backward is slow)
-    box_head_dim: int = 256  # the two-layer MLP head's width (timm backbones; the presets keep torchvision's 1024)
-    box_batch_size_per_image: int = 0  # proposals sampled per image for the RoI losses; 0: the model's own: a
-    #   preset's torchvision value (512), a timm backbone's 32 (the demo's)
-    box_score_thresh: float = 0.05  # detections scoring below this are dropped (torchvision: 0.05)
-    box_nms_thresh: float = 0.5  # per-class NMS IoU of the final detections (torchvision: 0.5)
-    box_detections_per_img: int = 100  # detections kept per image (torchvision: 100)
-    freeze_at: int = 0  # frozen backbone stages, stem counted as 1 (Detectron2 convention; COCO: 2)
-    frozen_bn: bool = False  # backbone batch norm as fixed affine layers (with pretrained weights)
-    loss_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0])  # rpn objectness, rpn box,
-    #   roi classifier, roi box
+    model: str = arg("resnet10t", "a timm model (features_only), or a torchvision preset (PRESETS)")
+    model_kwargs: dict = arg({"channels": [32, 64, 128, 256], "stem_width": 16}, "extra timm.create_model arguments; "
+        "the demo: resnet10t at half width")
+    pretrained: bool = arg(False, "timm: ImageNet backbone; presets: COCO weights (both need network)")
+    pretrained_backbone: bool = arg(False, "presets only: ImageNet backbone weights")
+    init_backbone: str = arg("", "timm models: safetensors of the same timm model (classifier.py's best.safetensors, "
+        "DINO's teacher_backbone.safetensors) for the backbone; the FPN, RPN and box head stay new")
+    out_indices: list[int] = arg([1, 2, 3], "timm feature levels (1 = stride 4)", ge=0, le=8)
+    fpn_channels: int = arg(48, "FPN width at every level (torchvision: 256)", ge=1, le=MAX_COUNT)
+    extra_pool: bool = arg(False, "one more FPN level by max-pooling the coarsest (torchvision's \"pool\")")
+    anchor_sizes: list[list[float]] = arg([[12, 18], [24, 36], [48, 72]], "px, per FPN level, as many "
+        "at each; empty: 8 x stride", gt=0)
+    aspect_ratios: list[float] = arg([1.0, 2.0], "height / width, at every level", gt=0)
+    min_size: list[int] = arg([96], "shorter side, px; several: one drawn per training image, eval at the last",
+        ge=1, le=MAX_SIDE)
+    max_size: int = arg(96, "longer side at most, px", ge=1, le=MAX_SIDE)
+    rpn_pre_nms_top_n: list[int] = arg([], "proposals per level before NMS, [train, eval]; empty: the model's own: a "
+        "preset's torchvision values (2000, 1000), a timm backbone's 200, 200 (the demo's)", ge=1, le=MAX_COUNT)
+    rpn_post_nms_top_n: list[int] = arg([], "proposals per image after NMS, [train, eval]; empty: the model's own: a "
+        "preset's torchvision values (2000, 1000; the 320 preset evaluates with 150), a timm "
+        "backbone's 100, 100 (the demo's)", ge=1, le=MAX_COUNT)
+    rpn_batch_size_per_image: int = arg(0, "anchors sampled per image for the RPN losses; 0: the model's own: a "
+        "preset's torchvision value (256), a timm backbone's 128 (the demo's)", ge=0, le=MAX_COUNT)
+    roi_size: int = arg(7, "RoIAlign output side, cells (timm backbones; the presets keep torchvision's 7)",
+        ge=1, le=64)
+    roi_sampling_ratio: int = arg(1, "bilinear samples per cell side (timm backbones; the presets keep torchvision's "
+        "2; the CPU backward is slow)", ge=1, le=64)
+    box_head_dim: int = arg(256, "the two-layer MLP head's width (timm backbones; the presets keep torchvision's 1024)",
+        ge=1, le=MAX_COUNT)
+    box_batch_size_per_image: int = arg(0, "proposals sampled per image for the RoI losses; 0: the model's own: a "
+        "preset's torchvision value (512), a timm backbone's 32 (the demo's)", ge=0, le=MAX_COUNT)
+    box_score_thresh: float = arg(0.05, "detections scoring below this are dropped (torchvision: 0.05)", ge=0, le=1)
+    box_nms_thresh: float = arg(0.5, "per-class NMS IoU of the final detections (torchvision: 0.5)", ge=0, le=1)
+    box_detections_per_img: int = arg(100, "detections kept per image (torchvision: 100)", ge=1, le=MAX_COUNT)
+    freeze_at: int = arg(0, "frozen backbone stages, stem counted as 1 (Detectron2 convention; COCO: 2)", ge=0, le=8)
+    frozen_bn: bool = arg(False, "backbone batch norm as fixed affine layers (with pretrained weights)")
+    loss_weights: list[float] = arg([1.0, 1.0, 1.0, 1.0], "rpn objectness, rpn box, roi classifier, roi box")
     # optimization
-    epochs: int = 2  # training epochs
-    batch_size: int = 8  # images per process and micro-step: global batch = this x processes x grad_accum_steps
-    lr: float = 0.02  # peak SGD learning rate for a global batch of lr_batch images, carried to the run's global
-    #   batch by lr_scale (torchvision: 0.02 for 16 images; here for 8: more steps in 2 epochs did better)
-    lr_batch: int = 8  # the global batch lr is written for (the demo's: batch_size 8, 1 process)
-    lr_scale: Literal["linear", "sqrt"] = "linear"  # linear: peak = lr x global batch / lr_batch, torchvision's rule
-    #   for SGD; sqrt: x the square root of that ratio
-    momentum: float = 0.9  # SGD momentum (torchvision: 0.9)
-    weight_decay: float = 1e-4  # biases and norms get none (torchvision: 1e-4)
-    warmup_epochs: float = 0.5  # linear warmup from the peak x warmup_factor, epochs (fractions allowed)
-    warmup_factor: float = 0.001  # the warmup starts at the peak x this
-    sched: Literal["poly", "step"] = "poly"  # poly (seamseg; to 0 at the end) or step (drops at decay_milestones)
-    decay_milestones: list[int] = field(default_factory=list)  # epochs, for sched=step
-    decay_rate: float = 0.1  # factor on the learning rate at each of decay_milestones (sched=step)
-    poly_power: float = 0.9  # lr = peak x (1 - progress) ** this after warmup, for sched=poly (seamseg: 0.9)
-    clip_grad: float = 10.0  # clip the global gradient norm to this (0: off)
-    compile: bool = False  # torch.compile the whole model through Accelerate (inductor); graph breaks at NMS and
-    #   sampling
+    epochs: int = arg(2, "training epochs")
+    batch_size: int = arg(8, "images per process and micro-step: global batch = this x processes x grad_accum_steps")
+    lr: float = arg(0.02, "peak SGD learning rate for a global batch of lr_batch images, carried to the run's global "
+        "batch by lr_scale (torchvision: 0.02 for 16 images; here for 8: more steps in 2 epochs did better)")
+    lr_batch: int = arg(8, "the global batch lr is written for (the demo's: batch_size 8, 1 process)")
+    lr_scale: Literal["linear", "sqrt"] = arg("linear", "linear: peak = lr x global batch / lr_batch, torchvision's "
+        "rule for SGD; sqrt: x the square root of that ratio")
+    momentum: float = arg(0.9, "SGD momentum (torchvision: 0.9)", ge=0, lt=1)
+    weight_decay: float = arg(1e-4, "biases and norms get none (torchvision: 1e-4)")
+    warmup_epochs: float = arg(0.5, "linear warmup from the peak x warmup_factor, epochs (fractions allowed)")
+    warmup_factor: float = arg(0.001, "the warmup starts at the peak x this", ge=0, le=1)
+    sched: Literal["poly", "step"] = arg("poly", "poly (seamseg; to 0 at the end) or step (drops at decay_milestones)")
+    decay_milestones: list[int] = arg([], "epochs, for sched=step", ge=0, le=MAX_EPOCHS)
+    decay_rate: float = arg(0.1, "factor on the learning rate at each of decay_milestones (sched=step)", ge=0, le=1)
+    poly_power: float = arg(0.9, "lr = peak x (1 - progress) ** this after warmup, for sched=poly (seamseg: 0.9)", ge=0)
+    clip_grad: float = arg(10.0, "clip the global gradient norm to this (0: off)")
+    compile: bool = arg(False, "torch.compile the whole model through Accelerate (inductor); graph "
+        "breaks at NMS and sampling")
     # evaluation
-    plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
-    best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
-    #   COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
+    plot_images: int = arg(4, "evaluation images drawn with ground truth and predictions in "
+        "plots/detections.png (0: none)", ge=0, le=64)
+    best_metric: Literal["map_50", "map", "map_50_11pt"] = arg("map_50", "what best.safetensors follows: mAP@0.5, "
+        "COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5")
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
-    eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
-    #   dataset's category ids), no training
-    predict: str = ""  # an image or a folder of images: with --weights, write detections.json and the images with
-    #   their boxes drawn (predictions/) in the run folder; no dataset needed
-    predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
+    eval_only: bool = arg(False, "evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in "
+        "the dataset's category ids), no training")
+    predict: str = arg("", "an image or a folder of images: with --weights, write detections.json and the images with "
+        "their boxes drawn (predictions/) in the run folder; no dataset needed")
+    predict_score: float = arg(0.3, "predict: detections scoring below this are neither written nor drawn", ge=0, le=1)
     # run
-    eval_every: int = 2  # evaluate every this many epochs; also at the end
-
-    # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones'; loss_weights
-    # is checked in check_config)
-    ranges: ClassVar[dict[str, str]] = {
-        "(0, 1]; 1 trains on every image": "train_fraction",
-        "[0, 1]": "hflip box_score_thresh box_nms_thresh predict_score warmup_factor decay_rate",
-        "[-1, 16]": "aspect_ratio_group_factor",
-        "[0, 8]": "out_indices freeze_at",
-        f"[1, {MAX_COUNT}]": "fpn_channels box_head_dim box_detections_per_img rpn_pre_nms_top_n rpn_post_nms_top_n",
-        f"[0, {MAX_COUNT}]": "rpn_batch_size_per_image box_batch_size_per_image",
-        "(0, inf)": "anchor_sizes aspect_ratios",
-        f"[1, {MAX_SIDE}]": "min_size max_size",
-        "[1, 64]": "roi_size roi_sampling_ratio",
-        "[0, 1)": "momentum",
-        "[0, inf)": "poly_power",
-        f"[0, {MAX_EPOCHS}]": "decay_milestones",
-        "[0, 64]": "plot_images",
-    }
+    eval_every: int = arg(2, "evaluate every this many epochs; also at the end")
+    # fmt: on
 
 
 # ============================================================================================
@@ -232,7 +220,7 @@ def check_config(cfg: Config) -> None:
             f"loss_weights must be 4 non-negative numbers (rpn objectness, rpn box, roi classifier, "
             f"roi box), got {cfg.loss_weights}"
         )
-    # each number's own range was checked while parsing (Config.ranges): here, how they go together
+    # each number's own range was checked while parsing: here, how they go together
     if not cfg.min_size or cfg.max_size < max(cfg.min_size):
         raise UserError(
             f"min_size must be one or more positive sizes no larger than max_size ({cfg.max_size}), got {cfg.min_size}"
@@ -360,22 +348,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(loop.step + 1, {"loss": loss, **{k: losses[k] for k in weight_dict}})
-            meters.update(n=len(images), loss=loss, **losses)
-            meters.images(
+            loop.record(  # meters and the non-finite guard, on the device
+                loss,
+                losses,
                 len(images),
                 boxes=sum(len(t["boxes"]) for t in targets),  # shapes: no device sync
                 dropped_boxes=sum(t["dropped"] for t in targets),
             )
-            if not loop.optimizer_stepped():
+            if not accelerator.sync_gradients:  # still accumulating gradients
                 continue
+            loop.end_step()
             if loop.log_due():
                 loop.log_train(lr=lr)
+            if loop.stop_requested():  # SIGTERM/SIGINT/SIGUSR1 on any process: checkpoint, then end the run
+                loop.save_checkpoint()
+                return loop.stop(results)
+            if loop.checkpoint_due():
+                loop.save_checkpoint()
 
         # ---- evaluation and best weights ---------------------------------------------------------
         if loop.eval_due():
+            loop.start_evaluation()  # a loss gone non-finite stops the run here; the evaluation's clock
             metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
-            improved = loop.improved(cfg.best_metric, metrics[cfg.best_metric])
+            improved = loop.update_best(cfg.best_metric, metrics[cfg.best_metric])
             # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
             results = report_evaluation(
                 run,
@@ -390,8 +385,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             weights = accelerator.get_state_dict(model) if improved else None  # a collective under FSDP
             if improved and accelerator.is_main_process:
                 save_weights(weights, run.dir / "best.safetensors", cfg, **saved_as)
-    if loop.stopped:
-        return results
+        if loop.checkpoint_due():  # every checkpoint_every steps, and after the last epoch
+            loop.save_checkpoint()
 
     # ---- saving -----------------------------------------------------------------------------------
     weights = accelerator.get_state_dict(model)
@@ -406,8 +401,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept_weights(run.dir))))
             write = lambda folder: export_files(kept, cfg, meta, folder, run.recipe, eval_set[0][0])  # noqa: E731
             results.update(export(run, write, loop.step))
-    if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
-        run.print(per_class_text(details))
+    if details is not None:  # the last evaluation's AP per class: one line, the table in a file
+        run.print(ap_per_class_line(details, run.plots_dir))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary
     return results
 

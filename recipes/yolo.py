@@ -35,9 +35,9 @@ import dataclasses
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
     import common  # noqa: F401
@@ -54,20 +54,20 @@ import torch
 
 from common import UserError
 from common.artifacts.export import export
-from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig
+from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, arg
 from common.console import cli_main, own_files
 from common.data.classification import with_label_fraction
 from common.data.image_cache import image_caches
 from common.data.scan import without_unreadable
 from common.detection.coco_eval import CocoEvaluator, EvalDetails
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
-from common.detection.outputs import per_class_text, report_evaluation
+from common.detection.outputs import ap_per_class_line, report_evaluation
 from common.ema import ModelEma
 from common.loaders import KeyedDataset, eval_loader_for, loader_kwargs, sample_seed
-from common.loop import Loop, steps_total
+from common.loop import Loop
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
-from common.schedules import schedule, set_group_values, weight_decay_groups
+from common.schedules import schedule, set_group_values, steps_total, weight_decay_groups
 from common.weights import config_with_weights, kept_weights, load_backbone, save_weights, weights_metadata
 
 with own_files("yolo_"):  # YOLO's own files, beside this one: copy them with it (README, "Your own recipe")
@@ -87,93 +87,84 @@ with own_files("yolo_"):  # YOLO's own files, beside this one: copy them with it
 # ============================================================================================
 @dataclass
 class Config(RunConfig):
+    # fmt: off
     # data
-    data: str = "digits_det"  # built-in name, COCO-json folder, or hub dataset with an `objects` column
-    train_fraction: float = 1.0  # a seeded fraction of the training images (the rest unused)
-    img_size: int = 96  # training (before multi-scale) and evaluation size, pixels; a multiple of 32
-    multiscale: list[int] = field(default_factory=list)  # training sizes, px, one drawn every multiscale_every steps,
-    #   e.g. [320, 352, ..., 608]; multiples of 32 (empty: img_size only); every image of a batch is transformed
-    #   at its batch's size (GluonCV's RandomTransformDataLoader), not resampled afterwards
-    multiscale_every: int = 10  # optimizer steps between two multi-scale size draws (GluonCV: 10 batches)
-    augment: Literal["letterbox", "gluoncv"] = "letterbox"  # training transforms. letterbox: scale jitter, crop,
-    #   pad to the square, aspect kept (the demo); gluoncv: GluonCV's YOLOv3 preset: colour, zoom-out up to 4x,
-    #   SSD's IoU crop, stretch to the square with a random interpolation, flip (evaluation stretches too)
-    scale_range: list[float] = field(default_factory=lambda: [0.75, 1.25])  # random rescale factors [low, high]
-    #   before the crop/pad (large-scale jitter; augment=letterbox only)
-    hflip: float = 0.0  # horizontal flip probability: 0.5 for natural images; digits must not be mirrored
-    color_jitter: bool = True  # letterbox: torchvision's photometric distortion (SSD's), with probability 0.5;
-    #   gluoncv: GluonCV's colour distortion
-    mosaic: float = 0.0  # probability that a training image is a 4-image mosaic (0.5 at scale; the demo's 8 epochs
-    #   are too few)
-    mixup: float = 0.0  # probability that a training image is mixed with another (GluonCV: Beta(1.5, 1.5))
-    no_aug_epochs: int = 2  # mosaic and mixup are off for the last N epochs
+    data: str = arg("digits_det", "built-in name, COCO-json folder, or hub dataset with an `objects` column")
+    train_fraction: float = arg(1.0, "a seeded fraction of the training images (the rest unused)", gt=0, le=1,
+        note="1 trains on every image")
+    img_size: int = arg(96, "training (before multi-scale) and evaluation size, pixels; a multiple of 32",
+        ge=32, le=MAX_SIDE)
+    multiscale: list[int] = arg([], "training sizes, px, one drawn every multiscale_every steps, e.g. [320, 352, ..., "
+        "608]; multiples of 32 (empty: img_size only); every image of a batch is transformed at its batch's size "
+        "(GluonCV's RandomTransformDataLoader), not resampled afterwards", ge=32, le=MAX_SIDE)
+    multiscale_every: int = arg(10, "optimizer steps between two multi-scale size draws (GluonCV: 10 batches)", ge=1)
+    augment: Literal["letterbox", "gluoncv"] = arg("letterbox", "training transforms. letterbox: scale jitter, crop, "
+        "pad to the square, aspect kept (the demo); gluoncv: GluonCV's YOLOv3 preset: colour, zoom-out up to 4x, SSD's "
+        "IoU crop, stretch to the square with a random interpolation, flip (evaluation stretches too)")
+    scale_range: list[float] = arg([0.75, 1.25], "random rescale factors [low, high] before the crop/pad (large-scale "
+        "jitter; augment=letterbox only)", gt=0)
+    hflip: float = arg(0.0, "horizontal flip probability: 0.5 for natural images; digits must not be mirrored",
+        ge=0, le=1)
+    color_jitter: bool = arg(True, "letterbox: torchvision's photometric distortion (SSD's), with probability 0.5; "
+        "gluoncv: GluonCV's colour distortion")
+    mosaic: float = arg(0.0, "probability that a training image is a 4-image mosaic (0.5 at scale; the "
+        "demo's 8 epochs are too few)", ge=0, le=1)
+    mixup: float = arg(0.0, "probability that a training image is mixed with another (GluonCV: Beta(1.5, 1.5))",
+        ge=0, le=1)
+    no_aug_epochs: int = arg(2, "mosaic and mixup are off for the last N epochs", ge=0, le=MAX_EPOCHS)
     # model
-    model: str = "cs3darknet_s"  # any timm model with features_only (darknet53 / cspdarknet53 at scale)
-    model_kwargs: dict = field(default_factory=lambda: {"out_indices": [1, 2, 3]})  # extra timm.create_model
-    #   arguments; out_indices (1, 2, 3): strides 4, 8, 16, so that a 12-47 px digit spans 1.5-12 cells (None:
-    #   timm's last three)
-    pretrained: bool = False  # timm's ImageNet weights for the backbone (needs network)
-    init_backbone: str = ""  # safetensors of the same timm model (classifier.py's best.safetensors, DINO's
-    #   teacher_backbone.safetensors) for the backbone; the neck and heads stay new
-    neck_channels: int = 128  # widest neck level (YOLOv3: 512); the others are 1/2 and 1/4
-    anchors: list[list[float]] = field(default_factory=list)  # anchor boxes: 3 x A [w, h] pairs in px, small to
-    #   large; empty: k-means on the training boxes
-    anchors_per_level: int = 1  # A, anchors per cell at each level (YOLOv3: 3); k-means finds 3 x A
-    ignore_iou: float = 0.7  # predictions overlapping a ground truth above this get no objectness loss
-    label_smoothing: bool = False  # smooth the class targets by min(1/C, 1/40), as GluonCV
+    model: str = arg("cs3darknet_s", "any timm model with features_only (darknet53 / cspdarknet53 at scale)")
+    model_kwargs: dict = arg({"out_indices": [1, 2, 3]}, "extra timm.create_model arguments; out_indices (1, 2, 3): "
+        "strides 4, 8, 16, so that a 12-47 px digit spans 1.5-12 cells (None: timm's last three)")
+    pretrained: bool = arg(False, "timm's ImageNet weights for the backbone (needs network)")
+    init_backbone: str = arg("", "safetensors of the same timm model (classifier.py's best.safetensors, DINO's "
+        "teacher_backbone.safetensors) for the backbone; the neck and heads stay new")
+    neck_channels: int = arg(128, "widest neck level (YOLOv3: 512); the others are 1/2 and 1/4", ge=4, le=MAX_COUNT)
+    anchors: list[list[float]] = arg([], "anchor boxes: 3 x A [w, h] pairs in px, small to large; empty: "
+        "k-means on the training boxes", gt=0)
+    anchors_per_level: int = arg(1, "A, anchors per cell at each level (YOLOv3: 3); k-means finds 3 x A", ge=1, le=64)
+    ignore_iou: float = arg(0.7, "predictions overlapping a ground truth above this get no objectness loss", ge=0, le=1)
+    label_smoothing: bool = arg(False, "smooth the class targets by min(1/C, 1/40), as GluonCV")
     # optimization
-    epochs: int = 8  # training epochs, the last no_aug_epochs included
-    batch_size: int = 16  # images per process and micro-step, all at one multiscale size; global batch = this x
-    #   processes x grad_accum_steps
-    opt: Literal["adamw", "sgd"] = "adamw"  # adamw, or sgd with momentum (GluonCV: sgd, lr 1e-3 per 64 images)
-    lr: float = 4e-3  # peak learning rate for a global batch of lr_batch images, carried to the run's global
-    #   batch by lr_scale
-    lr_batch: int = 16  # the global batch lr is written for (the demo's: batch_size 16, 1 process)
-    lr_scale: Literal["linear", "sqrt"] = "sqrt"  # sqrt: peak = lr x sqrt(global batch / lr_batch), timm's rule for
-    #   adam-type optimizers; linear (peak = lr x global batch / lr_batch) with opt sgd, as GluonCV
-    min_lr: float = 1e-5  # learning rate at the end of the cosine, linear and poly schedules
-    warmup_lr: float = 1e-5  # learning rate at step 0, rising linearly to the peak over warmup_epochs
-    warmup_epochs: float = 1.0  # linear warmup length in epochs (fractions allowed)
-    sched: Literal["cosine", "step", "linear", "poly", "constant"] = "cosine"  # learning rate after warmup:
-    #   cosine to min_lr (GluonCV), x decay_rate at decay_milestones (step), linear (poly = linear here), constant
-    decay_milestones: list[int] = field(default_factory=list)  # epochs, for sched=step
-    decay_rate: float = 0.1  # factor on the learning rate at each of decay_milestones (sched=step)
-    weight_decay: float = 5e-4  # biases and norms get none (GluonCV: 5e-4)
-    momentum: float = 0.9  # SGD momentum (GluonCV: 0.9)
-    clip_grad: float = 10.0  # clip the global gradient norm to this (0: off)
-    ema_decay: float = 0.999  # model EMA decay (0: off); the EMA is what is evaluated, kept and exported
+    epochs: int = arg(8, "training epochs, the last no_aug_epochs included")
+    batch_size: int = arg(16, "images per process and micro-step, all at one multiscale size; global batch = this x "
+        "processes x grad_accum_steps")
+    opt: Literal["adamw", "sgd"] = arg("adamw", "adamw, or sgd with momentum (GluonCV: sgd, lr 1e-3 per 64 images)")
+    lr: float = arg(4e-3, "peak learning rate for a global batch of lr_batch images, carried to the run's "
+        "global batch by lr_scale")
+    lr_batch: int = arg(16, "the global batch lr is written for (the demo's: batch_size 16, 1 process)")
+    lr_scale: Literal["linear", "sqrt"] = arg("sqrt", "sqrt: peak = lr x sqrt(global batch / lr_batch), timm's rule "
+        "for adam-type optimizers; linear (peak = lr x global batch / lr_batch) with opt sgd, as GluonCV")
+    min_lr: float = arg(1e-5, "learning rate at the end of the cosine, linear and poly schedules", ge=0)
+    warmup_lr: float = arg(1e-5, "learning rate at step 0, rising linearly to the peak over warmup_epochs", ge=0)
+    warmup_epochs: float = arg(1.0, "linear warmup length in epochs (fractions allowed)")
+    sched: Literal["cosine", "step", "linear", "poly", "constant"] = arg("cosine", "learning rate after warmup: cosine "
+        "to min_lr (GluonCV), x decay_rate at decay_milestones (step), linear (poly = linear here), constant")
+    decay_milestones: list[int] = arg([], "epochs, for sched=step", ge=0, le=MAX_EPOCHS)
+    decay_rate: float = arg(0.1, "factor on the learning rate at each of decay_milestones (sched=step)", ge=0, le=1)
+    weight_decay: float = arg(5e-4, "biases and norms get none (GluonCV: 5e-4)")
+    momentum: float = arg(0.9, "SGD momentum (GluonCV: 0.9)", ge=0, lt=1)
+    clip_grad: float = arg(10.0, "clip the global gradient norm to this (0: off)")
+    ema_decay: float = arg(0.999, "model EMA decay (0: off); the EMA is what is evaluated, kept and exported",
+        ge=0, lt=1)
     # evaluation and export
-    conf_threshold: float = 0.01  # scores below are dropped before NMS
-    nms_iou: float = 0.45  # NMS drops a box overlapping a higher-scoring one of its class above this IoU
-    max_detections: int = 100  # detections kept per image after NMS
-    plot_images: int = 4  # evaluation images drawn with ground truth and predictions in plots/detections.png (0: none)
-    best_metric: Literal["map_50", "map", "map_50_11pt"] = "map_50"  # what best.safetensors follows: mAP@0.5,
-    #   COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5
-    export: bool = True  # ONNX and .pt2 of the best weights in <run>/export/, checked against eager; --weights W: W
+    conf_threshold: float = arg(0.01, "scores below are dropped before NMS", ge=0, le=1)
+    nms_iou: float = arg(0.45, "NMS drops a box overlapping a higher-scoring one of its class above this IoU",
+        ge=0, le=1)
+    max_detections: int = arg(100, "detections kept per image after NMS", ge=1, le=MAX_COUNT)
+    plot_images: int = arg(4, "evaluation images drawn with ground truth and predictions in "
+        "plots/detections.png (0: none)", ge=0, le=64)
+    best_metric: Literal["map_50", "map", "map_50_11pt"] = arg("map_50", "what best.safetensors follows: mAP@0.5, "
+        "COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5")
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
-    eval_only: bool = False  # evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in the
-    #   dataset's category ids), no training
-    predict: str = ""  # an image or a folder of images: with --weights, write detections.json and the images with
-    #   their boxes drawn (predictions/) in the run folder; no dataset needed
-    predict_score: float = 0.3  # predict: detections scoring below this are neither written nor drawn
+    eval_only: bool = arg(False, "evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in "
+        "the dataset's category ids), no training")
+    predict: str = arg("", "an image or a folder of images: with --weights, write detections.json and the images with "
+        "their boxes drawn (predictions/) in the run folder; no dataset needed")
+    predict_score: float = arg(0.3, "predict: detections scoring below this are neither written nor drawn", ge=0, le=1)
     # run
-    eval_every: int = 2  # evaluate every this many epochs; also at the end
-
-    # the legal values of the numeric fields (common.config.RunConfig.ranges has the shared ones')
-    ranges: ClassVar[dict[str, str]] = {
-        "(0, 1]; 1 trains on every image": "train_fraction",
-        f"[32, {MAX_SIDE}]": "img_size multiscale",
-        "[1, inf)": "multiscale_every",
-        "(0, inf)": "scale_range anchors",
-        "[0, 1]": "hflip mosaic mixup ignore_iou conf_threshold nms_iou predict_score decay_rate",
-        f"[0, {MAX_EPOCHS}]": "no_aug_epochs decay_milestones",
-        f"[4, {MAX_COUNT}]": "neck_channels",
-        "[1, 64]": "anchors_per_level",
-        "[0, inf)": "min_lr warmup_lr",
-        "[0, 1)": "momentum ema_decay",
-        f"[1, {MAX_COUNT}]": "max_detections",
-        "[0, 64]": "plot_images",
-    }
+    eval_every: int = arg(2, "evaluate every this many epochs; also at the end")
+    # fmt: on
 
 
 # ============================================================================================
@@ -494,21 +485,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            run.guard.observe(loop.step + 1, {"loss": loss, **{k: losses[k] for k in weight_dict}})
-            meters.update(n=len(images), loss=loss, **losses)
-            meters.images(len(images), boxes=targets["num_boxes"], dropped_boxes=targets["dropped"])
-            if not loop.optimizer_stepped():
+            loop.record(  # meters and the non-finite guard, on the device
+                loss, losses, len(images), boxes=targets["num_boxes"], dropped_boxes=targets["dropped"]
+            )
+            if not accelerator.sync_gradients:  # still accumulating gradients
                 continue
+            loop.end_step()
             if ema is not None:
                 ema.update(unwrapped, loop.step)
             if loop.log_due():
                 loop.log_train(lr=lr)
+            if loop.stop_requested():  # SIGTERM/SIGINT/SIGUSR1 on any process: checkpoint, then end the run
+                loop.save_checkpoint()
+                return loop.stop(results)
+            if loop.checkpoint_due():
+                loop.save_checkpoint()
 
         # ---- evaluation and best weights (the EMA when there is one) -----------------------------
         if loop.eval_due():
+            loop.start_evaluation()  # a loss gone non-finite stops the run here; the evaluation's clock
             net = ema.module if ema is not None else model
             metrics, details = evaluate(net, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
-            improved = loop.improved(cfg.best_metric, metrics[cfg.best_metric])
+            improved = loop.update_best(cfg.best_metric, metrics[cfg.best_metric])
             # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
             results = report_evaluation(
                 run,
@@ -524,8 +522,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
                 if accelerator.is_main_process:
                     save_weights(weights, run.dir / "best.safetensors", cfg, **saved_as)
-    if loop.stopped:
-        return results
+        if loop.checkpoint_due():  # every checkpoint_every steps, and after the last epoch
+            loop.save_checkpoint()
 
     # ---- saving and export ------------------------------------------------------------------------
     final = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)  # a collective under FSDP
@@ -541,8 +539,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 model_kept, meta = trained_model(dataclasses.replace(cfg, weights=str(kept)), create_model)
                 write = lambda folder: export_files(model_kept, cfg, meta, folder, run.recipe)  # noqa: E731
                 results.update(export(run, write, loop.step))
-    if details is not None:  # the last evaluation's AP per class (also plots/per_class_ap.csv)
-        run.print(per_class_text(details))
+    if details is not None:  # the last evaluation's AP per class: one line, the table in a file
+        run.print(ap_per_class_line(details, run.plots_dir))
     loop.finish(results, [run.dir / "best.safetensors", run.dir / "final.safetensors"])  # the summary
     return results
 

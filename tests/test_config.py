@@ -1,18 +1,18 @@
 """common/config.py: defaults <- YAML <- flags, closest-key errors, type errors, fixed sets of values,
---help from the Config source's comments, saved config."""
+--help from each field's arg() and the headings above it, saved config."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import pytest
 import yaml
 
-from common.config import ConfigError, RunConfig, parse_config, save_config, to_dict
+from common.config import MAX_EPOCHS, ConfigError, RunConfig, arg, parse_config, save_config, to_dict
 from common.config_help import field_docs, usage
 
 RECIPES = ["classifier", "dino", "yolo", "detr", "faster_rcnn"]
@@ -29,26 +29,29 @@ optimizers.calls = 0
 
 @dataclass
 class Cfg:
-    config: str = ""  # the YAML file
+    # fmt: off
+    config: str = arg("", "the YAML file")
     # data
-    data: str = "digits"  # dataset name
-    lr: float = 1e-3  # peak learning rate;
-    #   a continuation line
-    epochs: int = 10  # training epochs
-    # the comment lines right above a field without a trailing comment
-    # describe it
-    compile: bool = False
-    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # crop area
-    milestones: list[int] = field(default_factory=list)  # epochs
-    note: str | None = None  # a note
-    model_kwargs: dict = field(
-        default_factory=lambda: {"depth": 4, "embed_dim": 96},
-    )  # a field over three lines
+    data: str = arg("digits", "dataset name")
+    lr: float = arg(1e-3, "peak learning rate; "
+        "a continuation line", ge=0)
+    epochs: int = arg(10, "training epochs")  # a comment beside a field is no help
+    # two comment lines above a field
+    # make one heading
+    compile: bool = arg(False, "compile")
+    scale: list[float] = arg([0.08, 1.0], "crop area")
+    milestones: list[int] = arg([], "epochs")
+    note: str | None = arg(None, "a note")
+    model_kwargs: dict = arg(
+        {"depth": 4, "embed_dim": 96},
+        "a field over four lines",
+    )
     # optimization: a heading with a colon
-    sched: Literal["cosine", "linear", "step", "poly", "constant"] = "cosine"  # the schedule
-    precision: Literal["", "no", "bf16"] = ""  # empty: as launched
-    opt: str = field(default="adamw", metadata={"choices": optimizers})  # any optimizer optimizers() lists
+    sched: Literal["cosine", "linear", "step", "poly", "constant"] = arg("cosine", "the schedule")
+    precision: Literal["", "no", "bf16"] = arg("", "empty: as launched")
+    opt: str = arg("adamw", "any optimizer optimizers() lists", choices=optimizers)
     undocumented: int = 0
+    # fmt: on
 
 
 def test_defaults_then_yaml_then_flags(tmp_path):
@@ -289,17 +292,19 @@ def test_run_time_choices_are_checked_only_when_given():
         parse_config(Cfg, ["--opt", "adamx"])
 
 
-# ---- help from the Config source ----------------------------------------------------------------
-def test_field_docs_read_the_comments():
+# ---- help from each field's arg(), headings from the Config source ------------------------------
+def test_field_docs_read_arg_and_the_headings():
     docs = field_docs(Cfg)
-    assert docs["config"].description == "the YAML file" and docs["config"].heading == ""
+    assert docs["config"].description == "the YAML file" and docs["config"].heading == ""  # not "fmt: off"
     assert (docs["data"].description, docs["data"].heading) == ("dataset name", "data")
     assert docs["lr"].description == "peak learning rate; a continuation line"
-    assert docs["compile"].description == (
-        "the comment lines right above a field without a trailing comment describe it"
+    assert docs["epochs"].description == "training epochs"
+    assert (docs["compile"].description, docs["compile"].heading) == (
+        "compile",
+        "two comment lines above a field make one heading",
     )
-    assert docs["compile"].heading == "" and docs["scale"].heading == ""
-    assert docs["model_kwargs"].description == "a field over three lines"
+    assert docs["scale"].heading == "" and docs["model_kwargs"].heading == ""
+    assert docs["model_kwargs"].description == "a field over four lines"
     assert docs["sched"].heading == "optimization: a heading with a colon"
     assert docs["undocumented"].description == ""
 
@@ -343,7 +348,7 @@ def test_every_recipe_field_is_described(name):
     docs = field_docs(recipe(name).Config)
     assert len(docs) == len(dataclasses.fields(recipe(name).Config))
     missing = [f for f, d in docs.items() if not d.description.strip()]
-    assert not missing, f"recipes/{name}.py: Config fields without a comment: {missing}"
+    assert not missing, f"recipes/{name}.py: Config fields without a help: {missing}"
     assert docs["data"].heading == "data"  # the section comments are headings, not descriptions
 
 
@@ -388,12 +393,17 @@ def test_a_redeclared_field_keeps_the_shared_description_and_help_lists_own_fiel
     class Mine(RunConfig):
         # data
         data: str = "digits"
-        img_size: int = 32  # pixels
+        img_size: int = arg(32, "pixels")
         epochs: int = 3
+        lr: float = arg(0.1, "my own words")
 
     docs = field_docs(Mine)
     assert docs["data"].description == field_docs(RunConfig)["data"].description and docs["data"].heading == "data"
-    assert docs["epochs"].description == "training epochs"
+    assert docs["epochs"].description == "training epochs" and docs["lr"].description == "my own words"
+    with pytest.raises(ConfigError, match=f"^epochs must be at least 1 and at most {MAX_EPOCHS}, got 0; evaluating"):
+        parse_config(Mine, ["--epochs", "0"])  # and the shared range
+    with pytest.raises(ConfigError, match="^lr must be at least 0, got -1.0$"):
+        parse_config(Mine, ["--lr", "-1"])
     text = usage(Mine)
     assert (
         text.index("--data str (default: digits)") < text.index("--img_size") < text.index("--epochs int (default: 3)")

@@ -1,6 +1,6 @@
-"""Every numeric field of every recipe has a legal range, checked while parsing (common/config.py): 0, a
-negative and a huge value of each are either legal or one error line naming the field and its range, and a
-refused value leaves no run folder behind."""
+"""Every numeric field of every recipe has a legal range, declared with it (``arg(..., ge=8, le=MAX_SIDE)``) and
+checked while parsing (common/config.py): 0, a negative and a huge value of each are either legal or one error line
+naming the field and its range, and a refused value leaves no run folder behind."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import dataclasses
 import math
 import re
 import typing
+from dataclasses import dataclass
 
 import pytest
 import yaml
 
-from common.config import ConfigError, parse_config, save_config
-from common.config_help import field_ranges
+from common.config import MAX_SIDE, ConfigError, RunConfig, arg, parse_config, save_config
+from common.config_help import field_ranges, usage
 
 RECIPES = ["classifier", "dino", "yolo", "detr", "faster_rcnn"]
 _loaded: dict = {}
@@ -33,9 +34,9 @@ def numeric_fields(config) -> list[str]:
 
 
 def inside(value: float, spec: str) -> bool:
-    """Whether ``value`` lies in the interval ``spec`` ("[1, inf)", "(0, 1]; a note"), read independently of
-    common/config.py."""
-    low_end, low, high, high_end = re.match(r"([\[(])(.+?), (.+?)([\])])", spec).groups()
+    """Whether ``value`` lies in the interval ``spec`` ("[1, inf)", "(0, 1]; a note": a Range as --help shows
+    it), read independently of common/config.py."""
+    low_end, low, high, high_end = re.match(r"([\[(])(.+?), (.+?)([\])])", str(spec)).groups()
     low, high = float(low), float(high)
     return (low <= value if low_end == "[" else low < value) and (value <= high if high_end == "]" else value < high)
 
@@ -70,7 +71,7 @@ def test_zero_negative_and_huge_values_are_legal_or_one_line_naming_the_range(na
                     message = str(e)
                     assert not inside(value, ranges[field]), (field, value, message)
                     assert "\n" not in message and message.startswith(f"{field} must be "), message
-                    low, high = re.match(r"[\[(](.+?), (.+?)[\])]", ranges[field]).groups()
+                    low, high = re.match(r"[\[(](.+?), (.+?)[\])]", str(ranges[field])).groups()
                     assert (low in message or low == "-inf") and (high in message or high == "inf"), message
                 else:
                     assert getattr(cfg, field) == value and inside(value, ranges[field]), (field, value)
@@ -127,6 +128,38 @@ def test_help_shows_the_range(capsys):
     lines = capsys.readouterr().out.splitlines()
     at = lines.index("  --batch_size int (default: 64)")
     assert "      range: [1, 1048576]" in lines[at : at + 4]
+
+
+def test_a_field_declared_with_arg_has_its_help_and_range_in_help_and_in_the_error():
+    """What a copier writes to add a field: one line, whose range --help shows and parsing checks."""
+
+    @dataclass
+    class Mine(RunConfig):
+        # fmt: off
+        # my group
+        img_size: int = arg(32, "training resolution, pixels", ge=8, le=MAX_SIDE)
+        keep: float = arg(0.5, "the fraction kept", gt=0, le=1, note="1 keeps every image")
+        temps: list[float] = arg([0.1], "softmax temperatures", gt=0)
+        # fmt: on
+
+    lines = usage(Mine).splitlines()
+    at = lines.index("  --img_size int (default: 32)")
+    assert lines[at - 1] == "my group:"
+    assert lines[at + 1 : at + 3] == ["      training resolution, pixels", "      range: [8, 16384]"]
+    at = lines.index("  --keep float (default: 0.5)")
+    assert lines[at + 1 : at + 3] == ["      the fraction kept", "      range: (0, 1]; 1 keeps every image"]
+    assert "      range: (0, inf)" in lines
+    for argv, message in [
+        (["--img_size", "4"], "img_size must be at least 8 and at most 16384, got 4"),
+        (["--keep", "0"], "keep must be more than 0 and at most 1, got 0.0; 1 keeps every image"),
+        (["--temps", "0.1", "0"], "every value of temps must be more than 0, got [0.1, 0.0]"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            parse_config(Mine, argv)
+        assert str(e.value) == message
+    assert parse_config(Mine, ["--keep", "1"]).keep == 1.0 and Mine().temps is not Mine().temps
+    with pytest.raises(TypeError):
+        arg(0.0, "two lower bounds", ge=0, gt=0)
 
 
 @pytest.mark.parametrize("args", [["--batch_size", "-3"], ["--img_size", "0"]])

@@ -172,7 +172,7 @@ def test_default_run_learns_the_builtin_scenes(default_run):
     final = [r for r in records if "eval/map_50" in r][-1]
     assert final["eval/map_50"] >= 0.80, final
     assert_pictures(run / "plots", ["curves", "pr_curves", "confusion_matrix", "detections"])
-    assert "AP per class (last evaluation):" in proc.stdout
+    assert "AP per class: " in proc.stdout and "per_class_ap.csv (" in proc.stdout
     # best.safetensors holds the best weights and rebuilds the model from its metadata
     meta = read_metadata(run / "best.safetensors")
     cfg = parse_config(frcnn.Config, [])

@@ -13,16 +13,18 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from common.config import RunConfig
 from common.loaders import KeyedDataset, train_loader_for
-from common.loop import Loop, schedule_warnings, steps_total
+from common.loop import Loop
 from common.run import Run
-from common.schedules import schedule
+from common.schedules import schedule, schedule_warnings, steps_total
 from conftest import ROOT, free_port, recipe_env
 
 ITEMS, BATCH = 12, 2  # a 12-item dataset of its own indices in batches of 2: 6 batches an epoch
+WEIGHTS = {"loss_a": 1.0, "loss_b": 0.5}  # the total: loss_a + 0.5 loss_b; "error" is logged, not summed
 
 
 class Indices(KeyedDataset):
@@ -52,14 +54,30 @@ def train(folder: Path, stop_at: int = 0, **fields) -> tuple[list[int], Loop]:
     for _ in loop.epochs():
         for x in loop.batches():
             with run.accelerator.accumulate(model):
-                run.accelerator.backward(model(x).sum())
+                out = model(x)
+                losses = {"loss_a": out.abs().mean(), "loss_b": out.pow(2).mean(), "error": out.max()}
+                loss = sum(losses[k] * w for k, w in WEIGHTS.items())
+                run.accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
+            loop.record(loss, losses, len(x))
             seen += x[:, 0].int().tolist()
-            if loop.optimizer_stepped() and loop.step == stop_at:
+            if not run.accelerator.sync_gradients:
+                continue
+            loop.end_step()
+            if loop.log_due():
+                loop.log_train()
+            if loop.step == stop_at:
                 os.kill(os.getpid(), signal.SIGTERM)  # as `kill` or a cluster's preemption would
-    if not loop.stopped:
-        run.finish()
+            if loop.stop_requested():
+                loop.save_checkpoint()
+                loop.stop({})
+                return seen, loop
+            if loop.checkpoint_due():
+                loop.save_checkpoint()
+        if loop.checkpoint_due():
+            loop.save_checkpoint()
+    run.finish()
     return seen, loop
 
 
@@ -72,10 +90,26 @@ def test_accumulated_batches_make_one_step_and_max_steps_ends_mid_epoch(tmp_path
     assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (5, 1, 4)
 
 
+def test_one_losses_dict_feeds_the_meters_the_guard_and_the_step_line(tmp_path, capsys):
+    """A loss term is one entry of ``losses``: it is logged under train/, shown on the step line and watched by
+    the non-finite guard; a key not named loss_* (a class error) is logged only."""
+    _, loop = train(tmp_path / "run", epochs=1, log_every=3)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in logged] == [3, 6]
+    for r in logged:
+        assert r["train/loss"] == pytest.approx(r["train/loss_a"] + 0.5 * r["train/loss_b"], rel=1e-5)
+        assert "train/error" in r
+    assert loop.run.guard.names == ["loss", "loss_a", "loss_b"]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " step 6/6  loss " in ln]
+    a, b = logged[-1]["train/loss_a"], logged[-1]["train/loss_b"]
+    assert len(lines) == 1 and f"loss {logged[-1]['train/loss']:.4g} (a {a:.3g} b {b:.3g})  " in lines[0], lines
+
+
 def test_a_stopped_run_continues_with_the_batches_it_would_have_seen(tmp_path):
     whole, _ = train(tmp_path / "whole", epochs=3)
     first, stopped = train(tmp_path / "cut", stop_at=8, epochs=3)
-    assert stopped.stopped and stopped.step == 8 and len(first) == 8 * BATCH  # in the second epoch, batch 2 of 6
+    assert stopped.step == 8 and len(first) == 8 * BATCH  # in the second epoch, batch 2 of 6
     rest, resumed = train(tmp_path / "cut", resume="auto", epochs=3)
     assert resumed.start.step == 8 and (resumed.start.epoch, resumed.start.batches_in_epoch) == (1, 2)
     assert first + rest == whole and resumed.step == 3 * ITEMS // BATCH
@@ -192,10 +226,11 @@ SILENT = textwrap.dedent("""
             run.accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            loop.meters.update(loss=loss)
-            loop.meters.images(len(x))
-            if loop.optimizer_stepped() and loop.log_due():
-                loop.log_train()
+            loop.record(loss, {}, len(x))
+            if run.accelerator.sync_gradients:
+                loop.end_step()
+                if loop.log_due():
+                    loop.log_train()
     run.finish()
 """)
 

@@ -25,12 +25,16 @@ EPOCH = [
     "accelerator.backward",
     "optimizer.step",
     "optimizer.zero_grad",
-    "run.guard.observe",
-    "meters.images",
-    "loop.optimizer_stepped",
+    "loop.record",
+    "loop.end_step",
     "loop.log_due",
     "loop.log_train",
+    "loop.stop_requested",
+    "loop.save_checkpoint",
+    "loop.stop",
+    "loop.checkpoint_due",
     "loop.eval_due",
+    "loop.start_evaluation",
 ]
 #: After the epochs: the final weights, then the summary (what ships them is the recipe's inference file).
 AFTER = ["save_weights", "loop.finish"]

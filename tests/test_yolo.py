@@ -318,7 +318,9 @@ def short_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("yolo") / "run"
     check(
         run_recipe(
-            "yolo", ["--output_dir", str(run), "--report_to", "none", "--epochs", "2", "--log_every", "25"], timeout=600
+            "yolo",
+            ["--output_dir", str(run), "--report_to", "none", "--epochs", "2", "--log_every", "25", "--export"],
+            timeout=600,
         )
     )
     return run

@@ -145,3 +145,11 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
         return "  ".join(v.rjust(w) if right else v.ljust(w) for v, w, right in zip(fitted, widths, numeric)).rstrip()
 
     return "\n".join([line(columns), "  ".join("-" * w for w in widths)] + [line(r) for r in cells])
+
+
+def per_class_line(what: str, rows: Sequence[Mapping[str, Any]], key: str, path: Path, lowest: int = 3) -> str:
+    """One console line for a per-class table written to ``path`` (its rows: ``class`` and ``key``): where it is,
+    how many classes, and the ``lowest`` classes by ``key``, so that 1,000 classes stay one line."""
+    ranked = sorted((r for r in rows if not math.isnan(r[key])), key=lambda r: r[key])[:lowest]
+    worst = ", ".join(f"{r['class']} {_cell(float(r[key]))}" for r in ranked)
+    return f"{what}: {path} ({len(rows)} classes; lowest {key}: {worst or 'none'})"

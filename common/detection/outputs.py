@@ -18,11 +18,12 @@ import numpy as np
 from PIL import Image
 
 from common import UserError
-from common.artifacts.figures import format_table, plot_confusion_matrix, save_table_csv
+from common.artifacts.figures import per_class_line, plot_confusion_matrix, save_table_csv
 from common.console import counted
 from common.data.images import decode_image
 from common.detection.figures import draw_detections, plot_pr_curves, save_detections
 from common.detection.yolo_txt import label_lines
+from common.trackers import log_table
 
 PREDICTIONS = "predictions.json"  # in the run folder: an evaluation's detections, the COCO results format
 DETECTIONS = "detections.json"  # in the run folder: --predict's, per image file, corner boxes
@@ -62,8 +63,9 @@ def report_evaluation(
             details, run.plots_dir, data.eval, plot_images, wandb_run=run.wandb_run(), step=step
         )
     run.log_plots(step, **pictures)  # and the training curves
+    log_table(run.accelerator, run.cfg.report_to, "eval/ap_per_class", details.table(), step)
     if final:
-        run.print(per_class_text(details))
+        run.print(ap_per_class_line(details, run.plots_dir))
         run.print(f"{run.dir / PREDICTIONS}: the COCO results format, in the dataset's image and category ids")
         run.finish()
     return results
@@ -131,10 +133,10 @@ def evaluation_samples(
     return images, targets, found
 
 
-def per_class_text(details: Any) -> str:
-    """The per-class AP table (class, instances, AP@.5, AP@[.5:.95]) as fixed-width text, for the end
-    of a run."""
-    return "AP per class (last evaluation):\n" + format_table(details.table(), ["class", "instances", "ap50", "ap"])
+def ap_per_class_line(details: Any, folder: Path) -> str:
+    """One line for the end of a run: where the last evaluation's AP per class is (``per_class_ap.csv`` in
+    ``folder``, a tracker table too) and its three lowest classes by AP@.5."""
+    return per_class_line("AP per class", details.table(), "ap50", Path(folder) / "per_class_ap.csv")
 
 
 def _kept(
