@@ -160,8 +160,7 @@ class DETR(nn.Module):
         # the padding mask at the feature's resolution (nearest, as DETR)
         mask = F.interpolate(mask[:, None].float(), size=feature.shape[-2:]).bool()[:, 0]  # [B, h, w]
         src = self.input_proj(feature).flatten(2).transpose(1, 2)  # [B, h*w, d]
-        # fp32 under autocast too (geometry): `src + pos` is then summed in fp32 and rounded once, by the
-        # attention's input projection, instead of adding positions already rounded to bf16
+        # fp32 under autocast too, so `src + pos` is rounded once, by the attention's input projection, not twice
         pos = sine_position_encoding(mask, src.shape[-1]).flatten(1, 2)  # [B, h*w, d]
         padding = mask.flatten(1)  # [B, h*w]
         memory = src

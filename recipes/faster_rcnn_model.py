@@ -36,36 +36,27 @@ from common.detection.data import IMAGENET_MEAN, IMAGENET_STD
 from common.models import create_timm_model, freeze_stages, hub_offline, reachable
 from common.weights import load_backbone
 
-# torchvision's Faster R-CNN presets (model = one of these names, each built by its own function) -> the ImageNet
-# weights --pretrained_backbone gives the preset's backbone: IMAGENET1K_V1, which torchvision's reference trained the
-# resnet50 and mobilenet presets' COCO weights from (references/detection/README.md, --weights-backbone; 37.0 box AP
-# for fasterrcnn_resnet50_fpn), not "DEFAULT", which names the later, stronger V2 classifiers.
-# fasterrcnn_resnet50_fpn_v2's COCO weights were trained from random init (400 epochs, large-scale jitter); V1 is
-# what torchvision's own pretrained_backbone=True gives it.
+# torchvision's Faster R-CNN presets -> the ImageNet weights --pretrained_backbone gives: torchvision's own choice,
+# IMAGENET1K_V1, not "DEFAULT" (the later V2 classifiers); why: docs/faster_rcnn.md, "Backbones"
 PRESETS = {
     "fasterrcnn_resnet50_fpn": ResNet50_Weights.IMAGENET1K_V1,
     "fasterrcnn_resnet50_fpn_v2": ResNet50_Weights.IMAGENET1K_V1,
     "fasterrcnn_mobilenet_v3_large_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
     "fasterrcnn_mobilenet_v3_large_320_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
 }
-# A preset's backbone stages as torchvision counts them for trainable_backbone_layers (the stem is one): a resnet's
-# stem and layer1-4; a MobileNetV3's first convolution (with the block after it), its four stride-2 stages and its last
-# convolution
+# A preset's backbone stages as torchvision's trainable_backbone_layers counts them (the stem is one); which
+# stages: docs/faster_rcnn.md, "Backbones"
 PRESET_STAGES = {name: 6 if "mobilenet" in name else 5 for name in PRESETS}
 # The RPN and RoI sampling budgets of a timm backbone whose fields are left empty / 0: the demo's, sized for at most
-# 6 objects per 96 px scene. A preset left so keeps torchvision's own (FasterRCNN's defaults: 2000 / 1000 proposals
-# per level before NMS and per image after it, [train, eval]; 256 anchors and 512 proposals sampled per image;
-# the 320 preset evaluates with 150 / 150).
+# 6 objects per 96 px scene; a preset keeps torchvision's own (docs/faster_rcnn.md, "Backbones")
 TIMM_BUDGETS = {
     "rpn_pre_nms_top_n": [200, 200],
     "rpn_post_nms_top_n": [100, 100],
     "rpn_batch_size_per_image": 128,
     "box_batch_size_per_image": 32,
 }
-# The four losses as torchvision names them -> as this recipe names and logs them; loss_weights
-# follow this order. Each is already a mean: RPN objectness BCE over the sampled anchors, RPN box
-# smooth-L1 (beta 1/9) summed over positive anchors / sampled anchors, RoI cross-entropy over the
-# sampled proposals, RoI box smooth-L1 (beta 1/9) summed over positives / sampled proposals.
+# The four losses as torchvision names them -> as this recipe names and logs them; loss_weights follow this
+# order. Each is already a mean over the sampled anchors or proposals (definitions: docs/faster_rcnn.md)
 LOSS_NAMES = {
     "loss_objectness": "loss_rpn_objectness",
     "loss_rpn_box_reg": "loss_rpn_box",
@@ -162,9 +153,8 @@ class TwoStageDetector(nn.Module):
     ) -> None:
         super().__init__()
         self.transform, self.backbone, self.rpn, self.roi_heads = transform, backbone, rpn, roi_heads
-        # The box regressions leave their heads in fp32 whatever the autocast: torchvision's BoxCoder casts
-        # anchors and proposals to the regression's dtype, and bf16 pixel coordinates are multiples of
-        # 2 px from 256, 4 px from 512 and 8 px from 1024 (so bf16 evaluation would round every box).
+        # Box regressions leave their heads in fp32 whatever the autocast: BoxCoder casts anchors and proposals
+        # to the regression's dtype, and bf16 would round every box (docs/faster_rcnn.md, "Mixed precision")
         for head in (rpn.head, roi_heads.box_predictor):
             head.register_forward_hook(_float_outputs)
         # Anchors in fp32 whatever the autocast: torchvision's AnchorGenerator builds them in the features' dtype

@@ -175,9 +175,8 @@ def gluoncv_transforms(train: bool, size: int, hflip: float = 0.5, color_jitter:
     steps: list[Callable] = []
     if train:
         if color_jitter:
-            # GluonCV's random_color_distort: brightness, then contrast before or after saturation and hue,
-            # each with probability 0.5. Not v2.RandomPhotometricDistort: that adds SSD's random channel
-            # swap, which GluonCV does not do. (Brightness here is a factor 1 +- 1/8, GluonCV's +-32 of 255.)
+            # GluonCV's random_color_distort, each step with probability 0.5; not v2.RandomPhotometricDistort,
+            # whose random channel swap GluonCV does not do (docs/yolo.md, "Augmentation and multi-scale")
             def maybe(jitter: v2.ColorJitter) -> v2.RandomApply:
                 return v2.RandomApply([jitter], p=0.5)
 

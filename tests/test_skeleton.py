@@ -2,11 +2,15 @@
 not the plumbing. Read from each recipe's source, as Accelerate's ``compare_against_test`` reads its examples:
 the plumbing calls of ``main()`` (the run, the loop, the accumulate/backward/step sequence, logging, saving) come
 in the same order in every recipe, and the same variable names carry them; everything else (the model, the loss,
-the method's own steps) is free."""
+the method's own steps) is free. Its comments stay short: every comment block in recipes/ is at most two
+lines (the reason and the hazard, as nanoGPT's); the detail lives in the recipe's docs page."""
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -107,3 +111,54 @@ def test_the_check_sees_a_reordered_loop():
 def test_every_recipe_is_checked():
     mains = sorted(p.stem for p in Path(ROOT / "recipes").glob("*.py") if "def main(" in p.read_text())
     assert mains == sorted(RECIPES)
+
+
+#: A section banner line: ``# ====...`` (a title line between two of them is the banner's) or ``# ---- title ----``.
+BANNER = re.compile(r"#\s*[=-]{4,}")
+
+
+def comment_blocks(source: str) -> list[list[int]]:
+    """The line numbers of each comment block in ``source``: a run of consecutive comment lines, a full-line
+    comment or a trailing comment followed by full-line comments continuing it; banners end a block."""
+    lines = source.splitlines()
+    comments = {
+        t.start[0]: (t.string, lines[t.start[0] - 1].lstrip().startswith("#"))
+        for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type == tokenize.COMMENT
+    }
+
+    def banner(n: int) -> bool:
+        return n in comments and BANNER.match(comments[n][0]) is not None
+
+    blocks: list[list[int]] = []
+    for n in sorted(comments):
+        full = comments[n][1]
+        if banner(n) or (full and banner(n - 1) and banner(n + 1)):
+            blocks.append([])  # a banner ends the block before it
+        elif blocks and blocks[-1] and blocks[-1][-1] == n - 1 and full:
+            blocks[-1].append(n)
+        else:
+            blocks.append([n])
+    return [b for b in blocks if b]
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "recipes").glob("*.py")))
+def test_recipe_comments_are_at_most_two_lines(path):
+    blocks = comment_blocks((ROOT / "recipes" / path).read_text())
+    long = [f"line {b[0]}: {len(b)} lines" for b in blocks if len(b) > 2]
+    assert not long, f"recipes/{path}: comments longer than two lines (move the detail to docs/): {long}"
+
+
+def test_the_comment_check_sees_a_long_block_and_spares_banners():
+    source = """# =====
+# Data
+# =====
+x = 1  # a trailing comment
+# continued once
+# and twice
+# ---- title ----
+# one
+# two
+y = 2
+"""
+    assert [len(b) for b in comment_blocks(source)] == [3, 2]
