@@ -26,6 +26,7 @@ import torch.distributed as dist
 from common import RunStopped, UserError
 from common.console import launch_command
 from common.loaders import STOP_SIGNALS
+from common.origin import common_origin
 from common.run_folder import (
     TrainState,
     complete_checkpoints,
@@ -105,7 +106,7 @@ class Checkpoints:
         state = TrainState(**json.loads((path / "train_state.json").read_text()))
         self.last_checkpoint = str(path)
         if self.accelerator.is_main_process:
-            record_resume(self.dir, path, state.step, self.resume_changes)
+            record_resume(self.dir, path, state.step, self.resume_changes, common_origin())
         self.accelerator.wait_for_everyone()
         self.print(f"resumed from {path} at step {state.step} (epoch {state.epoch}, batch {state.batches_in_epoch})")
         return state

@@ -274,11 +274,16 @@ def write_checkpoint(
     return final
 
 
-def record_resume(run_dir: Path, checkpoint: Path, step: int, changed: dict[str, tuple[Any, Any]]) -> None:
+def record_resume(
+    run_dir: Path, checkpoint: Path, step: int, changed: dict[str, tuple[Any, Any]], common: str = ""
+) -> None:
     """A resume from ``checkpoint`` at ``step`` (main process): drop the metrics logged after it, which will be
-    logged again, and add one line to ``resumes.jsonl`` with the checkpoint and what the resume changed."""
+    logged again, and add one line to ``resumes.jsonl`` with the checkpoint, what the resume changed and ``common``
+    (:func:`common.origin.common_origin`: the code the run continues with, which config.yaml's header gave at its
+    start)."""
     drop_metrics_after(run_dir / "metrics.jsonl", step)
     record = {"step": step, "checkpoint": checkpoint.name, "changed": {k: [a, b] for k, (a, b) in changed.items()}}
+    record |= {"common": common} if common else {}
     with open(run_dir / "resumes.jsonl", "a") as f:
         f.write(json.dumps(record, default=str) + "\n")
 

@@ -81,6 +81,7 @@ def test_wandb_run_id_is_kept_across_resume(wandb_run, capsys):
     assert yaml.safe_load((copy / "config.yaml").read_text())["max_steps"] == 4
     (resumed,) = [json.loads(line) for line in (copy / "resumes.jsonl").read_text().splitlines()]
     assert resumed["changed"]["max_steps"] == [4, 6] and resumed["step"] == 4, resumed
+    assert (copy / "config.yaml").read_text().startswith(f"# common/: {resumed['common']}\n")  # the code, unchanged
     assert (copy / "wandb_run_id.txt").read_text().strip() == run_id
     sessions = sorted(p.name for p in (copy / "wandb").glob("offline-run-*"))
     assert len(sessions) == 2 and all(name.endswith(run_id) for name in sessions), sessions
