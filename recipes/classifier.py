@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
+try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Install")
     import common  # noqa: F401
 except ModuleNotFoundError:
     print(
@@ -63,7 +63,7 @@ from common.weights import (
     weights_metadata,
 )
 
-with own_files("classifier_"):  # the classifier's own files, beside this one: copy them with it (README)
+with own_files("classifier_"):  # its own files, beside this one: python -m common.vendor copies them with it
     from classifier_inference import MODEL_FIELDS, export_files, predict, trained_model, write_model_folder
     from classifier_model import (
         BlockProbe,

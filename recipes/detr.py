@@ -20,7 +20,7 @@ DETR starts from a pretrained backbone (ImageNet weights at scale, ``pretrained`
 the backbone is first pre-trained on the training set's own ground-truth boxes (``pretrain_crops_*``):
 every box cut out with a little context, resized to a small square and classified by the backbone
 plus a linear head; the head is then dropped. From random weights the demo's DETR finds the boxes
-but never learns the classes within its budget (README, "DETR").
+but never learns the classes within its budget (docs/detr.md).
 
 Beside this file, one concern each: recipes/detr_data.py (DETR's augmentation and collate),
 recipes/detr_model.py (DETR, HungarianMatcher, SetCriterion, postprocess, detect), recipes/detr_pretrain.py
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
+try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Install")
     import common  # noqa: F401
 except ModuleNotFoundError:
     print(
@@ -85,7 +85,7 @@ from common.run import Run
 from common.schedules import schedule, set_group_values, steps_total
 from common.weights import config_with_weights, kept_weights, load_backbone, save_weights, weights_metadata
 
-with own_files("detr_"):  # DETR's own files, beside this one: copy them with it (README, "Your own recipe")
+with own_files("detr_"):  # DETR's own files, beside this one: python -m common.vendor copies them with it
     from detr_checkpoint import load_init_weights  # DETR's checkpoint reader
     from detr_data import data_transforms, detr_collate  # DETR's augmentation and collate
     from detr_inference import export_files, predict, trained_model, write_model_folder  # what a run ships

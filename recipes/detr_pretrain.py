@@ -1,7 +1,7 @@
 """DETR's backbone pre-training on the training set's own boxes, beside ``recipes/detr.py``.
 
 Without network there are no ImageNet weights, and from random weights the demo's DETR finds the boxes
-but never learns the classes (README, "DETR"). So, before DETR, every ground-truth box of the training
+but never learns the classes (docs/detr.md). So, before DETR, every ground-truth box of the training
 split is cut out with a little context, resized to a small square and classified by the detector's own
 backbone plus a linear head (``pretrain_crops_*`` in detr.py's Config); the head is then dropped and
 the backbone goes on into DETR.

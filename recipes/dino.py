@@ -12,7 +12,7 @@ Launch (defaults = the built-in demo on `digits_ssl`: one digit repeated 4-6 tim
         --config configs/dino/imagenet_vit_small.yaml
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 recipes/dino.py --batch_size 32
 
-The built-in demo (README, "DINO"): a half-width resnet10t, 8 epochs (352 steps of 64 images) in
+The built-in demo (docs/dino.md): a half-width resnet10t, 8 epochs (352 steps of 64 images) in
 5 minutes on 2 CPU cores; the teacher's kNN top-1 on the 1,080 held-out images goes from 23.2 %
 (the step-0 network) to 57.4 %, where raw pixels reach 25.3 %.
 The teacher backbone is exported as `teacher_backbone.safetensors` for recipes/classifier.py
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
+try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Install")
     import common  # noqa: F401
 except ModuleNotFoundError:
     print(
@@ -63,7 +63,7 @@ from common.run import Run
 from common.schedules import schedule, set_group_values, steps_total, weight_decay_groups
 from common.weights import config_with_weights, is_onnx, save_weights, weights_metadata
 
-with own_files("dino_"):  # DINO's own files, beside this one: copy them with it (README, "Your own recipe")
+with own_files("dino_"):  # DINO's own files, beside this one: python -m common.vendor copies them with it
     from dino_inference import export_files, load_teacher_backbone, predict, write_model_folder  # what a run ships
     from dino_knn import eval_transform, evaluate, knn_loaders, knn_metrics  # the kNN evaluation and its pictures
     from dino_model import DINOHead, MultiCropWrapper, create_teacher  # the head, the multi-crop wrapper

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
+try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Install")
     import common  # noqa: F401
 except ModuleNotFoundError:
     print(
@@ -66,7 +66,7 @@ from common.run import Run
 from common.schedules import schedule, set_group_values, steps_total, weight_decay_groups
 from common.weights import config_with_weights, kept_weights, save_weights, weights_metadata
 
-with own_files("faster_rcnn_"):  # its own files, beside this one: copy them with it (README, "Your own recipe")
+with own_files("faster_rcnn_"):  # its own files, beside this one: python -m common.vendor copies them with it
     from faster_rcnn_data import AspectRatioBatchSampler, data_transforms, has_boxes, list_collate  # its data helpers
     from faster_rcnn_inference import export_files, predict, trained_model, write_model_folder  # what a run ships
     from faster_rcnn_model import LOSS_NAMES, PRESET_STAGES, PRESETS, create_model, detect  # its model, detections

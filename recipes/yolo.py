@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Quickstart")
+try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Install")
     import common  # noqa: F401
 except ModuleNotFoundError:
     print(
@@ -70,7 +70,7 @@ from common.run import Run
 from common.schedules import schedule, set_group_values, steps_total, weight_decay_groups
 from common.weights import config_with_weights, kept_weights, load_backbone, save_weights, weights_metadata
 
-with own_files("yolo_"):  # YOLO's own files, beside this one: copy them with it (README, "Your own recipe")
+with own_files("yolo_"):  # YOLO's own files, beside this one: python -m common.vendor copies them with it
     from yolo_data import (  # its data helpers
         MultiScaleBatchSampler,
         decode_side,
