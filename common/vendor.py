@@ -206,7 +206,7 @@ def vendor(recipe: str, dest: Path) -> Plan:
 
 def smoke_command(dest: Path, recipe: str) -> str:
     """The one command that checks a vendored copy: two steps of its built-in demo, nothing exported or sent."""
-    return f"cd {shlex.quote(str(dest))} && python {recipe}.py --max_steps 2 --export false --report_to none"
+    return f"cd {shlex.quote(str(dest))} && python {recipe}.py --max_steps 2 --report_to none"
 
 
 def summary(dest: Path, done: Plan) -> str:

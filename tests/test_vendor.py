@@ -110,7 +110,7 @@ def test_a_vendored_recipe_trains_with_no_checkout_importable(name, tmp_path, ca
     printed = vendored(name, dest, capsys)
     # the one command that smoke-tests the copy, run here with the tests' tiny model and sizes added
     smoke = printed[-1].removeprefix("smoke test: ")
-    assert smoke == f"cd {dest} && python {name}.py --max_steps 2 --export false --report_to none", printed
+    assert smoke == f"cd {dest} && python {name}.py --max_steps 2 --report_to none", printed
     args = shlex.split(smoke.partition(" && ")[2])[2:] + ["--epochs", "1", "--num_workers", "0", *TINY[name]]
     if name in ("dino", *DETECTORS):  # their demo data made small (the classifier's is small already)
         args += ["--data", str(request.getfixturevalue("few_digits" if name == "dino" else "few_scenes"))]
