@@ -358,7 +358,7 @@ def test_a_loss_gone_nan_before_any_checkpoint_leaves_no_weights(tmp_path, capsy
         cli_main(lambda: load_recipe("classifier").main(args + ["--output_dir", str(run)]))
     errors = [ln for ln in capsys.readouterr().err.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
     assert exit_info.value.code == 1 and errors == [
-        "error: non-finite loss at step 3: loss=nan; no checkpoint was saved"
+        "error: non-finite loss at step 3: loss=nan, loss_cls=nan; no checkpoint was saved"  # the total and its terms
     ]
     assert not list(run.glob("*.safetensors")) and not (run / "checkpoints").exists()
 
