@@ -48,9 +48,8 @@ class Checkpoints:
         self._stop_group = None
         self._pending: tuple[Any, torch.Tensor] | None = None
         if self.accelerator.num_processes > 1 and dist.is_initialized():
-            # Stop requests are agreed on over gloo (CPU) so that checking every step never
-            # waits on the GPU stream.
-            # its own group: never interleaves with training collectives
+            # Stop requests are agreed on over gloo (CPU), so checking every step never waits on the GPU stream, in a
+            # group of their own, so they never interleave with the training's collectives.
             self._stop_group = dist.new_group(backend="gloo")
         # SIGTERM, SIGINT and SIGUSR1 (Slurm's pre-emption warning), to this process or its whole group. Loader
         # workers ignore them (common.loaders.leave_stop_signals); until they have set that, forked ones inherit
