@@ -103,8 +103,11 @@ def vendored(recipe: str, dest: Path, capsys: pytest.CaptureFixture) -> list[str
     return capsys.readouterr().out.splitlines()
 
 
+# the classifier in the default suite; the other four in the second tier (-m configs), which CI runs too
 @pytest.mark.slow
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize(
+    "name", [n if n == "classifier" else pytest.param(n, marks=pytest.mark.configs) for n in RECIPES]
+)
 def test_a_vendored_recipe_trains_with_no_checkout_importable(name, tmp_path, capsys, request):
     dest = tmp_path / f"my_{name}"
     printed = vendored(name, dest, capsys)
