@@ -40,8 +40,11 @@ def installed_common(site: Path) -> dict[str, str]:
     return dict(env, PYTHONPATH=str(site), PYTHONUNBUFFERED="1")
 
 
+# the classifier in the default suite; the other four in the second tier (-m configs), beside their vendored runs
 @pytest.mark.slow
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize(
+    "name", [n if n == "classifier" else pytest.param(n, marks=pytest.mark.configs) for n in RECIPES]
+)
 def test_a_copied_recipe_runs_outside_the_repository(name, tmp_path):
     script = copy_recipe(name, tmp_path / "work")
     args = ["--max_steps", "2", "--epochs", "1", "--num_workers", "0", "--report_to", "none", *QUICK.get(name, [])]
