@@ -149,3 +149,24 @@ def test_tensorboard_gets_the_pictures_as_images(tmp_path, capsys):
         tags |= set(accumulator.Tags()["images"])
     assert {"plots/curves", "plots/confusion_matrix"} <= tags, tags
     assert "tracker   tensorboard (tensorboard --logdir <run folder>); metrics.jsonl" in capsys.readouterr().out
+
+
+def test_eval_only_sends_the_per_class_table_to_tensorboard_and_prints_one_line(tmp_path, capsys):
+    """Per-class values go to a file and a tracker table; the console gets one line naming the file."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    classifier = load_recipe("classifier")
+    classifier.main(TINY + ["--report_to", "none", "--output_dir", str(tmp_path / "run")])
+    weights, folder = tmp_path / "run" / "final.safetensors", tmp_path / "eval"
+    args = ["--eval_only", "--weights", str(weights), "--report_to", "tensorboard", "--output_dir", str(folder)]
+    classifier.main(args + ["--num_workers", "0"])
+    texts = {}
+    for events in folder.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["tensors"]:
+            texts[tag] = accumulator.Tensors(tag)[-1].tensor_proto.string_val[0].decode()
+    table = texts["eval/accuracy_per_class/text_summary"].splitlines()
+    assert table[0] == "class | images | accuracy" and len(table) == 2 + 10, table  # a header, a rule, 10 classes
+    out = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("accuracy per class: ")]
+    assert out == [out[0]] and f"{folder / 'per_class_accuracy.csv'} (10 classes; lowest accuracy: " in out[0], out
