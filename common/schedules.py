@@ -116,14 +116,45 @@ def schedule_warnings(cfg: Any, total_steps: int, steps_per_epoch: int) -> list[
     return warnings
 
 
+def _two_values(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` with 3 significant digits, or as many more as tell them apart (at most 12)."""
+    for digits in range(3, 13):
+        shown = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return shown
+
+
 def resumed_schedule(extra: dict[str, Any], total_steps: int, step: int, lr: Sequence[float] | None) -> str:
-    """After a resume at ``step`` whose schedule length differs from the checkpoint's (``extra``: its
-    ``schedule_steps`` and ``next_lr``), one line with both lengths and the learning rate the next step jumps to
-    (a resume with another ``max_steps`` or ``epochs`` stretches or squeezes the cosine over what is left)."""
-    old = extra.get("schedule_steps")
-    if old is None or old == total_steps or step == 0:
+    """After a resume at ``step`` (optimizer steps done), one line for every change of the schedule the
+    checkpoint was trained on, '' when there is none. ``extra``: the checkpoint's ``schedule_steps`` (its
+    length), ``next_lr`` (the lr its next step would have had; absent once the run is finished) and ``last_lr``
+    (the lr of its last step done); ``lr``: this run's value per step. Said are another length (another
+    ``max_steps``, ``epochs`` or ``max_time``: the decay stretches or squeezes over what is left) and the lr the
+    next step jumps to wherever it is not the one the checkpoint planned (another ``lr``, warmup, schedule or
+    length), including a finished run extended, which planned no next step: then the jump is from the lr of
+    its last step, where the checkpoint records it."""
+    if step == 0:  # a fresh start: nothing was planned
         return ""
-    line = f"resume: the schedule is now {total_steps:,} optimizer steps, was {old:,}"
-    if lr is not None and "next_lr" in extra and step < len(lr):
-        line += f"; the lr of step {step + 1} goes from {extra['next_lr']:.3g} to {lr[step]:.3g}"
-    return line
+    old = extra.get("schedule_steps")
+    finished = old is not None and step >= old  # its checkpoint's next_lr, if any, is an earlier save's
+    parts = (
+        [f"the schedule is now {total_steps:,} optimizer steps, was {old:,}"] if old not in (None, total_steps) else []
+    )
+    new = float(lr[step]) if lr is not None and step < len(lr) else None
+    if new is not None and finished:
+        if "last_lr" in extra:
+            last, now = _two_values(float(extra["last_lr"]), new)
+            parts.append(
+                f"the lr goes from {last} (step {step}, the last of the finished run) to {now} at step {step + 1}"
+            )
+        else:
+            parts.append(f"the lr of step {step + 1} is {new:.3g} (the finished run planned no step {step + 1})")
+    elif new is not None and "next_lr" in extra:
+        planned = float(extra["next_lr"])
+        if not math.isclose(planned, new, rel_tol=1e-9, abs_tol=1e-15):  # float noise is no jump
+            was, now = _two_values(planned, new)
+            parts.append(f"the lr of step {step + 1} goes from {was} to {now}")
+        elif parts:  # another length that leaves this step's value as it was
+            parts.append(f"the lr of step {step + 1} stays {new:.3g}")
+    return f"resume: {'; '.join(parts)}" if parts else ""
