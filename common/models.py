@@ -5,10 +5,7 @@ norm statistics averaged across processes. Their weights files: :mod:`common.wei
 from __future__ import annotations
 
 import os
-import socket
 import threading
-import urllib.parse
-import urllib.request
 from typing import Any
 
 import torch
@@ -23,33 +20,39 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-#: Seconds :func:`reachable` waits for a connection (the resolver's time included).
+#: Seconds :func:`reachable` waits for an answer, the name look-up, the proxy and the TLS handshake included.
 PROBE_S = 5.0
 
 
 def reachable(url: str, timeout: float = PROBE_S) -> bool:
-    """Whether a TCP connection to ``url``'s host (or to the proxy ``HTTPS_PROXY`` / ``HTTP_PROXY`` names) opens
-    within ``timeout`` seconds. Asked before a download, so that a machine without network says so at once
-    instead of after the hub client's retries (a minute and more); the look-up runs in a thread, so a resolver
-    that hangs cannot hold the run longer than ``timeout``."""
-    parts = urllib.parse.urlsplit(url)
-    proxy = urllib.request.getproxies().get(parts.scheme or "https")
-    if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
-        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    address = (parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
-    opened: list[bool] = []
+    """Whether ``url`` answers one HEAD request within ``timeout`` seconds, sent as huggingface_hub sends its
+    own: through its shared HTTP client (``huggingface_hub.get_session()``: its proxies from ``HTTPS_PROXY`` /
+    ``HTTP_PROXY`` / ``NO_PROXY``, its CA bundle, a client factory the user set). Asked before a download, so
+    that a machine without network, or behind a proxy or firewall that breaks the connection or the TLS
+    handshake, says so at once instead of after the hub client's retries (a minute and more). Any answer but a
+    server error counts (a gated page's 401 is still the hub); a refused connection, a failed handshake, a
+    proxy that refuses (407 included), hub offline mode or silence do not. The request runs in a thread, so a
+    resolver or a peer that hangs cannot hold the run longer than ``timeout``."""
+    import huggingface_hub
 
-    def connect() -> None:
+    answered: list[bool] = []
+
+    def head() -> None:
         try:
-            socket.create_connection(address, timeout=timeout).close()
-            opened.append(True)
-        except OSError:
-            pass  # no answer is the answer: not reachable
+            session = huggingface_hub.get_session()
+            # httpx's client (huggingface_hub >= 1) follows redirects unless told; requests' head() never does:
+            # the first answer is enough, wherever a redirect would lead (a CDN host)
+            no_redirects = {"follow_redirects": False} if hasattr(session, "follow_redirects") else {}
+            status = session.head(url, timeout=timeout, **no_redirects).status_code
+        except Exception:  # every failure is the same answer (the client's classes differ by version)
+            answered.append(False)
+            return
+        answered.append(status < 500 and status != 407)
 
-    probe = threading.Thread(target=connect, daemon=True)
+    probe = threading.Thread(target=head, daemon=True)
     probe.start()
     probe.join(timeout)
-    return bool(opened)
+    return bool(answered and answered[0])
 
 
 def _cached_pretrained(name: str) -> dict[str, Any] | None:
