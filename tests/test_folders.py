@@ -18,6 +18,7 @@ from common import UserError
 from common.data.classification import load_classification
 from common.data.folders import folder_splits, read_image_folder
 
+CHEMISTRY = ("beaker", "dev_board", "test_tube")  # "dev" names the validation split, "test" the test split
 # Each layout: the image files under the data folder. The first seven are tests/test_data.py's parity layouts.
 LAYOUTS = {
     "split folders with classes": [
@@ -106,16 +107,27 @@ LAYOUTS = {
     "matched by two patterns": ["train/train_cat/a.jpg", "train/train_dog/b.jpg", "val/x/c.jpg"],  # imagefolder: twice
     "capitalised split names": ["Training/cat/a.jpg", "Training/dog/b.jpg", "Test/cat/c.jpg", "Test/dog/d.jpg"],
     "split-like file names": ["IMG_val_3.jpg", "a.jpg", "beach-test-2.jpg"],
+    # a keyword folder among class folders is a class; a keyword inside a split folder moves nothing
+    "a class named like a split": [f"{c}/{n}.jpg" for c in ("Bus", "Car", "Train", "Truck") for n in "abc"],
+    "a class named like a split, lower case": ["bus/a.jpg", "car/b.jpg", "train/c.jpg", "truck/d.jpg"],
+    "keywords inside class names": [f"{s}/{c}/{s}_{c}.jpg" for s in ("train", "val") for c in CHEMISTRY],
+    "keywords inside class names, one split": [f"train/{c}/{c}.jpg" for c in CHEMISTRY],
+    "keywords inside class names, no split": [f"{c}/{c}.jpg" for c in CHEMISTRY],
 }
 # Where imagefolder misreads (and what it gives, pinned): how what is read here differs from it.
 NO_LABELS = "images directly in the folder that makes their split have no class"
 ONCE = "an image once per split"
+INSIDE = "a keyword in a class name moves no image"
 DEVIATIONS = {
     "flat split folders": NO_LABELS,
     "words beside, flat": NO_LABELS,
     "matched by two patterns": ONCE,
     "capitalised split names": "a keyword in any case",
     "split-like file names": "file names never name a split",
+    "a class named like a split, lower case": "a keyword folder among class folders is a class",
+    "keywords inside class names": INSIDE,
+    "keywords inside class names, one split": INSIDE,
+    "keywords inside class names, no split": INSIDE,
 }
 
 
@@ -175,9 +187,27 @@ def test_a_layout_reads_as_datasets_imagefolder_reads_it(tmp_path, layout):
             "train": [("Training/cat/a.jpg", "cat"), ("Training/dog/b.jpg", "dog")],
             "test": [("Test/cat/c.jpg", "cat"), ("Test/dog/d.jpg", "dog")],
         }
-    else:  # imagefolder: validation and test splits by file name, IMG's photo dropped
+    elif layout == "split-like file names":  # imagefolder: validation and test splits by file name, IMG's dropped
         assert base == {"validation": [("IMG_val_3.jpg", None)], "test": [("beach-test-2.jpg", None)]}
         assert mine == {"train": [("IMG_val_3.jpg", None), ("a.jpg", None), ("beach-test-2.jpg", None)]}
+    elif layout == "a class named like a split, lower case":  # imagefolder: a train split of train/'s image alone
+        assert base == {"train": [("train/c.jpg", None)]}
+        assert mine == {"train": [(f, f.partition("/")[0]) for f in sorted(LAYOUTS[layout])]}
+        assert ours["train"].features["label"].names == ["bus", "car", "train", "truck"]
+    else:  # imagefolder: dev_board/ in the validation split and test_tube/ in the test split, wherever they lie
+        splits = {name.partition("/")[0] for name in LAYOUTS[layout]} & {"train", "val"}
+        expected = {
+            ("validation" if s == "val" else s): [
+                (f, f.split("/")[1]) for f in sorted(LAYOUTS[layout]) if f[:3] == s[:3]
+            ]
+            for s in sorted(splits)
+        } or {"train": [(f, f.partition("/")[0]) for f in sorted(LAYOUTS[layout])]}
+        assert mine == expected
+        assert all(ours[s].features["label"].names == list(CHEMISTRY) for s in ours)
+        moved = {f for s in ("validation", "test") for f, _ in base.get(s, []) if not f.startswith("val/")}
+        assert moved == {f for f in LAYOUTS[layout] if not f.startswith("val/") and "beaker" not in f}
+        if splits:  # where the images lie under train/ (and val/), imagefolder keeps them there too
+            assert {f for f, _ in base["train"]} == {f for f, _ in mine["train"]}
 
 
 def test_the_reported_layouts_give_their_splits_and_classes(tmp_path):
@@ -196,6 +226,26 @@ def test_the_reported_layouts_give_their_splits_and_classes(tmp_path):
         dd = read_image_folder(*folder_splits(root, "data"))
         assert {s: len(ds) for s, ds in dd.items()} == sizes, layout
         assert dd["train"].features["label"].names == classes, layout
+
+
+def test_a_keyword_in_a_class_name_never_makes_a_split(tmp_path):
+    """Classes Bus/ Car/ Train/ Truck/: four classes and one split, the classifier holding out its evaluation images
+    from all four, and DINO's images the same 12 (not a Train split of 3, with no labels). Classes beaker/
+    dev_board/ test_tube/ under train/: three classes, every image in training (the evaluation held out of it),
+    none moved to a validation or test split by "dev" or "test" in its class's name."""
+    vehicles = tmp_path / "vehicles"
+    _make(vehicles, [f"{c}/{n}.jpg" for c in ("Bus", "Car", "Train", "Truck") for n in range(3)])
+    data = load_classification(str(vehicles))
+    assert data.classes == ["Bus", "Car", "Train", "Truck"] and len(data.train) + len(data.eval) == 12
+    data = load_classification(str(vehicles), labels=False)  # DINO: its kNN evaluation held out of the 12
+    assert data.classes == ["Bus", "Car", "Train", "Truck"] and len(data.train) + len(data.eval) == 12
+    lab = tmp_path / "lab"
+    _make(lab, [f"train/{c}/{n}.jpg" for c in CHEMISTRY for n in range(4)])
+    data = load_classification(str(lab))
+    assert data.classes == list(CHEMISTRY) and len(data.train) + len(data.eval) == 12
+    used = [Path(v["path"]).relative_to(lab.resolve()) for ds in (data.train, data.eval) for v in ds["image"]]
+    assert len(set(used)) == 12 and all(p.parts[0] == "train" for p in used)
+    assert list(read_image_folder(*folder_splits(lab, "lab"))) == ["train"]
 
 
 def test_the_classifier_finds_the_labels_and_dino_trains_on_the_train_split_only(tmp_path):

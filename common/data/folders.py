@@ -26,10 +26,11 @@ def split_rules() -> tuple[tuple[str, tuple[re.Pattern[str], ...]], ...]:
     training; validation: validation, valid, dev, val; test: test, testing, eval, evaluation) in its
     ``KEYWORDS_IN_DIR_NAME_BASE_PATTERNS`` (``**/{keyword}/**``, ``**/{keyword}[{sep}]*/**``,
     ``**/*[{sep}]{keyword}/**``, ``**/*[{sep}]{keyword}[{sep}]*/**``, ``sep`` its ``NON_WORDS_CHARS`` "-._ 0-9"),
-    so a folder at any depth whose name is a keyword, alone or beside words after a separator, names the
-    split: ``training_set/``, ``val_images/``, ``seg_train/``, ``train2017/``. Each glob is read as fsspec reads
-    it (``fsspec.utils.glob_translate``), in datasets' order of splits and patterns; one change: the keyword
-    in any case (``Training/``, ``TEST/``), which datasets' globs miss. ``(split, its patterns)`` in order."""
+    so a folder whose name is a keyword, alone or beside words after a separator, names the split:
+    ``training_set/``, ``val_images/``, ``seg_train/``, ``train2017/``. Each glob is read as fsspec reads it
+    (``fsspec.utils.glob_translate``), in datasets' order of splits and patterns; one change: the keyword in any
+    case (``Training/``, ``TEST/``), which datasets' globs miss. Whether a folder so named makes a split is
+    :func:`_split_folders`' question. ``(split, its patterns)`` in order."""
     from datasets.data_files import DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME
     from fsspec.utils import glob_translate
 
@@ -41,9 +42,9 @@ def split_rules() -> tuple[tuple[str, tuple[re.Pattern[str], ...]], ...]:
 
 @functools.lru_cache(maxsize=1 << 16)
 def named_splits(folder: str) -> dict[str, int]:
-    """The splits that a file in ``folder`` (a posix path relative to the data folder; '' for the folder
-    itself) belongs to by :func:`split_rules`, each with the index of the first of its patterns that takes
-    it (its rows come in that order). The patterns end in ``/**``: the file's name never matters."""
+    """The splits that the name ``folder`` names by :func:`split_rules`, each with the index of the first of its
+    patterns that takes it (its rows come in that order; a posix path is matched at any of its folders, '' names
+    none). The patterns end in ``/**``: a file's name never matters."""
     if not folder:
         return {}
     probe = f"{folder}/x"
@@ -165,10 +166,11 @@ def folder_splits(path: Path, data: str) -> tuple[dict[str, list[Path]], bool] |
     - Files: :func:`_listing` (no hidden files, nothing under ``__MACOSX/``, linked folders not entered);
       images are the files whose last extension is an image's (``ImageFolder.EXTENSIONS``), each split lists
       its ``metadata.csv`` / ``.jsonl`` / ``.parquet`` tables.
-    - Splits (``get_data_patterns``): where a folder holding images names a split (:func:`split_rules`, at any
-      depth), the splits are the images under such folders, train, validation, test, each in the order of its
-      patterns and sorted by path within one (``DataFilesList.from_patterns``); images under no such folder
-      are left out (Intel's ``seg_pred/``). Otherwise the whole folder is the training split, sorted by path.
+    - Splits (``get_data_patterns``): where folders holding images make splits (:func:`_split_folders`: their
+      names are split keywords, :func:`split_rules`, and so are their siblings'), the splits are the images
+      under them, train, validation, test, each in the order of its patterns and sorted by path within one
+      (``DataFilesList.from_patterns``); images under no such folder are left out (Intel's ``seg_pred/``).
+      Otherwise the whole folder is the training split, sorted by path.
     - Class folders: every image of the splits at one depth, none directly in ``path`` or in the folder that
       makes its split (the folder an image sits in is its class where all sit at one depth: imagefolder's
       ``analyze``).
@@ -176,10 +178,13 @@ def folder_splits(path: Path, data: str) -> tuple[dict[str, list[Path]], bool] |
     Where imagefolder misreads, this does not (docs/data.md, "A folder of images"): file names never name a
     split (its ``DEFAULT_PATTERNS_SPLIT_IN_FILENAME``, used when no folder does, read ``beach-test-2.jpg``
     as the test split and drop ``IMG_0001.jpg``); images directly in the folder that makes their split have
-    no class (:func:`_in_split_folder`; imagefolder labels ``train/*.jpg`` and ``test/*.jpg`` as classes
-    "train" and "test"); a keyword counts in any case; an image is listed once in a split that several of
-    its patterns take (imagefolder repeats it); a file is an image by its last extension (imagefolder also
-    takes ``photo.jpg.json``).
+    no class (imagefolder labels ``train/*.jpg`` and ``test/*.jpg`` as classes "train" and "test"); a keyword
+    counts in any case; a keyword folder among class folders is a class (imagefolder reads ``bus/ car/ train/
+    truck/`` as a ``train`` split of ``train/``'s images alone); a keyword inside a split folder never moves an
+    image to another split (imagefolder also puts ``train/dev_board/`` in the validation split and
+    ``train/test_tube/`` in the test split); an image is listed once in a split that several of its patterns
+    take (imagefolder repeats it); a file is an image by its last extension (imagefolder also takes
+    ``photo.jpg.json``).
 
     None for a folder datasets reads otherwise: no images, or tables of rows (``data/*.parquet``, ``.arrow``).
     Zip archives that a split would read (imagefolder extracts them) are one :class:`UserError`, as is a
@@ -200,8 +205,8 @@ def folder_splits(path: Path, data: str) -> tuple[dict[str, list[Path]], bool] |
                 "imagefolder does not enter: give the folder a link points to, or copy them in (cp -rL)"
             )
         return None
-    keyed = any(named_splits(f.rpartition("/")[0]) for f in images)  # else all is train (datasets' "**")
-    where = (lambda f: named_splits(f.rpartition("/")[0])) if keyed else (lambda f: {"train": 0})
+    made = _split_folders(images)
+    where = (lambda f: _split_of(f, made)) if made else (lambda f: {"train": 0})  # else all is train ("**")
     zips = [f for f in zips if where(f)]
     if zips:
         raise UserError(
@@ -210,23 +215,54 @@ def folder_splits(path: Path, data: str) -> tuple[dict[str, list[Path]], bool] |
         )
     files: dict[str, list[Path]] = {}
     chosen = []
-    for split in [s for s, _ in split_rules()] if keyed else ["train"]:
+    for split in [s for s, _ in split_rules()] if made else ["train"]:
         ranked = sorted((where(f)[split], f) for f in images if split in where(f))
         if ranked:
             tables = sorted(f for f in metadata if split in where(f))
             files[split] = [base / f for _, f in ranked] + [base / f for f in tables]
             chosen += [f for _, f in ranked]
     depths = {f.count("/") for f in chosen}
-    return files, len(depths) == 1 and depths != {0} and not any(_in_split_folder(f) for f in chosen)
+    return files, len(depths) == 1 and depths != {0} and not any(f.rpartition("/")[0] in made for f in chosen)
 
 
-def _in_split_folder(file: str) -> bool:
-    """Whether ``file`` lies directly in the folder that makes its split: one whose name
-    :func:`split_rules` take, inside none that they take (``train_images/1.jpg``, not
-    ``train/train_cat/1.jpg``)."""
-    folder, _, _ = file.rpartition("/")
-    above, _, name = folder.rpartition("/")
-    return bool(named_splits(name)) and not named_splits(above)
+def _split_folders(images: list[str]) -> dict[str, dict[str, int]]:
+    """The folders that make a split (posix paths relative to the data folder), each with the splits its name
+    names and the rank of the first pattern that takes it (:func:`named_splits`). Folders are looked at from the
+    top down, the sub-folders of one folder together (only those holding images count). Where some of them
+    name a split, they are split folders when every one of them does (``train/``, ``val/``; ``training_set/``,
+    ``test_set/``), or when they name two splits or more and each holds its images in folders of its own
+    (Intel's ``seg_train/``, ``seg_test/`` beside ``seg_pred/``: the others are then left out, as imagefolder
+    leaves them); otherwise a keyword folder is a class like its siblings (``Bus/``, ``Car/``, ``Train/``,
+    ``Truck/``) and the search goes on inside each of them. Nothing inside a split folder is looked at: a
+    keyword in a class name (``train/test_tube/``, ``train/dev_board/``) never moves images between splits."""
+    children: dict[str, set[str]] = {}
+    for f in images:
+        parts = f.split("/")[:-1]
+        for depth in range(len(parts)):
+            children.setdefault("/".join(parts[:depth]), set()).add(parts[depth])
+    made: dict[str, dict[str, int]] = {}
+    pending = [""]
+    while pending:
+        folder = pending.pop()
+        paths = {name: f"{folder}/{name}" if folder else name for name in sorted(children.get(folder, ()))}
+        named = {name: found for name in paths if (found := named_splits(name))}
+        splits = {split for found in named.values() for split in found}
+        if named and (len(named) == len(paths) or (len(splits) > 1 and all(paths[name] in children for name in named))):
+            made.update({paths[name]: found for name, found in named.items()})
+        else:
+            pending += paths.values()
+    return made
+
+
+def _split_of(file: str, made: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The splits of ``file`` (a posix path relative to the data folder): those of the split folder it lies
+    under (:func:`_split_folders`), each with its rank; empty when it lies under none."""
+    parts = file.split("/")[:-1]
+    for depth in range(1, len(parts) + 1):
+        found = made.get("/".join(parts[:depth]))
+        if found is not None:
+            return found
+    return {}
 
 
 def _listing(base: Path) -> tuple[list[str], list[str]]:
