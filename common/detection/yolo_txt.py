@@ -7,21 +7,26 @@
 - ``path``: the root, absolute or relative to the yaml's folder (else to the working directory, as Ultralytics
   reads it); without it, the yaml's folder. ``train`` / ``val`` (or ``validation``) / ``test``: a folder (its images,
   recursively), a txt file listing image paths (``./x`` relative to the txt file, other relative paths to the root),
-  or a list of those; an entry ``../x`` that does not exist is read as ``x`` (Roboflow's ``../train/images``).
+  or a list of those; an entry ``../x`` that does not exist is read as ``x`` (Roboflow's ``../train/images``). A
+  folder's images are listed by Ultralytics' glob: no dot-file or dot-folder (:func:`split_images`).
 - ``names``: a list, or a mapping ``{id: name}`` with ids 0..n-1; ``nc`` alone names the classes ``class_<i>``.
   Class index i is category id i.
 - The label file of an image: the last ``/images/`` of its path replaced by ``/labels/``, the suffix by ``.txt``.
-  Rows ``class cx cy w h`` normalised 0..1 (a sixth value, a confidence as ``--predict`` writes, is ignored);
-  polygon rows ``class x1 y1 x2 y2 ...`` (more than 6 values) read as their bounding boxes. A missing or empty file:
-  no objects. Ultralytics' checks, with its tolerance: class an integer in 0..nc-1, every box value <= 1.01, centres
-  >= -0.01, sides >= 0; a file that fails one (or mixes polygon and box rows, or holds a malformed line) leaves its
+  Rows ``class cx cy w h`` normalised 0..1; polygon rows ``class x1 y1 x2 y2 ...`` (more than 6 values) read as
+  their bounding boxes. A missing or empty file, or one of blank lines: no objects. Ultralytics' checks
+  (``verify_image_label`` of ultralytics 8.4.183 and later), with its tolerance: class an integer in 0..nc-1, every
+  box value <= 1.01, the least value >= 0, or >= -0.01 with the sides >= 0 (a centre may lie 1 % outside, a side
+  is never negative); a file that fails one (or mixes polygon and box rows, or holds a malformed line) leaves its
   image out, as Ultralytics does ("ignoring corrupt image/label"): the image and the reason are listed as an
-  unreadable image is (``bad_images.txt``). Repeated rows count once.
+  unreadable image is (``bad_images.txt``). Repeated rows count once (polygons: the same points). One rule is
+  this project's: a sixth value on a box row, a confidence as ``--predict`` writes, is ignored where Ultralytics
+  refuses the file, so that a model's label files read back as its detections.
 - Boxes become COCO ``[x, y, w, h]`` in pixels of the image as displayed (EXIF orientation applied), clipped to it.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -148,12 +153,16 @@ def _entry(root: Path, entry: str) -> Path:
 
 def split_images(root: Path, value: str | list, split: str, file: Path) -> list[str]:
     """The image paths of one split entry (a folder, a txt list, or a list of them), sorted as Ultralytics sorts
-    them."""
+    them. A folder is listed as Ultralytics' ``get_img_files`` lists it (``glob.glob(<folder>/**/*.*,
+    recursive=True)``): its files at any depth, linked folders entered, no file or folder whose name starts with
+    ``.`` (Jupyter's ``.ipynb_checkpoints/`` copies, macOS's ``._IMG_0001.jpg`` resource forks); a txt list's
+    paths are taken as written, whatever their names."""
     found: list[str] = []
     for entry in value if isinstance(value, list) else [value]:
         path = _entry(root, str(entry))
-        if path.is_dir():
-            found += [str(p) for p in path.rglob("*.*") if p.is_file()]
+        if path.is_dir():  # Ultralytics' glob: no dot-file or dot-folder (._IMG.jpg, .ipynb_checkpoints/)
+            pattern = os.path.join(glob.escape(str(path)), "**", "*.*")
+            found += [f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f)]
         elif path.is_file():
             lines = path.read_text(encoding="utf-8-sig").strip().splitlines()
             for line in (x.strip() for x in lines):
@@ -211,15 +220,16 @@ def read_labels(label_file: str, num_classes: int) -> tuple[np.ndarray, str]:
 
 def _check(row: np.ndarray, num_classes: int) -> str:
     """Ultralytics' checks of one row ``[class, cx, cy, w, h]`` (``verify_image_label``, values as float32): every
-    box value <= 1.01, the row's least value >= 0 or (>= -0.01 with w, h >= 0), an integer class below ``nc``."""
+    box value <= 1.01, the row's least value >= 0 or (>= -0.01 with w, h >= 0), an integer class below ``nc``.
+    Each is written as Ultralytics asserts it, so that a NaN, for which every comparison is false, fails it."""
     lb = row.astype(np.float32)
-    if lb[1:].max() > 1.01:
+    if not (lb[1:].max() <= 1.01):
         return f"coordinates past 1 (normalised coordinates are 0..1, 1 % tolerance): {row[1:].tolist()}"
-    if lb.min() < 0 and not (lb.min() >= -0.01 and lb[3:5].min() >= 0):
+    if not (lb.min() >= 0 or (lb.min() >= -0.01 and lb[3:5].min() >= 0)):
         return f"negative values: {row.tolist()}"
-    if lb[0] % 1 != 0:
+    if not (lb[0] % 1 == 0):
         return f"class {row[0]:g} is not an integer"
-    if lb[0] >= num_classes:
+    if not (lb[0] < num_classes):
         return f"class {int(lb[0])} is not in names (0..{num_classes - 1})"
     return ""
 
