@@ -19,10 +19,17 @@ their Python port ``voc_eval.py``), into the normalised schema of :mod:`common.d
   evaluation as the devkit ignores them (neither true nor false positives:
   :func:`common.detection.coco_eval.voc07_ap50`).
   ``truncated`` / ``occluded`` boxes are ordinary boxes, as in the devkit.
-- Image ids: the VOC ids as numbers where every id is digits with at most one ``_`` (``000005`` -> 5, ``2008_000123``
-  -> 2008000123: unique across the years), otherwise the position in the sorted list of every root's ids.
+- Evaluation: without a split named, the one that follows the training split's years (:meth:`VocSource.eval_split`).
+- Image ids: the VOC ids as numbers where every id is digits with at most one ``_`` and no two ids give one number
+  (``000005`` -> 5, ``2008_000123`` -> 2008000123: unique across the years), otherwise the position in the sorted
+  list of every root's ids, so that every file has an id of its own.
 - Sizes: the XML's ``<size>`` where it gives one, else the image's header (as displayed). An image whose XML is
   missing or malformed is left out, listed as an unreadable image is (``bad_images.txt``).
+- Photos stored turned (an EXIF orientation tag) are read as displayed (:mod:`common.data.images`), so their boxes
+  are taken to the displayed picture's frame: where ``<size>`` is the stored picture's and not the displayed one's
+  (a tool that drew on the stored pixels, as LabelImg does), the boxes are turned with the picture; where it is the
+  displayed one's, or fits both (a half turn, a mirror, a square photo), they are used as written. One line says
+  which frame the turned images' boxes were read in (:attr:`VocSource.notes`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from common.data.folders import EVAL_SPLITS, same_split
 
 VOC_CLASSES = (
     "aeroplane",
@@ -141,6 +150,8 @@ class VocSource:
                 ]
         self._parsed: dict[tuple[str, str], tuple[dict[str, Any], str]] = {}
         self._classes: list[str] | None = None
+        #: one line per split loaded where some images are stored turned: the frame their boxes were read in
+        self.notes: list[str] = []
 
     def _annotation(self, key: tuple[str, str]) -> tuple[dict[str, Any], str]:
         if key not in self._parsed:
@@ -156,10 +167,45 @@ class VocSource:
             self._classes = list(VOC_CLASSES) if voc and names <= set(VOC_CLASSES) else sorted(names)
         return self._classes
 
+    def _key(self, root: str, name: str) -> str:
+        """The split name of list ``name`` of ``root`` (``VOC2007/val``; over one root, ``val``)."""
+        return f"{root}/{name}" if root else name
+
+    def _reads(self, split: str) -> list[tuple[str, str]]:
+        """``(root, list name)`` of each list that the split name ``split`` reads: ``VOC2007/train`` that one, a
+        plain ``train`` that list of every root that has one."""
+        root, _, name = split.rpartition("/")
+        if root and root in self.roots:
+            return [(root, name)]
+        return [(r, split) for r in self.roots if self._key(r, split) in self.lists]
+
+    def eval_split(self, train_split: str) -> str:
+        """The evaluation split for ``train_split`` when none is named: in each root (year) that the training split
+        reads, the first of validation / val / valid / test that it has and that is no part of the training split
+        there (VOC's ``val`` is part of ``trainval``), joined with ``+``; '' where no year has one (then a seeded
+        share of the training split is held out). ``VOC2007/train`` evaluates on ``VOC2007/val`` alone,
+        ``VOC2007/trainval+VOC2012/trainval`` on ``VOC2007/test`` (VOC2012 has no test list), a plain ``train``
+        over several years on each year's ``val``."""
+        read: dict[str, list[str]] = {}  # root -> the lists of it that the training split reads
+        for part in train_split.split("+"):
+            for root, name in self._reads(same_split(part, self.lists)):
+                read.setdefault(root, []).append(name)
+        chosen = []
+        for root, names in read.items():
+            listed = [s for s in EVAL_SPLITS if self._key(root, s) in self.lists]
+            split = next((s for s in listed if not any(s in name for name in names)), "")
+            chosen += [self._key(root, split)] if split else []
+        return "+".join(chosen)
+
     def _image_ids(self) -> Callable[[tuple[str, str]], int]:
+        """Image ids: the VOC ids as numbers where every id is digits with at most one ``_`` and the numbers are
+        unique over every root's ids (``11_0`` and ``1_10`` would both be 110), else positions in their sorted
+        list."""
         keys = sorted({k for ids in self.lists.values() for k in ids})
         if all(re.fullmatch(r"\d+(_\d+)?", i) for _, i in keys):
-            return lambda key: int(key[1].replace("_", ""))
+            numbers = {k: int(k[1].replace("_", "")) for k in keys}
+            if len(set(numbers.values())) == len(keys) and max(numbers.values(), default=0) < 2**63:
+                return numbers.__getitem__
         position = {k: n for n, k in enumerate(keys)}
         return position.__getitem__
 
@@ -175,7 +221,8 @@ class VocSource:
         """One split as a normalised ``datasets.Dataset``, the class names, their ids (the class indices) and the
         images left out with why (image path -> reason; their rows stay, without objects, for
         :meth:`common.detection.data.DetectionData.with_unusable` to list and drop). ``size_of``: an image's
-        ``(width, height)`` as displayed, raising :class:`UserError` when unreadable."""
+        ``(width, height)`` as displayed, raising :class:`UserError` when unreadable. Where some images are stored
+        turned, :attr:`notes` gains the line naming the frame their boxes were read in (:func:`frame`)."""
         import datasets
 
         from common import UserError
@@ -185,22 +232,26 @@ class VocSource:
         index = {c: i for i, c in enumerate(classes)}
         image_id = self._image_ids()
         unusable: dict[str, str] = {}
+        frames: dict[str, int] = {}
         table: dict[str, list] = {"image": [], "image_id": [], "width": [], "height": [], "objects": []}
         for key in self.lists[split]:
             record, why = self._annotation(key)
             path = self._image(key, record.get("filename", ""))
-            width, height = record.get("size", (0, 0))
-            if not why and (width <= 0 or height <= 0):
+            width, height, turn = 0, 0, None
+            if not why:
                 try:
-                    width, height = size_of(path)
+                    (width, height), turn, read_as = frame(path, record["size"], size_of)
+                    frames[read_as] = frames.get(read_as, 0) + 1
                 except UserError as e:
-                    width, height, why = 0, 0, str(e)
+                    why = str(e)
             objects: dict[str, list] = {"bbox": [], "category": [], "area": [], "iscrowd": []}
             if why:
                 unusable[path] = why
             for name, difficult, xmin, ymin, xmax, ymax in [] if why else record["objects"]:
-                x0, y0 = min(max(xmin - 1, 0), width), min(max(ymin - 1, 0), height)
-                x1, y1 = min(max(xmax, 0), width), min(max(ymax, 0), height)
+                corners = (xmin - 1, ymin - 1, xmax, ymax)  # 1-based inclusive corners in continuous pixels
+                x0, y0, x1, y1 = turned(corners, *turn) if turn else corners
+                x0, y0 = min(max(x0, 0), width), min(max(y0, 0), height)
+                x1, y1 = min(max(x1, 0), width), min(max(y1, 0), height)
                 objects["bbox"].append([x0, y0, x1 - x0, y1 - y0])
                 objects["category"].append(index[name])
                 objects["area"].append((x1 - x0) * (y1 - y0))
@@ -210,4 +261,80 @@ class VocSource:
             table["width"].append(width)
             table["height"].append(height)
             table["objects"].append(objects)
+        if line := frames_line(split, frames, len(self.lists[split])):
+            self.notes.append(line)
         return datasets.Dataset.from_dict(table, features=features()), classes, list(range(len(classes))), unusable
+
+
+# How the boxes of an image were read (:func:`frame`): as written, for an image stored upright; for one stored turned,
+# in the frame its ``<size>`` names, or as displayed where it names none.
+UPRIGHT, STORED, DISPLAYED, BOTH, UNTOLD = "upright", "stored", "displayed", "both", "untold"
+
+
+def frame(
+    path: str, size: tuple[int, int], size_of: Callable[[str], tuple[int, int]]
+) -> tuple[tuple[int, int], tuple[int, tuple[int, int]] | None, str]:
+    """The size of the image at ``path`` as displayed, how to take its boxes there, and which frame they were read in.
+
+    ``size``: the XML's ``<size>`` ((0, 0) where it gives none). The image's header gives its stored size and EXIF
+    orientation (:func:`common.data.images.orientation`). Stored upright: ``<size>`` where given (the devkit's), else
+    the header's. Stored turned: where ``<size>`` is the stored picture's and not the displayed one's, the boxes were
+    drawn on the stored pixels and are turned with them (``(orientation, stored size)`` for :func:`turned`);
+    otherwise they are taken as drawn on the picture as displayed, as every viewer shows it: ``<size>`` is the
+    displayed one's, or fits both (a half turn or a mirror keeps the sides; so does a square), or is absent or
+    fits neither. A header that cannot be read keeps ``<size>`` (the scan before the first step lists the file);
+    without one it is ``size_of``'s :class:`UserError`."""
+    from PIL import Image
+
+    from common.data.images import orientation
+
+    try:
+        with Image.open(path) as image:
+            stored, turn = image.size, orientation(image)
+    except Exception:  # unreadable: what it is, the scan says
+        return (size if min(size) > 0 else size_of(path)), None, UPRIGHT
+    shown = (stored[1], stored[0]) if turn >= 5 else stored
+    if turn == 1:
+        return (size if min(size) > 0 else shown), None, UPRIGHT
+    if size == stored and size != shown:
+        return shown, (turn, stored), STORED
+    if size == shown:
+        return shown, None, BOTH if size == stored else DISPLAYED
+    return (size if min(size) > 0 else shown), None, UNTOLD
+
+
+def turned(box: tuple[float, float, float, float], turn: int, stored: tuple[int, int]) -> list[float]:
+    """``box`` (``[x0, y0, x1, y1]`` in continuous pixels of the picture as stored, of size ``stored``) in the
+    picture as displayed, which EXIF orientation ``turn`` (2-8) makes of it as ``PIL.ImageOps.exif_transpose``
+    does: 2 a mirror, 3 a half turn, 4 a flip, 5 a transpose, 6 a quarter turn clockwise, 7 a transverse, 8 a
+    quarter turn anticlockwise."""
+    width, height = stored
+    move = {
+        2: lambda x, y: (width - x, y),
+        3: lambda x, y: (width - x, height - y),
+        4: lambda x, y: (x, height - y),
+        5: lambda x, y: (y, x),
+        6: lambda x, y: (height - y, x),
+        7: lambda x, y: (height - y, width - x),
+        8: lambda x, y: (y, width - x),
+    }[turn]
+    (ax, ay), (bx, by) = move(box[0], box[1]), move(box[2], box[3])
+    return [min(ax, bx), min(ay, by), max(ax, bx), max(ay, by)]
+
+
+def frames_line(split: str, frames: dict[str, int], total: int) -> str:
+    """One line saying in which frame the boxes of a split's turned photos were read (:func:`frame`); '' where every
+    image is stored upright."""
+    read = {
+        STORED: "turned with the picture (their <size> is the stored picture's)",
+        DISPLAYED: "as drawn on the picture as displayed (their <size> is its)",
+        BOTH: "as drawn on the picture as displayed (their <size> fits it and the stored one alike)",
+        UNTOLD: "as drawn on the picture as displayed (no <size> tells otherwise)",
+    }
+    parts = [f"{frames[k]} {how}" for k, how in read.items() if frames.get(k)]
+    if not parts:
+        return ""
+    count = sum(frames.get(k, 0) for k in read)
+    return f"Pascal VOC '{split}': {count} of {total} images are stored turned (EXIF orientation); boxes read: " + (
+        "; ".join(parts)
+    )
