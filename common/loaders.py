@@ -222,16 +222,40 @@ class LeavingStopSignals:
             self.then(worker_id)
 
 
-def _kill_leftover_workers() -> None:
-    """At the exit of a process whose loader workers ignore SIGTERM: multiprocessing's own exit handler ends the
-    daemonic children still alive (a persistent loader's workers no iterator shut down) with SIGTERM and then
-    waits for them, which would wait forever; they are killed first. Registered with ``atexit`` after
-    multiprocessing's handler, so it runs before it."""
+def shutdown_workers(loader: Any) -> None:
+    """End the worker processes of ``loader``'s persistent iterator now (a no-op without one): what torch does
+    when the iterator is garbage-collected, done where the run knows the loader is finished with. torch keeps
+    the iterator in the loader's private ``_iterator`` and offers no public call; its ``_shutdown_workers``
+    asks the workers to exit, joins them and takes their pids out of torch's SIGCHLD bookkeeping, so that
+    their exit is never reported as a failed worker."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    if iterator is not None:
+        loader._iterator = None
+
+
+def _end_workers_at_exit() -> None:
+    """At the exit of a process that made loaders with workers: every multi-process iterator still alive (a
+    persistent loader no one shut down, an evaluation a stop cut short) is shut down the way torch does it, then
+    any daemonic child still alive is killed. The order matters twice. torch's SIGCHLD handler raises
+    ``DataLoader worker (pid N) is killed by signal`` in whatever runs next (a later exit function) for a
+    worker whose pid it still holds; ``_shutdown_workers`` removes the pids first. And multiprocessing's own
+    exit handler ends daemonic children with SIGTERM, which the workers ignore (:func:`leave_stop_signals`),
+    and then waits for them forever; this handler is registered after it, so it runs before it."""
+    import gc
     import multiprocessing
 
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    for obj in gc.get_objects():
+        if type(obj) is _MultiProcessingDataLoaderIter:  # type(): isinstance would wake lazy module attributes
+            with contextlib.suppress(Exception):  # a half-made iterator: its workers are killed below
+                obj._shutdown_workers()
     for child in multiprocessing.active_children():
         if child.daemon:
             child.kill()
+            child.join(timeout=1)
 
 
 _exit_registered = False
@@ -258,7 +282,7 @@ def loader_kwargs(
             import atexit
             import multiprocessing.util  # noqa: F401  # its exit handler registered first, so ours runs before it
 
-            atexit.register(_kill_leftover_workers)
+            atexit.register(_end_workers_at_exit)
             _exit_registered = True
     return kwargs
 
