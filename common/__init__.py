@@ -47,9 +47,12 @@ class UserError(Exception):
     """Bad input from the user: printed as one ``error: ...`` line, exit status 2, no traceback."""
 
 
-class RunStopped(Exception):
-    """A stop signal after the training loop (during the last saves or the export): the run ends at
-    once, everything already written stays, and the message says how to finish it (exit status 0)."""
+class RunStopped(BaseException):
+    """A stop signal honoured outside the training steps (an evaluation, its plots, the last saves, the export,
+    ``--predict``): the run ends at once, everything already written stays, and the message (empty when the lines
+    were printed already) says what was done and how to go on (exit status 0). A ``BaseException``, as
+    ``KeyboardInterrupt`` is, so that code which turns every ``Exception`` into its own error (the ONNX exporter,
+    a guarded step after the weights) lets it through."""
 
 
 class StepsFailed(Exception):

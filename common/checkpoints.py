@@ -2,10 +2,12 @@
 
 A checkpoint is Accelerate's state plus :class:`common.run_folder.TrainState` (where the loop is), written
 whole or not at all; :meth:`Checkpoints.resume` loads the one ``cfg.resume`` names. SIGTERM, SIGINT and
-SIGUSR1 (Slurm's pre-emption warning), to this process or its whole group, only set a flag: the loop asks
-:meth:`Checkpoints.should_stop` once per optimizer step (every process gets the same answer at the same step),
-saves a checkpoint and ends with :meth:`Checkpoints.stopped`; after the training loop (:meth:`loop_done`) a
-signal ends the run at once with :class:`common.RunStopped`.
+SIGUSR1 (Slurm's pre-emption warning), to this process or its whole group, set a flag that is honoured within one
+step wherever it lands: in the training steps the loop asks :meth:`Checkpoints.should_stop` once per optimizer
+step (every process gets the same answer at the same step), saves a checkpoint and ends with
+:meth:`Checkpoints.stopped`; outside them (an evaluation's batches, its pictures, the last saves, the export,
+``--predict``) :meth:`Checkpoints.check_stop` raises :class:`common.RunStopped`, which the loop turns into a
+checkpoint while it is training. Inside :meth:`Checkpoints.interruptible` a single process stops at once.
 
 The mixin uses what :class:`common.run.Run` holds: ``cfg``, ``accelerator``, ``dir``, ``checkpoint_dir``,
 ``recipe``, ``guard``, ``weights_metadata``, ``resume_changes``, and its ``begin``, ``log``, ``print``, ``finish``.
@@ -13,10 +15,12 @@ The mixin uses what :class:`common.run.Run` holds: ``cfg``, ``accelerator``, ``d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,19 @@ from common.run_folder import (
     write_checkpoint,
 )
 
+#: How a stop of ``--eval_only`` or ``--export --weights`` ends its line; ``--predict`` names its partial file instead.
+NOTHING_AFTER = "; nothing after it was written"
+
+
+def partial_stop(stop: BaseException, done: int, total: int, partial: Path, also: str = "") -> RunStopped:
+    """A prediction pass that a stop signal ended (``stop``, from :meth:`Checkpoints.check_stop`) after ``done`` of
+    ``total`` images, what it had written kept in ``partial`` (``also``: what else it wrote per image): the
+    line that says so."""
+    return RunStopped(
+        f"{str(stop).removesuffix(NOTHING_AFTER)}; {done:,} of {total:,} images predicted: {partial} holds them "
+        f"(named partial{also}); the rest were not predicted"
+    )
+
 
 class Checkpoints:
     """Checkpoints, resume and stop signals of a :class:`common.run.Run` (see the module docstring)."""
@@ -44,7 +61,11 @@ class Checkpoints:
         """Install the stop-signal handlers; with several processes, the gloo group that agrees on a stop."""
         self.last_checkpoint = ""
         self._stop_signal: int | None = None
-        self._loop_done = False  # after the training loop a stop signal ends the run at once (RunStopped)
+        self._loop_done = False  # after the training loop a stop ends the run at the next check (RunStopped)
+        # what a stop signal does now (STOP_PLANS): the loop sets "training" and "evaluation", loop_done "after";
+        # --predict, --eval_only and --export --weights are a "task" from the start
+        self.stop_phase = "task" if self.cfg.weights and not self.cfg.resume else "training"
+        self._interruptible: list[str] = []  # the interruptible() calls we are in, innermost last
         self._stop_group = None
         self._pending: tuple[Any, torch.Tensor] | None = None
         if self.accelerator.num_processes > 1 and dist.is_initialized():
@@ -111,6 +132,14 @@ class Checkpoints:
         return state
 
     # -- signals -------------------------------------------------------------------------------
+    #: What the acknowledgement of a stop signal says will happen, by :attr:`stop_phase`.
+    STOP_PLANS = {
+        "training": "finishing the step, saving a checkpoint, then exiting",
+        "evaluation": "ending the evaluation at its next batch, saving a checkpoint, then exiting",
+        "after": "ending the run now; the last checkpoint holds the training",
+        "task": "stopping at the next image batch",
+    }
+
     def _on_signal(self: Any, signum: int, frame: Any) -> None:
         if os.getpid() != self._pid:  # a DataLoader worker: the training process stops it
             return
@@ -119,27 +148,56 @@ class Checkpoints:
                 raise KeyboardInterrupt  # a second Ctrl-C stops at once
             return  # already stopping (Slurm's SIGTERM at the time limit after its SIGUSR1 warning): said once
         self._stop_signal = signum
-        if self._loop_done:
-            self._raise_stopped()
-        self.print(f"{signal.Signals(signum).name} received: finishing the step, saving a checkpoint, then exiting")
+        self.print(f"{signal.Signals(signum).name} received: {self.STOP_PLANS[self.stop_phase]}")
+        if self._interruptible and self.accelerator.num_processes == 1:
+            raise RunStopped(self.stopped_text(self._interruptible[-1]))
 
-    def loop_done(self: Any) -> None:
-        """The training loop ended and its last checkpoint is written: from here on (the recipe's final
-        weights, the export) a stop signal ends the run at once with :class:`RunStopped`, as does one
-        that arrived during the last epoch's evaluation."""
-        self._loop_done = True
+    @contextlib.contextmanager
+    def interruptible(self: Any, what: str) -> Iterator[None]:
+        """Around a long call that writes nothing of the run's until it returns (the exporter and its checks, COCO's
+        accumulation): with one process, a stop signal raises :class:`RunStopped` inside it at once, rather than at
+        the next batch. With several, the processes must agree first, so it waits for the next check
+        (:meth:`check_stop`). ``what`` names the call in the stop's message."""
         if self._stop_signal is not None:
-            self._raise_stopped()
+            self.check_stop(what)
+        self._interruptible.append(what)
+        try:
+            yield
+        finally:
+            self._interruptible.pop()
 
-    def _raise_stopped(self: Any) -> None:
-        for sig, handler in self._handlers.items():  # the run ends here: the signals go back
-            signal.signal(sig, handler)
-        name = signal.Signals(self._stop_signal).name
-        raise RunStopped(
-            f"stopped by {name} after the training loop, before the run's last files were written; everything "
-            f"written so far is kept (last checkpoint: {self.last_checkpoint or 'none'})\n"
+    def check_stop(self: Any, where: str, shared: bool = True) -> None:
+        """A point where a stop can be honoured outside the training steps (each batch of an evaluation or
+        prediction pass, between pictures, between the export's files): raise :class:`RunStopped` once a stop signal
+        reached any process. ``shared`` False: only this process runs the code around it (the main process's
+        prediction of a handful of files), so only its own signal counts and nothing is agreed on."""
+        stop = self.should_stop() if shared else self._stop_signal is not None
+        if stop:
+            raise RunStopped(self.stopped_text(where))
+
+    def stopped_text(self: Any, where: str) -> str:
+        """The lines a stop outside the training steps ends with: after the training loop, how to finish the run's
+        files; before it, what stopped where (:class:`common.loop.Loop` adds the checkpoint, prediction its file)."""
+        name = signal.Signals(self._stop_signal).name if self._stop_signal is not None else "a stop request"
+        if self.stop_phase == "task":  # --eval_only, --export --weights (--predict names its partial file)
+            return f"stopped by {name} during {where}{NOTHING_AFTER}"
+        if not self._loop_done:
+            return f"stopped by {name} during {where}"
+        return (
+            f"stopped by {name} during {where}, after the training loop, before the run's last files were written; "
+            f"everything written so far is kept (last checkpoint: {self.last_checkpoint or 'none'})\n"
             f"finish it with: {self.continue_command()}"
         )
+
+    def loop_done(self: Any) -> None:
+        """The training loop ended and its last checkpoint is written: from here on (the recipe's final weights, the
+        model folder, the export) a stop ends the run at the next check with :class:`RunStopped`; one that arrived
+        during the last epoch's evaluation ends it now."""
+        self._loop_done = True
+        self.stop_phase = "after"
+        if self._stop_signal is not None:
+            self.hand_back_signals()
+            raise RunStopped(self.stopped_text("the last epoch's end"))
 
     def should_stop(self: Any) -> bool:
         """True on every process once any process got a stop signal (SIGTERM, SIGINT, SIGUSR1); call once per step.
@@ -160,10 +218,12 @@ class Checkpoints:
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group, async_op=True), flag)
         return stop
 
-    def stopped(self: Any, step: int) -> None:
-        """End a run stopped by a signal at ``step``: say how to continue, then :meth:`finish`."""
+    def stopped(self: Any, step: int, evaluation: bool = False) -> None:
+        """End a run stopped by a signal at ``step``: say how to continue, then :meth:`finish`. ``evaluation``: the
+        stop cut an evaluation short, which a resume does again."""
         reason = signal.Signals(self._stop_signal).name if self._stop_signal is not None else "a stop request"
-        self.print(f"stopped by {reason} at step {step}; checkpoint {self.last_checkpoint}")
+        again = " (before the evaluation, which runs again on resume)" if evaluation else ""
+        self.print(f"stopped by {reason} at step {step}; checkpoint {self.last_checkpoint or 'none'}{again}")
         self.print(f"continue with: {self.continue_command()}")
         self.finish()
 

@@ -228,8 +228,8 @@ def own_files(prefix: str) -> Iterator[None]:
 
 def cli_main(main: Callable[[], Any]) -> None:
     """Run a recipe's ``main``; bad input and a diverged loss become one ``error:`` line and exit 2 / 1; steps
-    that failed after the weights were saved (their lines already told) exit 1; a stop signal after the
-    training loop its two lines (what stopped, how to finish) and exit 0; a second Ctrl-C one line and exit 130.
+    that failed after the weights were saved (their lines already told) exit 1; a stop signal honoured outside
+    the steps its lines (what stopped, what was done, how to go on) and exit 0; a second Ctrl-C one line and exit 130.
     The packages a run uses are checked once its config is read (:func:`common.weights.config_with_weights`)."""
     try:
         main()
@@ -242,9 +242,10 @@ def cli_main(main: Callable[[], Any]) -> None:
         _fail(message, 2)
     except NonFiniteLoss as e:
         _fail(str(e), 1)
-    except RunStopped as e:  # a stop signal after the training loop: what is written stays
+    except RunStopped as e:  # a stop signal outside the steps: what is written stays
         _close_bars()
-        print(e, flush=True)
+        if str(e):
+            print(e, flush=True)
         raise SystemExit(0) from None
     except KeyboardInterrupt:  # a second Ctrl-C: out at once, without a traceback
         _fail("interrupted by a second Ctrl-C; the run's checkpoints are kept (--resume auto continues)", 130)

@@ -1,7 +1,9 @@
 """The training loop's bookkeeping: epochs, the mid-epoch resume skip, meters, the progress bar and the best
 metric. Every change of a run's state is a call the recipe makes; the questions only answer::
 
-    loop = Loop(run, train_loader, total_steps)        # after run.resume(): continues where it stopped
+    loop = Loop(run, train_loader, total_steps)        # the run folder and the start banner
+    set_seed(cfg.seed, device_specific=True)            # from here each process draws its own random numbers
+    loop.resume()                                       # model, optimizer, ... from --resume's checkpoint
     for epoch in loop.epochs():                         # sets the samplers' epoch; ends at total_steps
         for batch in loop.batches():                    # skips what a resumed checkpoint already saw
             ...forward: losses = {"loss_x": ..., ...}; loss = sum(w * losses[k] for k, w in weight_dict.items())
@@ -17,17 +19,24 @@ metric. Every change of a run's state is a call the recipe makes; the questions 
             if loop.checkpoint_due():
                 loop.save_checkpoint()
         if loop.eval_due():
-            loop.start_evaluation()                     # the non-finite check, then the evaluation's clock
-            ...evaluate; if loop.update_best("map_50", value): save best weights
+            with loop.evaluation():                     # the non-finite check, the clock; a stop: checkpoint
+                ...evaluate; if loop.update_best("map_50", value): save best weights
         if loop.checkpoint_due():                       # every checkpoint_every steps, and after the last epoch
             loop.save_checkpoint()
 
 A checkpoint records the position and ``extra`` (best metrics, recipe values): a resume continues with the very
 batches and random numbers of the uninterrupted run. Terms are ``losses`` keys named ``loss_*`` (DETR's naming).
+
+A stop signal is honoured within one step wherever it lands: in the batches by the recipe's ``stop_requested``;
+in an evaluation (its batches, pictures, best weights) by :meth:`Loop.evaluation`, whose checkpoint makes a resume
+evaluate again before it goes on; between epochs by :meth:`Loop.epochs`. The last two end the run with
+:class:`common.RunStopped` once the checkpoint is written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,11 +44,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from common import RunStopped
 from common.console import step_line, summary
 from common.heartbeat import SILENCE_S
+from common.loaders import shutdown_workers
 from common.meters import Meters, format_seconds, prefixed
 from common.run import Run
 from common.run_folder import TrainState
@@ -59,30 +69,50 @@ class Loop:
         self.train_loader, self.total_steps, self.replaced, self.lr = train_loader, total_steps, replaced, lr
         run.begin()
         run.print_banner(train_loader, total_steps, eval_images, classes)
-        # From here on each process draws its own random numbers (dropout, drop path, Mixup), as timm and DeiT do;
-        # models were initialised under the shared seed, per-sample augmentation is keyed by (seed, epoch, index).
-        set_seed(self.cfg.seed, device_specific=True)
-        self.start = run.resume()  # every process's generators too
-        self.step, self.epoch, self.batches_done = self.start.step, self.start.epoch, self.start.batches_in_epoch
-        self.extra: dict[str, Any] = dict(self.start.extra)
-        if changed := resumed_schedule(self.extra, self.total_steps, self.step, lr):  # another max_steps or epochs
-            run.print(changed)
+        self.start = TrainState()  # where the loop starts: resume() reads it from the checkpoint
+        self.step = self.epoch = self.batches_done = 0
+        self.extra: dict[str, Any] = {}
         self.meters = Meters(self.accelerator.device)
         self.meters.pause()  # the clock of img/s runs inside the epochs' batches only
         self._in_epoch = self._epoch_done = False
+        self._evaluating: dict[str, Any] | None = None  # in evaluation(): ``extra`` as it was when it started
+        self._saved_step = -1  # the step of the newest checkpoint this session wrote or resumed from
         # the last epoch's final loader call (it found no batch), seconds; perf_counter() at the epochs' end
         self._tail_s: float | None = None
         self._loop_end: float | None = None
         self._last_line, self._last_step = time.monotonic(), self.step  # the last step line (no progress bar)
+        self.progress: Any = None
+
+    def resume(self) -> TrainState:
+        """Continue from the checkpoint ``--resume`` names (:meth:`common.run.Run.resume`: model, optimizer, EMA,
+        every object registered for checkpointing and every process's random generators), or start at step 0; says
+        how a changed schedule continues. Returns where the loop starts."""
+        self.start = self.run.resume()
+        self.step, self.epoch, self.batches_done = self.start.step, self.start.epoch, self.start.batches_in_epoch
+        self.extra = dict(self.start.extra)
+        self._saved_step = self.step if self.run.last_checkpoint else -1
+        self._last_step = self.step
+        if changed := resumed_schedule(self.extra, self.total_steps, self.step, self.lr):  # another max_steps or epochs
+            self.run.print(changed)
         main = None if self.accelerator.is_main_process else True  # None: no bar in a log file
-        self.progress = tqdm(total=total_steps, initial=self.step, desc=run.recipe, dynamic_ncols=True, disable=main)
+        self.progress = tqdm(total=self.total_steps, initial=self.step, desc=self.run.recipe, dynamic_ncols=True,
+                             disable=main)  # fmt: skip
+        self.run.stop_phase = "training"
+        return self.start
 
     # -- iterating ---------------------------------------------------------------------------------
     def epochs(self) -> Iterator[int]:
-        """The epochs left to train; when they end, the progress bar closes and from then on a stop signal ends
-        the run at once (``run.loop_done()``)."""
+        """The epochs left to train; a stop signal between two of them saves a checkpoint and ends the run. When
+        they end, the progress bar closes, the loader's workers stop and from then on a stop signal ends the run at
+        the next check (``run.loop_done()``). A checkpoint written before its epoch's evaluation (a stop during
+        it) resumes into that epoch, past its batches, so that the evaluation runs again."""
+        if self.progress is None:
+            raise RuntimeError("Loop.resume() comes before Loop.epochs(): it says where the loop starts")
         for epoch in range(self.start.epoch, self.cfg.epochs):
-            if self.step >= self.total_steps:
+            if epoch != self.start.epoch and self.run.should_stop():  # at the boundary: nothing half done
+                self._stop_now()
+            evaluation_left = epoch == self.start.epoch and self.start.batches_in_epoch > 0 and not self.start.finished
+            if self.step >= self.total_steps and not evaluation_left:
                 break
             self.epoch, self._epoch_done = epoch, False
             if epoch != self.start.epoch:
@@ -97,6 +127,7 @@ class Loop:
             yield epoch
         self._loop_end = time.perf_counter()
         self.progress.close()
+        shutdown_workers(self.train_loader)  # a loader not in use holds no workers
         self.run.loop_done()
 
     def batches(self) -> Iterator[Any]:
@@ -104,6 +135,9 @@ class Loop:
         consumed once handed out (a checkpoint in the loop's body resumes after it). Waiting for the loader is
         the meters' data time; an epoch's first wait is ``time/epoch_boundary_s``, outside the steps' clock."""
         skip = self.batches_done
+        if self.step >= self.total_steps or skip >= len(self.train_loader):  # resumed before an evaluation
+            self._epoch_done = skip >= len(self.train_loader)
+            return
         loader = self.accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
         self._in_epoch, restart, iterator, first, over = True, time.perf_counter(), iter(loader), True, False
         while self.step < self.total_steps:
@@ -124,6 +158,8 @@ class Loop:
             self.batches_done += 1
             yield batch
         self._in_epoch, self._epoch_done = False, over or self.batches_done == len(self.train_loader)
+        if loader is not self.train_loader:  # a resumed epoch's own loader: its workers end with it
+            shutdown_workers(loader)
 
     # -- a step ------------------------------------------------------------------------------------
     def record(self, loss: torch.Tensor, losses: Mapping[str, torch.Tensor], images: int, **counts: Any) -> None:
@@ -202,25 +238,55 @@ class Loop:
             self.meters.pause()  # time/checkpoint_s, not a step
             self.run.save_checkpoint(TrainState(self.step, self.epoch, self.batches_done, kept))
             self.meters.resume()
+        elif self._evaluating is not None:  # before this epoch's evaluation: a resume evaluates first
+            self.run.save_checkpoint(TrainState(self.step, self.epoch, self.batches_done, kept))
         else:  # a whole epoch: the start of the next; a last epoch cut short by max_steps: where it stopped
             at = (self.epoch + 1, 0) if self._epoch_done else (self.epoch, self.batches_done)
             self.run.save_checkpoint(TrainState(self.step, *at, kept, finished=self.last_epoch))
+        self._saved_step = self.step
 
     def stop(self, results: dict[str, float]) -> dict[str, float]:
         """End a run a signal stopped (its checkpoint saved): how to continue it, the run's finish; ``results``."""
         self.progress.close()
+        shutdown_workers(self.train_loader)
         self.run.stopped(self.step)
         return results
+
+    def _stop_now(self) -> None:
+        """A stop outside the steps (between epochs, in an evaluation): a checkpoint where this session trained since
+        the last one, the run's end, and :class:`RunStopped` (its lines already printed)."""
+        evaluating = self._evaluating is not None
+        if self._evaluating is not None:  # best metrics as before the evaluation: a resume redoes it, best weights too
+            self.extra = self._evaluating
+        if 0 < self.step != self._saved_step:  # nothing trained at step 0: no checkpoint to keep
+            self.save_checkpoint()
+        self.progress.close()
+        shutdown_workers(self.train_loader)
+        self.run.stopped(self.step, evaluating)
+        raise RunStopped("")
 
     # -- evaluation and the best metric ----------------------------------------------------------------
     def eval_due(self) -> bool:  # every eval_every epochs and after the last
         return (self.epoch + 1) % self.cfg.eval_every == 0 or self.last_epoch
 
-    def start_evaluation(self) -> None:
-        """Before an evaluation: stop the run if a loss went non-finite since the last check (one host sync), so
-        diverged weights are never evaluated nor saved; then start the evaluation's clock (``time/eval_s``)."""
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Around an evaluation and what follows from it (metrics, pictures, best weights). First the run stops if a
+        loss went non-finite since the last check (one host sync), so diverged weights are never evaluated nor
+        saved; then the evaluation's clock starts (``time/eval_s``). A stop signal, before it or at any of its
+        checks (each batch, between pictures), ends it: a checkpoint that evaluates again on resume, then the run's
+        end. The run's stop checks must agree across processes, so every process enters it."""
         self.run.guard.check(self.accelerator, self.run.last_checkpoint)
-        self.run.evaluation_started()
+        self._evaluating, phase = copy.deepcopy(self.extra), self.run.stop_phase
+        self.run.stop_phase = "evaluation"
+        try:
+            self.run.check_stop("the evaluation")
+            self.run.evaluation_started()
+            yield
+        except RunStopped:
+            self._stop_now()
+        finally:
+            self._evaluating, self.run.stop_phase = None, phase
 
     def update_best(self, metric: str, value: float) -> bool:
         """Record ``value`` of ``metric`` (higher is better); True when it beats every earlier one (a tie does not).

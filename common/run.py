@@ -22,7 +22,7 @@ import math
 import sys
 import textwrap
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -169,10 +169,24 @@ class Run(Checkpoints):
 
             tqdm.write(" ".join(str(a) for a in args), file=sys.stdout)
 
-    def progress(self, iterable: Iterable[Any], desc: str, images: int | None = None) -> Iterable[Any]:
+    def progress(
+        self, iterable: Iterable[Any], desc: str, images: int | None = None, shared: bool = True
+    ) -> Iterator[Any]:
         """``iterable`` (a pass's batches) with a progress bar, or a line a minute where none shows
-        (:func:`common.heartbeat.progress`; ``images``: how many the pass holds)."""
-        return progress(iterable, desc, self.accelerator.is_main_process, self.print, images)
+        (:func:`common.heartbeat.progress`; ``images``: how many the pass holds), and a stop checked before each
+        batch (:meth:`check_stop`): a stop signal ends the pass at its next batch with :class:`common.RunStopped`.
+        ``shared`` False: only this process runs the pass (see :meth:`check_stop`)."""
+        total = len(iterable) if hasattr(iterable, "__len__") else None  # type: ignore[arg-type]
+        batches = iter(progress(iterable, desc, self.accelerator.is_main_process, self.print, images))
+        done = 0
+        while True:
+            self.check_stop(f"{desc} ({done:,} of {total:,} batches)" if total else desc, shared)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch
+            done += 1
 
     def heartbeat(self, what: str) -> AbstractContextManager[None]:
         """Around one long call (the export and its checks): a line a minute where no progress bar shows."""
@@ -211,6 +225,7 @@ class Run(Checkpoints):
         process; None elsewhere) to the tracker as images keyed ``plots/<name>``. Logs ``time/plots_s``: from the
         evaluation's metrics record (:meth:`evaluation_started`), so the recipe's own pictures count, to here."""
         started, self._plots_from = self._plots_from or time.perf_counter(), None
+        self.check_stop("the plots")
         if not self.accelerator.is_main_process:
             return
         from common.curves import MetricsReader, plot_curves

@@ -35,6 +35,7 @@ except ModuleNotFoundError:
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import set_seed
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
 from timm.optim import create_optimizer_v2
 
@@ -445,6 +446,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced, lr_values)
+    set_seed(cfg.seed, device_specific=True)  # from here each process draws its own random numbers (dropout)
+    loop.resume()  # model, optimizer, EMA, ... and the generators from --resume's checkpoint: where it stopped
     meters, results = loop.meters, {}
     for epoch in loop.epochs():
         accelerator.gradient_accumulation_steps = accum_steps(epoch)
@@ -495,39 +498,39 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation and best weights (raw or EMA, by top-1) ----------------------------------
         if loop.eval_due():
-            loop.start_evaluation()  # a loss gone non-finite stops the run here; the evaluation's clock
-            if not cfg.sync_bn:  # each process's BN statistics saw its own batches: evaluate their mean
-                average_bn_statistics(unwrapped, accelerator)
-                if ema is not None:
-                    average_bn_statistics(ema.module, accelerator)
-            metrics, confusion = evaluate(
-                model, run.progress(eval_loader, "eval"), accelerator, num_classes, cfg.channels_last
-            )
-            results = {f"eval/{k}": v for k, v in metrics.items()}
-            candidates = [(results["eval/top1"], "raw", confusion)]
-            if ema is not None:
+            with loop.evaluation():  # a loss gone non-finite stops the run here; a stop signal: a checkpoint
+                if not cfg.sync_bn:  # each process's BN statistics saw its own batches: evaluate their mean
+                    average_bn_statistics(unwrapped, accelerator)
+                    if ema is not None:
+                        average_bn_statistics(ema.module, accelerator)
                 metrics, confusion = evaluate(
-                    ema.module, run.progress(eval_loader, "eval ema"), accelerator, num_classes, cfg.channels_last
+                    model, run.progress(eval_loader, "eval"), accelerator, num_classes, cfg.channels_last
                 )
-                results.update({f"eval_ema/{k}": v for k, v in metrics.items()})
-                candidates.append((results["eval_ema/top1"], "ema", confusion))
-            top1, which, confusion = max(candidates, key=lambda c: c[0])
-            improved = loop.update_best("top1", top1)
-            results["best/top1"] = loop.best("top1")
-            run.log({**results, "epoch": epoch}, loop.step)
-            picture = None
-            if accelerator.is_main_process:  # the evaluated model's (the better of raw and EMA) mistakes
-                picture = plot_confusion_matrix(
-                    confusion.numpy(),
-                    data.classes,
-                    run.plots_dir / "confusion_matrix.png",
-                    f"{which} model, step {loop.step}: top-1 {top1:.2f} %",
-                )
-            run.log_plots(loop.step, confusion_matrix=picture)  # and the training curves
-            if improved:
-                weights = accelerator.get_state_dict(model) if which == "raw" else ema.module.state_dict()
-                if accelerator.is_main_process:
-                    save_weights(weights, run.dir / "best.safetensors", cfg, **saved_as)
+                results = {f"eval/{k}": v for k, v in metrics.items()}
+                candidates = [(results["eval/top1"], "raw", confusion)]
+                if ema is not None:
+                    metrics, confusion = evaluate(
+                        ema.module, run.progress(eval_loader, "eval ema"), accelerator, num_classes, cfg.channels_last
+                    )
+                    results.update({f"eval_ema/{k}": v for k, v in metrics.items()})
+                    candidates.append((results["eval_ema/top1"], "ema", confusion))
+                top1, which, confusion = max(candidates, key=lambda c: c[0])
+                improved = loop.update_best("top1", top1)
+                results["best/top1"] = loop.best("top1")
+                run.log({**results, "epoch": epoch}, loop.step)
+                picture = None
+                if accelerator.is_main_process:  # the evaluated model's (the better of raw and EMA) mistakes
+                    picture = plot_confusion_matrix(
+                        confusion.numpy(),
+                        data.classes,
+                        run.plots_dir / "confusion_matrix.png",
+                        f"{which} model, step {loop.step}: top-1 {top1:.2f} %",
+                    )
+                run.log_plots(loop.step, confusion_matrix=picture)  # and the training curves
+                if improved:
+                    weights = accelerator.get_state_dict(model) if which == "raw" else ema.module.state_dict()
+                    if accelerator.is_main_process:
+                        save_weights(weights, run.dir / "best.safetensors", cfg, **saved_as)
         if loop.checkpoint_due():  # every checkpoint_every steps, and after the last epoch
             loop.save_checkpoint()
 

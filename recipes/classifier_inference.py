@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from classifier_model import create_transforms, data_config
+from common import RunStopped
 from common.artifacts.export import OnnxModel, export_model
 from common.artifacts.export_check import image_batches
 from common.artifacts.figures import format_table, save_table_csv
 from common.artifacts.model_folder import model_card, write_timm_folder
+from common.checkpoints import partial_stop
 from common.config import to_dict
 from common.data.images import decode_image, image_files, readable_images
 from common.run import Run
@@ -73,17 +75,21 @@ def predict(cfg: Any, run: Run, create_model: CreateModel) -> dict[str, float]:
         run.print(skipped)
     rows, k = [], min(5, len(classes))
     if accelerator.is_main_process:  # a handful of files: one process reads them all
-        for start in run.progress(range(0, len(files), 64), "predict", len(files)):
-            batch = files[start : start + 64]
-            images = torch.stack([eval_tf(decode_image({"path": str(f)}, str(f))) for f in batch])
-            with accelerator.autocast():
-                logits = model(images.to(accelerator.device))
-            probs, index = logits.float().softmax(dim=1).topk(k, dim=1)
-            for f, p, i in zip(batch, probs.tolist(), index.tolist()):
-                row = {"path": str(f)}
-                for rank, (pi, ii) in enumerate(zip(p, i), 1):
-                    row.update({f"class_{rank}": classes[ii], f"prob_{rank}": round(pi, 6)})
-                rows.append(row)
+        try:  # a stop signal between two batches: the rows so far, named as partial
+            for start in run.progress(range(0, len(files), 64), "predict", len(files), shared=False):
+                batch = files[start : start + 64]
+                images = torch.stack([eval_tf(decode_image({"path": str(f)}, str(f))) for f in batch])
+                with accelerator.autocast():
+                    logits = model(images.to(accelerator.device))
+                probs, index = logits.float().softmax(dim=1).topk(k, dim=1)
+                for f, p, i in zip(batch, probs.tolist(), index.tolist()):
+                    row = {"path": str(f)}
+                    for rank, (pi, ii) in enumerate(zip(p, i), 1):
+                        row.update({f"class_{rank}": classes[ii], f"prob_{rank}": round(pi, 6)})
+                    rows.append(row)
+        except RunStopped as stop:
+            save_table_csv(rows, run.dir / "predictions.partial.csv")
+            raise partial_stop(stop, len(rows), len(files), run.dir / "predictions.partial.csv") from None
         save_table_csv(rows, run.dir / "predictions.csv")
         run.print(format_table(rows[:10], ["path", "class_1", "prob_1", "class_2", "prob_2"]))
         run.print(f"{len(rows)} predictions: {run.dir / 'predictions.csv'}")

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from accelerate.utils import set_seed
 from PIL import Image, ImageFilter, ImageOps
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
@@ -461,23 +462,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_set.replaced,
         lr_values,
     )
+    set_seed(cfg.seed, device_specific=True)  # from here each process draws its own random numbers (dropout)
+    loop.resume()  # student, teacher, centre, optimizer and the generators from --resume's checkpoint
     meters = loop.meters
     if knn_set is None and "baseline" not in loop.extra:
         run.print(f"no kNN evaluation: '{cfg.data}' has no labels; name a labelled set with --knn_data")
     if "baseline" not in loop.extra:  # kept in every checkpoint, so a resumed run does not redo them
         baseline: dict[str, float] = {}
         if knn_set is not None:
-            run.evaluation_started()  # the step-0 evaluation's seconds: time/eval_s at step 0
-            if cfg.knn_pixel_limit > 0:
-                baseline.update(
-                    knn_metrics(None, "raw_pixels", pixel_loader, query_loader, len(knn_set.classes), cfg, run)[0]
+            with loop.evaluation():  # the step-0 evaluation's seconds: time/eval_s at step 0; a stop ends the run
+                if cfg.knn_pixel_limit > 0:
+                    baseline.update(
+                        knn_metrics(None, "raw_pixels", pixel_loader, query_loader, len(knn_set.classes), cfg, run)[0]
+                    )
+                step0, pictures = evaluate(
+                    teacher.backbone, bank_set, query_set, bank_loader, query_loader, knn_set.classes, cfg, run
                 )
-            step0, pictures = evaluate(
-                teacher.backbone, bank_set, query_set, bank_loader, query_loader, knn_set.classes, cfg, run
-            )
-            baseline.update({k.replace("teacher", "step0"): v for k, v in step0.items()})
-            run.log(baseline, 0)
-            run.log_plots(0, **pictures)
+                baseline.update({k.replace("teacher", "step0"): v for k, v in step0.items()})
+                run.log(baseline, 0)
+                run.log_plots(0, **pictures)
         loop.extra["baseline"] = baseline
     results: dict[str, float] = dict(loop.extra.get("results", loop.extra["baseline"]))
 
@@ -527,14 +530,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation ------------------------------------------------------------------------
         if loop.eval_due() and knn_set is not None:
-            loop.start_evaluation()  # a loss gone non-finite stops the run here; the evaluation's clock
-            knn, pictures = evaluate(
-                teacher.backbone, bank_set, query_set, bank_loader, query_loader, knn_set.classes, cfg, run
-            )
-            # kept in the checkpoint: a run resumed at its end (a model folder redone) writes its card from them
-            results = loop.extra["results"] = {**loop.extra["baseline"], **knn}
-            run.log({**results, "epoch": epoch}, loop.step)
-            run.log_plots(loop.step, **pictures)  # and the training curves
+            with loop.evaluation():  # a loss gone non-finite stops the run here; a stop signal: a checkpoint
+                knn, pictures = evaluate(
+                    teacher.backbone, bank_set, query_set, bank_loader, query_loader, knn_set.classes, cfg, run
+                )
+                # kept in the checkpoint: a run resumed at its end (a model folder redone) writes its card from them
+                results = loop.extra["results"] = {**loop.extra["baseline"], **knn}
+                run.log({**results, "epoch": epoch}, loop.step)
+                run.log_plots(loop.step, **pictures)  # and the training curves
         if loop.checkpoint_due():  # every checkpoint_every steps, and after the last epoch
             loop.save_checkpoint()
 

@@ -22,10 +22,11 @@ import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 
-from common import UserError
+from common import RunStopped, UserError
 from common.artifacts.export import OnnxModel, export_model
 from common.artifacts.export_check import image_batches
 from common.artifacts.model_folder import model_card, write_timm_folder
+from common.checkpoints import partial_stop
 from common.config import to_dict
 from common.data.images import decode_image, image_files, readable_images
 from common.weights import is_onnx, load_weights, mismatch, saved_by, weights_metadata
@@ -104,6 +105,15 @@ def write_model_folder(
     return "model/: the teacher backbone as a timm folder, timm.create_model('local-dir:<run>/model', pretrained=True)"
 
 
+def _save_features(stem: Path, features: list[torch.Tensor], files: list[Path]) -> np.ndarray:
+    """``stem``.npy (float32 [N, D]) and ``stem``.csv (row, path) of ``features`` (batches) of ``files``."""
+    array = torch.cat(features).numpy() if features else np.zeros((0, 0), np.float32)
+    np.save(stem.with_name(stem.name + ".npy"), array)
+    rows = "".join(f"{i},{f}\n" for i, f in enumerate(files))
+    stem.with_name(stem.name + ".csv").write_text("row,path\n" + rows)
+    return array
+
+
 @torch.no_grad()
 def predict(backbone: nn.Module, cfg: BackboneSettings, run: Any, transform: Any) -> dict[str, float]:
     """``--predict PATH --weights W``: the teacher backbone's features of every image under ``cfg.predict``
@@ -122,13 +132,17 @@ def predict(backbone: nn.Module, cfg: BackboneSettings, run: Any, transform: Any
         run.print(skipped)
     if accelerator.is_main_process:  # a handful of files: one process reads them all
         features = []
-        for start in run.progress(range(0, len(files), 64), "predict", len(files)):
-            images = torch.stack([transform(decode_image({"path": str(f)}, str(f))) for f in files[start : start + 64]])
-            with accelerator.autocast():
-                features.append(model(images.to(accelerator.device)).float().cpu())
-        array = torch.cat(features).numpy()
-        np.save(run.dir / "features.npy", array)
-        (run.dir / "features.csv").write_text("row,path\n" + "".join(f"{i},{f}\n" for i, f in enumerate(files)))
+        try:  # a stop signal between two batches: the features so far, named as partial
+            for start in run.progress(range(0, len(files), 64), "predict", len(files), shared=False):
+                batch = files[start : start + 64]
+                images = torch.stack([transform(decode_image({"path": str(f)}, str(f))) for f in batch])
+                with accelerator.autocast():
+                    features.append(model(images.to(accelerator.device)).float().cpu())
+        except RunStopped as stop:
+            done = sum(len(f) for f in features)
+            _save_features(run.dir / "features.partial", features, files[:done])
+            raise partial_stop(stop, done, len(files), run.dir / "features.partial.npy") from None
+        array = _save_features(run.dir / "features", features, files)
         run.print(
             f"{len(files)} images, {array.shape[1]} features each: {run.dir / 'features.npy'} (rows: features.csv)"
         )

@@ -51,6 +51,7 @@ import random
 
 import numpy as np
 import torch
+from accelerate.utils import set_seed
 
 from common import UserError
 from common.artifacts.export import export
@@ -466,6 +467,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.base.replaced, lr_values)
+    set_seed(cfg.seed, device_specific=True)  # from here each process draws its own random numbers (dropout)
+    loop.resume()  # model, optimizer, EMA, ... and the generators from --resume's checkpoint: where it stopped
     meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
         model.train()
@@ -503,25 +506,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # ---- evaluation and best weights (the EMA when there is one) -----------------------------
         if loop.eval_due():
-            loop.start_evaluation()  # a loss gone non-finite stops the run here; the evaluation's clock
-            net = ema.module if ema is not None else model
-            metrics, details = evaluate(net, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
-            improved = loop.update_best(cfg.best_metric, metrics[cfg.best_metric])
-            # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
-            results = report_evaluation(
-                run,
-                metrics,
-                details,
-                data,
-                cfg.plot_images,
-                loop.step,
-                {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)},
-                epoch,
-            )
-            if improved:
-                weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
-                if accelerator.is_main_process:
-                    save_weights(weights, run.dir / "best.safetensors", cfg, **saved_as)
+            with loop.evaluation():  # a loss gone non-finite stops the run here; a stop signal: a checkpoint
+                net = ema.module if ema is not None else model
+                metrics, details = evaluate(net, run.progress(eval_loader, "eval"), evaluator, accelerator, cfg)
+                improved = loop.update_best(cfg.best_metric, metrics[cfg.best_metric])
+                # metrics.jsonl, trackers, plots/ and predictions.json (COCO results, the dataset's ids)
+                results = report_evaluation(
+                    run,
+                    metrics,
+                    details,
+                    data,
+                    cfg.plot_images,
+                    loop.step,
+                    {f"best/{cfg.best_metric}": loop.best(cfg.best_metric)},
+                    epoch,
+                )
+                if improved:
+                    weights = ema.module.state_dict() if ema is not None else accelerator.get_state_dict(model)
+                    if accelerator.is_main_process:
+                        save_weights(weights, run.dir / "best.safetensors", cfg, **saved_as)
         if loop.checkpoint_due():  # every checkpoint_every steps, and after the last epoch
             loop.save_checkpoint()
 

@@ -50,6 +50,7 @@ def train(folder: Path, stop_at: int = 0, **fields) -> tuple[list[int], Loop]:
     per_epoch = math.ceil(len(loader) / cfg.grad_accum_steps)
     total = steps_total(cfg.epochs, per_epoch, cfg.max_steps)
     loop = Loop(run, loader, total, lr=schedule("cosine", 1.0, 0.0, total, round(cfg.warmup_epochs * per_epoch)))
+    loop.resume()
     seen: list[int] = []
     for _ in loop.epochs():
         for x in loop.batches():
@@ -157,6 +158,7 @@ SEEDS = textwrap.dedent("""
     import json, sys, torch
     sys.path[:0] = [sys.argv[1], sys.argv[3]]
     from common.config import RunConfig
+    from accelerate.utils import set_seed
     from common.loaders import KeyedDataset, train_loader_for
     from common.loop import Loop
     from common.run import Run
@@ -165,7 +167,9 @@ SEEDS = textwrap.dedent("""
     init = torch.randn(3).tolist()  # model initialisation: the shared seed
     loader = run.accelerator.prepare(train_loader_for(torch.utils.data.TensorDataset(torch.zeros(64, 1)), 4, 0, 0,
                                                       run.accelerator.num_processes))
-    Loop(run, loader, 1)
+    loop = Loop(run, loader, 1)
+    set_seed(0, device_specific=True)  # as the recipes do after the banner
+    loop.resume()
     step = torch.randn(3).tolist()  # dropout, drop path, Mixup inside the loop: per process
     with open(f"{sys.argv[2]}/draws_{run.accelerator.process_index}.json", "w") as f:
         json.dump({"init": init, "step": step}, f)
@@ -218,6 +222,7 @@ SILENT = textwrap.dedent("""
     loader = train_loader_for(Zeros(), 2, 0, 0, run.accelerator.num_processes)
     model, optimizer, loader = run.accelerator.prepare(model, optimizer, loader)
     loop = Loop(run, loader, 2 * len(loader))
+    loop.resume()
     for _ in loop.epochs():
         for x in loop.batches():
             if run.accelerator.process_index == 1:

@@ -19,8 +19,8 @@ from conftest import ROOT
 
 RECIPES = ["classifier", "dino", "yolo", "detr", "faster_rcnn"]
 
-#: Before the epochs: the run, the budget and its schedules, the loop.
-BEFORE = ["Run", "accelerator.prepare", "steps_total", "schedule", "Loop"]
+#: Before the epochs: the run, the budget and its schedules, the loop, the per-process seeds and the resume.
+BEFORE = ["Run", "accelerator.prepare", "steps_total", "schedule", "Loop", "set_seed", "loop.resume"]
 #: Inside ``for epoch in loop.epochs()``, in this order (each call's first appearance counts).
 EPOCH = [
     "loop.batches",
@@ -38,7 +38,7 @@ EPOCH = [
     "loop.stop",
     "loop.checkpoint_due",
     "loop.eval_due",
-    "loop.start_evaluation",
+    "loop.evaluation",
 ]
 #: After the epochs: the final weights, then the summary (what ships them is the recipe's inference file).
 AFTER = ["save_weights", "loop.finish"]

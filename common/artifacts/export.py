@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from common import UserError
+from common import RunStopped
 from common.artifacts.export_check import Detections, checked, export_metrics, tensors
 
 #: The largest batch the exported graphs are traced for (``torch.export``'s dynamic batch dimension).
@@ -85,8 +85,6 @@ def export_model(
     difference in the kind's unit (``export/onnx_boxes_px``, ``export/onnx_scores``,
     ``export/pt2_logits_rel``, ...) and ``export/inputs`` (how many inputs were compared); one outside its
     tolerance is one :class:`UserError` and leaves no file."""
-    import onnx
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     wrapper = wrapper.eval().cpu().float()
@@ -101,6 +99,34 @@ def export_model(
             case = {n: t.detach().cpu().float() if t.is_floating_point() else t.detach().cpu() for n, t in case.items()}
             cases.append((case, tensors(wrapper(*case.values()))))
     diffs: dict[str, float] = {"export/inputs": float(len(cases))}
+    onnx_tmp, pt2_tmp = folder / "model.tmp.onnx", folder / "model.tmp.pt2"
+    try:
+        _write_checked(wrapper, given, names, output_names, folder, metadata, dynamic, legacy, cases, kinds,
+                       detections, diffs)  # fmt: skip
+    finally:  # a refused, failed or stopped export leaves no temporary file
+        onnx_tmp.unlink(missing_ok=True)
+        pt2_tmp.unlink(missing_ok=True)
+    return diffs
+
+
+def _write_checked(
+    wrapper: nn.Module,
+    given: list[torch.Tensor],
+    names: list[str],
+    output_names: Sequence[str],
+    folder: Path,
+    metadata: Mapping[str, str],
+    dynamic: Mapping[str, Mapping[int, str]],
+    legacy: bool,
+    cases: list[Any],
+    kinds: Mapping[str, str],
+    detections: Detections | None,
+    diffs: dict[str, float],
+) -> None:
+    """:func:`export_model`'s files under their temporary names, each checked, then renamed; ``diffs`` gets the
+    differences."""
+    import onnx
+
     onnx_tmp, pt2_tmp = folder / "model.tmp.onnx", folder / "model.tmp.pt2"
     if legacy:
         axes = {name: dict(dims) for name, dims in dynamic.items()}
@@ -149,17 +175,12 @@ def export_model(
     described = {**metadata, "inputs": json.dumps(names), "outputs": json.dumps(list(output_names))}
     onnx.helper.set_model_props(proto, {k: str(v) for k, v in described.items()})
     onnx.save(proto, str(onnx_tmp))
-    try:
-        worst = checked("model.onnx", OnnxModel(onnx_tmp), cases, output_names, kinds, detections, onnx_tmp)
-    except UserError:
-        pt2_tmp.unlink(missing_ok=True)
-        raise
+    worst = checked("model.onnx", OnnxModel(onnx_tmp), cases, output_names, kinds, detections, onnx_tmp)
     diffs.update(export_metrics("onnx", worst, kinds, detections))
     # renamed only once both are checked: a refused or interrupted export leaves no half of one
     if pt2_tmp.is_file():
         pt2_tmp.replace(folder / "model.pt2")
     onnx_tmp.replace(folder / "model.onnx")
-    return diffs
 
 
 def export(run: Any, write: Callable[[Path], dict[str, float]], step: int | None = None) -> dict[str, float]:
@@ -181,13 +202,32 @@ def export(run: Any, write: Callable[[Path], dict[str, float]], step: int | None
 def _export_into(run: Any, folder: Path, write: Callable[[Path], dict[str, float]], step: int) -> dict[str, float]:
     if not run.accelerator.is_main_process:
         return {}
-    diffs = write(folder)
+    try:
+        with run.interruptible("the export"):  # one process: a stop signal ends the exporter at once
+            diffs = write(folder)
+    except Exception as error:  # an exporter that wraps every error in its own: a stop is still a stop
+        stop = _stop_in(error)
+        if stop is None:
+            raise
+        raise stop from None
     run.log(diffs, step, echo=False)
     inside = folder.relative_to(run.dir) if folder.is_relative_to(run.dir) else folder  # the last line names run.dir
     files = [str(inside / name) for name in ("model.onnx", "model.pt2") if (folder / name).is_file()]
     checked = int(diffs.get("export/inputs", 1))
     run.print(f"export: {', '.join(files)}, checked against eager on {checked} inputs: {differences(diffs)}")
     return diffs
+
+
+def _stop_in(error: BaseException) -> RunStopped | None:
+    """The :class:`RunStopped` among ``error``'s causes and contexts, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, RunStopped):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def differences(diffs: Mapping[str, float]) -> str:

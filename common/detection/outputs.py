@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from common import UserError
+from common import RunStopped, UserError
 from common.artifacts.figures import per_class_line, plot_confusion_matrix, save_table_csv
+from common.checkpoints import partial_stop
 from common.console import counted
 from common.data.images import decode_image
 from common.detection.figures import draw_detections, plot_pr_curves, save_detections
@@ -27,6 +28,7 @@ from common.trackers import log_table
 
 PREDICTIONS = "predictions.json"  # in the run folder: an evaluation's detections, the COCO results format
 DETECTIONS = "detections.json"  # in the run folder: --predict's, per image file, corner boxes
+PARTIAL = "detections.partial.json"  # in the run folder: what --predict had written when a stop signal came
 LABELS = "labels"  # in the run folder: --predict's as YOLO label files, one per image (id cx cy w h score)
 
 
@@ -57,6 +59,7 @@ def report_evaluation(
     results = {f"eval/{k}": v for k, v in metrics.items()} | dict(best or {})
     run.log(results if epoch is None else {**results, "epoch": epoch}, step)
     pictures = {}  # PR curves, confusion matrix, per-class AP (CSV), detections on the first images
+    run.check_stop("the evaluation's files")  # a stop is honoured between the files (every process asks)
     if run.accelerator.is_main_process:
         write_json(details.coco_results(data.category_ids), run.dir / PREDICTIONS)
         pictures = save_evaluation_figures(
@@ -189,50 +192,58 @@ def save_predictions(
     files = {int(i): Path(v["path"]) for i, v in zip(rows["image_id"], rows["image"])}
     sizes = {int(i): (int(w), int(h)) for i, w, h in zip(rows["image_id"], rows["width"], rows["height"])}
     entries, seen, lower = [], set(), []
-    for batch in batches:
-        found = [_kept(p, score_threshold) for p in batch]
-        if accelerator.num_processes > 1:
-            found = gather_object(found)  # a collective: every process has as many batches (the padding)
-        if not accelerator.is_main_process:
-            continue
-        for image_id, boxes, scores, labels, below in found:
-            if image_id in seen:
+    try:
+        for batch in batches:
+            found = [_kept(p, score_threshold) for p in batch]
+            if accelerator.num_processes > 1:
+                found = gather_object(found)  # a collective: every process has as many batches (the padding)
+            if not accelerator.is_main_process:
                 continue
-            seen.add(image_id)
-            lower.append(below)
-            (w, h), file = sizes[image_id], files[image_id]
-            detections = [
-                {
-                    "class": str(classes[int(c)]),
-                    "category_id": int(category_ids[int(c)]),
-                    "score": round(float(s), 5),
-                    "box": [round(float(v), 2) for v in b],
-                }
-                for b, s, c in zip(boxes, scores, labels)
-            ]
-            entries.append({"file": str(file), "width": w, "height": h, "detections": detections})
-            image = decode_image({"path": str(file)}, str(file))  # the original, for drawing
-            drawn = draw_detections(
-                image,
-                np.zeros((0, 4)),
-                [],
-                boxes,
-                labels,
-                scores,
-                classes,
-                score_threshold,
-                size=max(512, min(max(w, h), 1600)),
-            )
-            relative = file.relative_to(root) if root.is_dir() else Path(file.name)
-            out = (folder / relative).with_suffix(".png")
-            out.parent.mkdir(parents=True, exist_ok=True)
-            drawn.save(out)
-            # the same detections as a YOLO label file (id cx cy w h score), as labelling tools import them
-            label = (run.dir / LABELS / relative).with_suffix(".txt")
-            label.parent.mkdir(parents=True, exist_ok=True)
-            ids = [category_ids[int(c)] for c in labels]
-            label.write_text(label_lines(boxes.tolist(), scores.tolist(), ids, (w, h)))
-            totals["detections"] += len(detections)
+            for image_id, boxes, scores, labels, below in found:
+                if image_id in seen:
+                    continue
+                seen.add(image_id)
+                lower.append(below)
+                (w, h), file = sizes[image_id], files[image_id]
+                detections = [
+                    {
+                        "class": str(classes[int(c)]),
+                        "category_id": int(category_ids[int(c)]),
+                        "score": round(float(s), 5),
+                        "box": [round(float(v), 2) for v in b],
+                    }
+                    for b, s, c in zip(boxes, scores, labels)
+                ]
+                entries.append({"file": str(file), "width": w, "height": h, "detections": detections})
+                image = decode_image({"path": str(file)}, str(file))  # the original, for drawing
+                drawn = draw_detections(
+                    image,
+                    np.zeros((0, 4)),
+                    [],
+                    boxes,
+                    labels,
+                    scores,
+                    classes,
+                    score_threshold,
+                    size=max(512, min(max(w, h), 1600)),
+                )
+                relative = file.relative_to(root) if root.is_dir() else Path(file.name)
+                out = (folder / relative).with_suffix(".png")
+                out.parent.mkdir(parents=True, exist_ok=True)
+                drawn.save(out)
+                # the same detections as a YOLO label file (id cx cy w h score), as labelling tools import them
+                label = (run.dir / LABELS / relative).with_suffix(".txt")
+                label.parent.mkdir(parents=True, exist_ok=True)
+                ids = [category_ids[int(c)] for c in labels]
+                label.write_text(label_lines(boxes.tolist(), scores.tolist(), ids, (w, h)))
+                totals["detections"] += len(detections)
+    except RunStopped as stop:  # a stop signal between two batches: what was predicted is kept, named as partial
+        if accelerator.is_main_process:
+            entries.sort(key=lambda e: e["file"])
+            write_json(entries, run.dir / PARTIAL)
+            also = ", with their pictures and label files"
+            stop = partial_stop(stop, len(entries), len(table), run.dir / PARTIAL, also)
+        raise stop from None
     if accelerator.is_main_process:
         entries.sort(key=lambda e: e["file"])
         write_json(entries, run.dir / DETECTIONS)
