@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- data ------------------------------------------------------------------------------
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
+    run.note(*data.notes)  # how the folder was read, where it says (a VOC folder's turned photos)
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
     data = without_unreadable(
         data, "image", accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir, train=not cfg.eval_only

@@ -212,7 +212,6 @@ def test_the_evaluation_split_follows_the_training_splits_years(tmp_path):
     assert VocSource(devkit / "VOC2007").eval_split("train") == "val"
 
 
-@pytest.mark.xfail(strict=True, reason="common/detection/data.py picks the evaluation split by name alone")
 def test_a_years_training_split_is_evaluated_on_that_year(tmp_path):
     devkit = _devkit(tmp_path / "VOCdevkit")
     assert sorted(load_detection(str(devkit), "VOC2007/train").eval["image_id"]) == [12, 16, 17]

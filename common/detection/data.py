@@ -57,6 +57,8 @@ class DetectionData:
     # image path -> why its annotation cannot be used (a YOLO label file or a VOC XML that fails the tool's
     # checks); those rows are in the splits without objects until :meth:`with_unusable` has them left out
     unusable: dict[str, str] = dataclasses.field(default_factory=dict)
+    # lines for under the start banner (:meth:`common.run.Run.note`): how a VOC folder's turned photos were read
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def with_unusable(self, table: Any, found: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
         """``found``, the unreadable images of ``table`` (one of the splits) as ``(row, path, reason)``
@@ -82,26 +84,31 @@ def _size(path: str) -> tuple[int, int]:
     return _image_size({"path": path}, path)
 
 
-def _sources(data: str) -> tuple[dict[str, Loader], str]:
+def _sources(data: str) -> tuple[dict[str, Loader], str, Callable[[str], str], list[str]]:
     """Split name -> a function loading it (normalised dataset, class names or None, category ids or
-    None, image path -> why its annotation cannot be used); and a description of where the splits were looked
-    for, for error messages."""
+    None, image path -> why its annotation cannot be used); a description of where the splits were looked
+    for, for error messages; the evaluation split for a training split when none is named (the first of
+    validation/val/valid/test there that is no part of the training split's name; for VOC, of its years:
+    :meth:`VocSource.eval_split`); and the list the loaders add their banner lines to."""
     path = Path(DETECTION[data]()) if data in DETECTION else Path(data)
     form = detection_form(path)
     if form == "coco":
         where = f"COCO folder '{data}' (annotations/instances_<split>.json or <split>/_annotations.coco.json)"
-        return {
+        loaders = {
             split: (lambda p=p, dirs=dirs: (*load_coco_split(p, dirs, data), {}))
             for split, (p, dirs) in coco_splits(path).items()
-        }, where
+        }
+        return loaders, where, _named_eval(loaders), []
     if form == "yolo":
         file = yolo_txt.find_yaml(path)
         where = f"YOLO data yaml '{file}'"
-        return {split: (lambda s=split: yolo_txt.load_split(file, s, _size)) for split in yolo_txt.splits(file)}, where
+        loaders = {split: (lambda s=split: yolo_txt.load_split(file, s, _size)) for split in yolo_txt.splits(file)}
+        return loaders, where, _named_eval(loaders), []
     if form == "voc":
         source = VocSource(path)
         where = f"Pascal VOC folder '{data}' (ImageSets/Main/<split>.txt; '+' joins splits)"
-        return {split: (lambda s=split: source.load(s, _size)) for split in source.lists}, where
+        loaders = {split: (lambda s=split: source.load(s, _size)) for split in source.lists}
+        return loaders, where, source.eval_split, source.notes
     if path.is_file():
         raise UserError(f"data '{data}' is a file; expected a YOLO data yaml or a folder: {FORMS} (docs/data.md)")
     if path.is_dir() and (line := no_known_form(path, data)):
@@ -114,9 +121,14 @@ def _sources(data: str) -> tuple[dict[str, Loader], str]:
     if not hasattr(table, "keys"):  # a single Dataset: the training split
         table = {"train": table}
     # no ids: a ClassLabel's index is its id (load_detection's default)
-    return {
-        split: (lambda split=split: (*normalise(table[split], data, split), None, {})) for split in table
-    }, f"'{data}'"
+    loaders = {split: (lambda split=split: (*normalise(table[split], data, split), None, {})) for split in table}
+    return loaders, f"'{data}'", _named_eval(loaders), []
+
+
+def _named_eval(sources: dict[str, Loader]) -> Callable[[str], str]:
+    """The first of validation/val/valid/test in ``sources`` that is no part of the training split's name (VOC's
+    ``val`` of ``trainval``), or ''."""
+    return lambda train_split: next((s for s in EVAL_SPLITS if s in sources and s not in train_split), "")
 
 
 def _pick(sources: dict[str, Loader], name: str, where: str) -> Loader:
@@ -174,11 +186,10 @@ def load_detection(
     Crowd annotations stay in the rows (``objects.iscrowd``) for the evaluator; :class:`DetectionDataset`
     never makes them training targets. Images without objects stay: they are negatives.
     """
-    sources, where = _sources(data)
+    sources, where, eval_for, notes = _sources(data)
     load_train = _pick(sources, train_split, where)
     train_split = same_split(train_split, sources)
-    # never a split that is part of the training one (VOC's val of trainval)
-    eval_split = eval_split or next((s for s in EVAL_SPLITS if s in sources and s not in train_split), "")
+    eval_split = eval_split or eval_for(train_split)
     load_eval = _pick(sources, eval_split, where) if eval_split else None
     train, names, ids, unusable = load_train()
     if load_eval is not None:
@@ -214,7 +225,8 @@ def load_detection(
         raise UserError(f"'{data}' has category {top}, but only {len(names)} classes")
     if not names:
         raise UserError(f"'{data}' has no categories and no objects")
-    return DetectionData(train, evaluation, names, list(ids if ids is not None else range(len(names))), unusable)
+    ids = list(ids if ids is not None else range(len(names)))
+    return DetectionData(train, evaluation, names, ids, unusable, notes)
 
 
 # --------------------------------------------------------------------------------------------
