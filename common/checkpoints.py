@@ -149,7 +149,7 @@ class Checkpoints:
             return  # already stopping (Slurm's SIGTERM at the time limit after its SIGUSR1 warning): said once
         self._stop_signal = signum
         self.print(f"{signal.Signals(signum).name} received: {self.STOP_PLANS[self.stop_phase]}")
-        if self._interruptible and self.accelerator.num_processes == 1:
+        if self._interruptible:  # one process, inside interruptible(): at once
             raise RunStopped(self.stopped_text(self._interruptible[-1]))
 
     @contextlib.contextmanager
@@ -158,8 +158,11 @@ class Checkpoints:
         accumulation): with one process, a stop signal raises :class:`RunStopped` inside it at once, rather than at
         the next batch. With several, the processes must agree first, so it waits for the next check
         (:meth:`check_stop`). ``what`` names the call in the stop's message."""
+        if self.accelerator.num_processes > 1:  # no process may leave a collective the others are in
+            yield
+            return
         if self._stop_signal is not None:
-            self.check_stop(what)
+            raise RunStopped(self.stopped_text(what))
         self._interruptible.append(what)
         try:
             yield

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     num_classes = len(data.classes)
     # camera-size JPEGs decoded reduced, as far as the model's resize to min_size still finds its pixels
     side, eval_tf = max(cfg.min_size), data_transforms(False, 0.0, False)
-    evaluator = CocoEvaluator(data.eval, data.classes)
+    evaluator = CocoEvaluator(data.eval, data.classes, run.interruptible)  # a stop ends COCO's scoring at once
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
         eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, side)
         eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=list_collate)

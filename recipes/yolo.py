@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     run.weights_metadata = weights_metadata(cfg, **saved_as)  # every checkpoint is weights too (common/weights.py)
     num_classes = len(data.classes)
     eval_tf = detection_transforms(False, cfg.img_size, preset=cfg.augment)
-    evaluator = CocoEvaluator(data.eval, data.classes)
+    evaluator = CocoEvaluator(data.eval, data.classes, run.interruptible)  # a stop ends COCO's scoring at once
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
         eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, cfg.img_size)  # large JPEGs: reduced to the letterbox
         eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=collate)

@@ -7,7 +7,8 @@ import contextlib
 import dataclasses
 import functools
 import io
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -88,10 +89,17 @@ class CocoEvaluator:
 
     Ground truth comes from the evaluation ``datasets.Dataset`` (normalised schema): boxes in original
     pixels, category id = class index, COCO areas and crowd flags as loaded, so the numbers are those
-    of pycocotools on the original json.
+    of pycocotools on the original json. ``stoppable``: a run's ``interruptible`` (:class:`common.run.Run`), around
+    pycocotools' scoring, which has no batches to stop at: with one process a stop signal ends it at once.
     """
 
-    def __init__(self, ds: Any, classes: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        ds: Any,
+        classes: Sequence[str] | None = None,
+        stoppable: Callable[[str], AbstractContextManager[None]] | None = None,
+    ) -> None:
+        self.stoppable = stoppable or (lambda what: contextlib.nullcontext())
         from pycocotools.coco import COCO
 
         meta = ds.select_columns(["image_id", "width", "height", "objects"])[:]
@@ -181,7 +189,7 @@ class CocoEvaluator:
             for image_id in sorted(merged)
             for row in merged[image_id]
         ]
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), self.stoppable("COCO's scoring"):
             if results:
                 dt = self.gt.loadRes(results)
             else:  # loadRes rejects an empty list; no detections scores 0 wherever there is ground truth
