@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from common import UserError
+from common.data import scan
 from common.data.scan import scan_files, scan_table, without_unreadable
 from conftest import TINY_CLASSIFIER, check, load_recipe, recipe_cmd, recipe_env
 
@@ -277,3 +278,135 @@ def test_dino_trains_on_a_coco_folders_images(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "data 8 training images" in out and "2 of 10 training images cannot be read and are skipped" in out
     assert "no kNN evaluation:" in out and (run / "teacher_backbone.safetensors").is_file()
+
+
+class _Run(SimpleNamespace):
+    """What Scanned.into and a background check use of a Run: notes, files, the folder once begun, print."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(notes=[], files={}, printed=[], begun=True, dir=folder)
+
+    def note(self, *lines: str) -> None:
+        self.notes += lines
+
+    def print(self, line: str) -> None:
+        self.printed.append(line)
+
+
+def test_a_large_split_is_checked_in_the_background_and_lists_the_same_files(photos, tmp_path, monkeypatch):
+    """Above BACKGROUND_ROWS (lowered here) the splits keep every row while a child process checks them; when it
+    ends, bad_images.txt lists the very files the check before the start lists (a truncated JPEG among good
+    ones, an empty file, ...) and one warning line says they are replaced."""
+    from common.data.classification import load_classification
+
+    monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache"))  # no cached answer: the child reads them all
+    data = load_classification(str(photos), seed=0)
+    before = without_unreadable(data, data.image_column, _accelerator(0, 1), "skip", 0, 2, tmp_path / "a")
+    assert len(before.data.train) == 24 and before.background is None
+
+    monkeypatch.setattr(scan, "BACKGROUND_ROWS", 5)
+    monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache2"))
+    scanned = without_unreadable(data, data.image_column, _accelerator(0, 1), "skip", 0, 2, tmp_path / "b")
+    assert len(scanned.data.train) == 28 and len(scanned.data.eval) == 9  # every row stays
+    assert "37 training and evaluation images being checked while the run starts" in " ".join(scanned.notes)
+    run = _Run(tmp_path / "b")
+    scanned.into(run)
+    found = scanned.wait(60)
+    assert {Path(name).name for _, name, _ in found["training"]} == set(BROKEN)
+    assert {Path(name).name for _, name, _ in found["evaluation"]} == {"cut.png"}
+    assert (tmp_path / "b" / "bad_images.txt").read_text() == before.files["bad_images.txt"]
+    assert run.files["bad_images.txt"] == before.files["bad_images.txt"]
+    line = " ".join(" ".join(run.printed).split())
+    assert "4 of 28 training images cannot be read and are replaced by others drawn from the seed:" in line
+    assert "1 of 9 evaluation images cannot be read and are replaced" in line
+    # with --bad_images error the check comes before the start whatever the size: refused before anything is made
+    with pytest.raises(UserError, match=r"--bad_images error"):
+        without_unreadable(data, data.image_column, _accelerator(0, 1), "error", 0, 2, tmp_path / "c")
+
+
+def test_a_background_check_that_ends_before_the_run_is_made_is_reported_to_it(photos, tmp_path, monkeypatch):
+    from common.data.classification import load_classification
+
+    monkeypatch.setattr(scan, "BACKGROUND_ROWS", 5)
+    data = load_classification(str(photos), seed=0)
+    scanned = without_unreadable(data, data.image_column, _accelerator(0, 1), "skip", 0, 2, tmp_path / "run")
+    scanned.wait(60)  # ended before into(): the line and the file wait for the run
+    run = _Run(tmp_path / "run")
+    run.begun = False
+    scanned.into(run)
+    assert run.files["bad_images.txt"].count("\n") == 6 and len(run.printed) == 1
+
+
+def test_files_shared_by_checking_processes_get_the_answers_of_one(tmp_path, monkeypatch):
+    """More files than CHUNK and 2 workers: two child processes check a half each, in order."""
+    monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(1)
+    _jpeg(tmp_path / "good.jpg", rng)
+    good = (tmp_path / "good.jpg").read_bytes()
+    paths = []
+    for i in range(300):
+        path = tmp_path / f"{i:03d}.jpg"
+        path.write_bytes(good[: len(good) // 2] if i in (7, 250) else good)
+        paths.append(str(path))
+    found, cached = scan_files(paths, workers=2)
+    assert found == {paths[7]: BROKEN["truncated_x.jpg"], paths[250]: BROKEN["truncated_x.jpg"]} and not cached
+
+
+def test_a_run_that_exits_during_a_background_check_ends_silently(tmp_path):
+    """The checking process is killed at exit and nothing is printed after the program's last line."""
+    rng = np.random.default_rng(2)
+    _jpeg(tmp_path / "good.jpg", rng)
+    good = (tmp_path / "good.jpg").read_bytes()
+    for i in range(3000):
+        (tmp_path / f"{i:04d}.jpg").write_bytes(good)
+    program = f"""
+import datasets
+from types import SimpleNamespace
+from common.data.scan import without_unreadable
+paths = sorted(str(p) for p in __import__("pathlib").Path({str(tmp_path)!r}).glob("*.jpg"))
+table = datasets.Dataset.from_dict({{"image": paths}}).cast_column("image", datasets.Image(decode=False))
+data = SimpleNamespace(train=table, eval=None)
+accelerator = SimpleNamespace(process_index=0, num_processes=1)
+scanned = without_unreadable(data, "image", accelerator, "skip", 0, 2, {str(tmp_path / "run")!r})
+assert scanned.background is not None
+print("last line")
+"""
+    env = {**os.environ, "CV_RECIPES_CACHE": str(tmp_path / "cache")}
+    done = __import__("subprocess").run(
+        [__import__("sys").executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout == "last line\n" and done.stderr == "", done.stderr
+
+
+def test_the_training_batches_do_not_depend_on_when_the_background_check_ends(photos, tmp_path, monkeypatch):
+    """The classifier on a folder with broken files, its splits checked in the background: once with the check
+    held back until after the run, once with every answer cached (it ends at once). Both runs train on the same
+    batches (the same losses: broken images replaced from the seed, not left out), and list the same files."""
+    classifier = load_recipe("classifier")
+    monkeypatch.setattr(scan, "BACKGROUND_ROWS", 5)
+    monkeypatch.setenv("CV_RECIPES_CACHE", str(tmp_path / "cache"))
+    held = __import__("threading").Event()
+    checked = scan.scan_table
+
+    def late(*args, **kwargs):
+        if kwargs.get("nice"):  # the background check
+            held.wait(120)
+        return checked(*args, **kwargs)
+
+    args = TINY_CLASSIFIER + ["--report_to", "none", "--data", str(photos), "--batch_size", "4", "--max_steps", "6"]
+    args += ["--log_every", "1", "--num_workers", "0"]
+    monkeypatch.setattr(scan, "scan_table", late)
+    classifier.main(args + ["--output_dir", str(tmp_path / "late")])
+    assert not (tmp_path / "late" / "bad_images.txt").exists()  # the check had not ended
+    held.set()
+    scan_files([str(p) for p in sorted(photos.rglob("*.*"))])  # every answer cached
+    monkeypatch.setattr(scan, "scan_table", checked)
+    classifier.main(args + ["--output_dir", str(tmp_path / "cached")])
+
+    def losses(run: str) -> list[float]:
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [r["train/loss"] for r in records if "train/loss" in r]
+
+    assert len(losses("late")) == 6 and losses("late") == losses("cached")
+    listed = (tmp_path / "cached" / "bad_images.txt").read_text()
+    assert {Path(line.split("\t")[1]).name for line in listed.splitlines()[1:]} == {*BROKEN, "cut.png"}

@@ -33,8 +33,12 @@ VERSION = "v2"
 
 def _stored_size(value: dict[str, Any], shorter: int) -> tuple[int, int]:
     """The (width, height) an image is kept at: what :func:`decode_sized` gives (reduced, turned upright),
-    from its header alone."""
-    image, _ = open_reduced(value, shorter)
+    from its header alone; (0, 0) for a file that cannot be opened (a large split's unreadable images stay in
+    it until its background check ends: :mod:`common.data.scan`)."""
+    try:
+        image, _ = open_reduced(value, shorter)
+    except Exception:  # PIL raises many kinds for a broken file; get() raises the decoder's own error for it
+        return 0, 0
     with image:
         return upright_size(image)
 
@@ -59,6 +63,7 @@ class ImageCache:
         self.table, self.column, self.shorter, self.folder = table, column, shorter, folder
         self.images: list[np.ndarray | None] = [None] * len(table)
         self.sizes: list[tuple[int, int]] = [(0, 0)] * len(table)
+        self.errors: dict[int, UserError] = {}  # rows that cannot be decoded: get() raises, the dataset replaces
 
     def estimate(self) -> int:
         """Bytes the cache will hold, from the images' headers."""
@@ -82,15 +87,29 @@ class ImageCache:
             array = np.load(file, mmap_mode="r")
         return array, size
 
+    def _kept(self, index: int) -> tuple[np.ndarray, tuple[int, int]] | UserError:
+        try:
+            return self._one(index)
+        except UserError as e:
+            return e
+
     def fill(self, workers: int = 1) -> None:
-        """Decode every image (``workers`` threads: the decoders release the GIL)."""
+        """Decode every image (``workers`` threads: the decoders release the GIL); one that cannot be decoded is
+        kept as its error."""
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            for i, (array, size) in enumerate(pool.map(self._one, range(len(self.table)))):
-                self.images[i], self.sizes[i] = array, size
+            for i, kept in enumerate(pool.map(self._kept, range(len(self.table)))):
+                if isinstance(kept, UserError):
+                    self.errors[i] = kept
+                else:
+                    self.images[i], self.sizes[i] = kept
 
     def get(self, index: int) -> tuple[Image.Image, tuple[int, int]]:
+        """Row ``index``'s RGB image and the file's own (width, height); the decoder's :class:`UserError` for a
+        row that could not be decoded (the dataset then draws its replacement, as without the cache)."""
+        if index in self.errors:
+            raise self.errors[index]
         return Image.fromarray(np.asarray(self.images[index])), self.sizes[index]
 
 
