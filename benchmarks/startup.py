@@ -30,6 +30,12 @@ boundary     the epoch boundary beyond one step: epoch 1's first step line - epo
              DINO's checkpoint.pth every epoch; ours checkpoints every ``checkpoint_every`` steps, not
              due here).
 
+``--first_step_only``: each run is killed at its first step line and only first_step is figured (a large
+folder's whole epoch is not needed for it); with ``--data`` an existing folder in the generated layout (the
+issue-49 case: 22,000 files, ``--images 17600`` generates one). ``--fresh_cache``: each of our runs starts
+with an empty ``CV_RECIPES_CACHE`` (no cached scan answers: a first start on the folder); without it our runs
+share one, so all but the first are second starts.
+
 Pairs run in ABBA order (reference, ours, ours, reference, ...); printed: each run, each side's medians
 and the ratio ours / reference of each median (goal: first_step and boundary <= 1.2, s/step about 1).
 The DINO reference runs on the CPU through a shim passed as ``python -c`` (a process group of one over
@@ -125,9 +131,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def timed_steps(cmd: list[str], cwd: Path, env: dict[str, str], parse, steps_per_epoch: int, log: Path) -> dict:
+def timed_steps(
+    cmd: list[str], cwd: Path, env: dict[str, str], parse, steps_per_epoch: int, log: Path, first_only: bool = False
+) -> dict:
     """Run ``cmd``; ``parse(line) -> (epoch, index) | None`` reads a step line. Returns the figures of the
-    module docstring; the process group is killed once epoch 1's first step is seen (or at its end)."""
+    module docstring; the process group is killed once epoch 1's first step is seen (or at its end), or with
+    ``first_only`` once the first step is seen (then only ``first_step`` is figured)."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -140,11 +149,15 @@ def timed_steps(cmd: list[str], cwd: Path, env: dict[str, str], parse, steps_per
             at = parse(line)
             if at is not None:
                 seen.setdefault(at, now)
-                if at == (1, 0):
+                if at == (1, 0) or (first_only and at == (0, 0)):
                     break
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    if first_only:
+        if (0, 0) not in seen:
+            raise SystemExit(f"{cmd[:3]}: no first step line; see {log}")
+        return {"first_step": seen[0, 0]}
     last = steps_per_epoch - 1
     if (0, 0) not in seen or (0, last) not in seen or (1, 0) not in seen:
         raise SystemExit(f"{cmd[:3]}: step lines missing (have {sorted(seen)}); see {log}")
@@ -165,7 +178,7 @@ def classifier_pair(args: argparse.Namespace, data: Path, work: Path, steps: int
         cmd += ["--num_workers", str(common["workers"]), "--epochs", "2", "--log_every", "1", "--eval_every", "100"]
         cmd += ["--report_to", "none", "--output_dir", str(work / f"ours-{time.time_ns()}")]
         parse = lambda line: ours_step(line, steps)  # noqa: E731
-        return timed_steps(cmd, ROOT, env(), parse, steps, log)
+        return timed_steps(cmd, ROOT, env(our_cache(args, work)), parse, steps, log, args.first_step_only)
 
     def timm(log: Path) -> dict:
         script = Path(args.timm_train).resolve()
@@ -176,7 +189,7 @@ def classifier_pair(args: argparse.Namespace, data: Path, work: Path, steps: int
         cmd += ["--no-prefetcher", "--opt", "adamw", "--num-classes", "4"]  # AdamW as ours
         cmd += ["--output", str(work / f"timm-{time.time_ns()}")]
         parse = lambda line: reference_step(TIMM_STEP, line)  # noqa: E731
-        return timed_steps(cmd, script.parent, env(), parse, steps, log)
+        return timed_steps(cmd, script.parent, env(), parse, steps, log, args.first_step_only)
 
     return {"reference": timm, "ours": ours}
 
@@ -190,7 +203,7 @@ def dino_pair(args: argparse.Namespace, data: Path, work: Path, steps: int) -> d
         cmd += ["--num_workers", str(args.workers), "--epochs", "2", "--log_every", "1", "--eval_every", "100"]
         cmd += ["--report_to", "none", "--output_dir", str(work / f"ours-{time.time_ns()}")]
         parse = lambda line: ours_step(line, steps)  # noqa: E731
-        return timed_steps(cmd, ROOT, env(), parse, steps, log)
+        return timed_steps(cmd, ROOT, env(our_cache(args, work)), parse, steps, log, args.first_step_only)
 
     def reference(log: Path) -> dict:
         script = Path(args.dino_main).resolve()
@@ -202,9 +215,16 @@ def dino_pair(args: argparse.Namespace, data: Path, work: Path, steps: int) -> d
         extra = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
         extra["MASTER_PORT"] = str(free_port())
         parse = lambda line: reference_step(DINO_STEP, line)  # noqa: E731
-        return timed_steps(cmd, script.parent, env(extra), parse, steps, log)
+        return timed_steps(cmd, script.parent, env(extra), parse, steps, log, args.first_step_only)
 
     return {"reference": reference, "ours": ours}
+
+
+def our_cache(args: argparse.Namespace, work: Path) -> dict[str, str]:
+    """Our runs' cache root (scan answers, built-in data): a new empty one per run with ``--fresh_cache``."""
+    if not args.fresh_cache:
+        return {}
+    return {"CV_RECIPES_CACHE": tempfile.mkdtemp(prefix="cache-", dir=work)}
 
 
 def env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -229,9 +249,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p.add_argument("--out_dim", type=int, default=4096, help="the DINO pair's prototypes")
     p.add_argument("--workers", type=int, default=2, help="loader workers per process, both sides")
     p.add_argument("--work", default="", help="folder for the data, run folders and logs (empty: a temporary one)")
+    p.add_argument("--data", default="", help="an image folder of image_folder()'s layout (empty: generated in --work)")
+    p.add_argument("--first_step_only", action="store_true", help="time to the first step only (see the docstring)")
+    p.add_argument("--fresh_cache", action="store_true", help="each of our runs without cached scan answers")
     args = p.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="startup-"))
-    data = work / "data"
+    work.mkdir(parents=True, exist_ok=True)
+    data = Path(args.data) if args.data else work / "data"
     if not (data / "unlabelled").is_dir():
         image_folder(data, args.images, args.side)
     pairs = {}
