@@ -48,3 +48,17 @@ def test_first_step_steady_step_and_boundary_from_the_line_times(tmp_path):
     assert figures["s/step"] == pytest.approx(0.2, abs=0.05)
     assert figures["boundary"] == pytest.approx(0.5, abs=0.1)
     assert "epoch 1 step 4/6" in (tmp_path / "log").read_text()
+
+
+def test_first_step_only_stops_at_the_first_step_line(tmp_path):
+    """--first_step_only: the process is killed at its first step line (it would sleep on) and only first_step is
+    figured."""
+    startup = load_startup()
+    child = "import time\ntime.sleep(0.4); print('epoch 0 step 1/6  loss 1')\ntime.sleep(60)\n"
+    started = __import__("time").perf_counter()
+    figures = startup.timed_steps(
+        [sys.executable, "-c", child], tmp_path, startup.env(), lambda line: startup.ours_step(line, 3), 3,
+        tmp_path / "log", first_only=True,
+    )  # fmt: skip
+    assert list(figures) == ["first_step"] and figures["first_step"] == pytest.approx(0.4, abs=0.5)
+    assert __import__("time").perf_counter() - started < 30
