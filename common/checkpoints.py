@@ -149,8 +149,8 @@ class Checkpoints:
             return  # already stopping (Slurm's SIGTERM at the time limit after its SIGUSR1 warning): said once
         self._stop_signal = signum
         self.print(f"{signal.Signals(signum).name} received: {self.STOP_PLANS[self.stop_phase]}")
-        if self._interruptible:  # one process, inside interruptible(): at once
-            raise RunStopped(self.stopped_text(self._interruptible[-1]))
+        if self._interruptible or self._loop_done:  # inside interruptible() or after the loop (saves are atomic): now
+            raise RunStopped(self.stopped_text(self._interruptible[-1] if self._interruptible else ""))
 
     @contextlib.contextmanager
     def interruptible(self: Any, what: str) -> Iterator[None]:
@@ -186,21 +186,22 @@ class Checkpoints:
             return f"stopped by {name} during {where}{NOTHING_AFTER}"
         if not self._loop_done:
             return f"stopped by {name} during {where}"
+        during = f" during {where}" if where else ""
         return (
-            f"stopped by {name} during {where}, after the training loop, before the run's last files were written; "
+            f"stopped by {name}{during} after the training loop, before the run's last files were written; "
             f"everything written so far is kept (last checkpoint: {self.last_checkpoint or 'none'})\n"
             f"finish it with: {self.continue_command()}"
         )
 
     def loop_done(self: Any) -> None:
         """The training loop ended and its last checkpoint is written: from here on (the recipe's final weights, the
-        model folder, the export) a stop ends the run at the next check with :class:`RunStopped`; one that arrived
-        during the last epoch's evaluation ends it now."""
+        model folder, the export; every file written under a temporary name and renamed) a stop signal ends the run
+        at once with :class:`RunStopped`, as does one that arrived since the last check."""
         self._loop_done = True
         self.stop_phase = "after"
         if self._stop_signal is not None:
             self.hand_back_signals()
-            raise RunStopped(self.stopped_text("the last epoch's end"))
+            raise RunStopped(self.stopped_text(""))
 
     def should_stop(self: Any) -> bool:
         """True on every process once any process got a stop signal (SIGTERM, SIGINT, SIGUSR1); call once per step.

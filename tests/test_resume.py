@@ -240,8 +240,8 @@ def test_resume_in_a_later_epoch_ends_with_the_uninterrupted_weights(
     assert after_full == after_part and len(after_full) >= 2
 
 
-# Where a stop signal lands after the training steps: during the last evaluation (the run stops once
-# its last checkpoint is written), the final weights, or the export; each is a function of the recipe
+# Where a stop signal lands after the training steps: during the last evaluation (a checkpoint before it, and
+# the resume evaluates again), the final weights, or the export; each is a function of the recipe
 # that is wrapped to signal the process first.
 # The first case of each recipe also runs the command that finishes it.
 STOPS = [
@@ -266,8 +266,9 @@ def test_a_stop_after_the_training_steps_keeps_what_is_written_and_says_how_to_f
     recipe, phase, last, coco_folder, image_folder, tmp_path, capsys, monkeypatch
 ):
     """SIGTERM during the last evaluation, the final save or the export: two lines (what stopped, the
-    command that finishes the run), exit status 0, no traceback, the checkpoints kept and no half
-    file; the printed command then writes the rest (the final weights; YOLO's export is not repeated)."""
+    command that continues or finishes the run), exit status 0, no traceback, the checkpoints kept and no half
+    file; the printed command then writes the rest (the evaluation and the final weights; YOLO's export is not
+    repeated)."""
     import os
     import signal
     import sys
@@ -304,8 +305,17 @@ def test_a_stop_after_the_training_steps_keeps_what_is_written_and_says_how_to_f
     out, err = capsys.readouterr()
     assert exit_info.value.code == 0 and "Traceback" not in out + err, err[-2000:]
     lines = out.strip().splitlines()
-    assert lines[-2].startswith("stopped by SIGTERM after the training loop") and "step_00000003" in lines[-2]
-    finish = f"finish it with: accelerate launch recipes/{recipe}.py --config {run / 'config.yaml'} --resume auto"
+    command = f"accelerate launch recipes/{recipe}.py --config {run / 'config.yaml'} --resume auto"
+    if phase == "evaluate":  # the last evaluation is in the loop: a checkpoint before it, which it redoes
+        checkpoint = run / "checkpoints" / "step_00000003"
+        assert lines[-2] == f"stopped by SIGTERM at step 3; checkpoint {checkpoint} (before the evaluation, which " \
+            "runs again on resume)"  # fmt: skip
+        finish = f"continue with: {command}"
+    else:
+        during = " during the export" if phase == "export_files" else ""  # the exporter's own region names it
+        assert lines[-2].startswith(f"stopped by SIGTERM{during} after the training loop"), lines[-2]
+        assert "step_00000003" in lines[-2]
+        finish = f"finish it with: {command}"
     assert lines[-1] == finish
     assert (run / "checkpoints" / "step_00000003" / "train_state.json").is_file()
     assert not (run / last).exists() and not list(run.rglob("*.tmp*"))
