@@ -14,12 +14,11 @@ in ``bad_images.txt`` and never trained on.
   image is replaced, when a loader reaches it, by another drawn from the seed (:func:`common.loaders.replacement`,
   as for a file that breaks during the run); when the check ends, one warning line names them and
   ``bad_images.txt`` lists them.
-- Where: in child Python processes that import PIL and the checker only (not torch, nor the recipe as a
-  multiprocessing pool's workers would), so that starting them costs little; several share the files of
-  a check that the start waits for, one at a lower priority runs a background check. Under several
-  training processes each checks its own share of a split checked before the start and the lists are
-  gathered; a background check runs on the main process alone (a collective in a thread beside the
-  training's own would deadlock).
+- Where: in child Python processes (:mod:`common.data.check_processes`) that start in the time Python and
+  PIL take; several share the files of a check that the start waits for, one at a lower priority runs a
+  background check. Under several training processes each checks its own share of a split checked before
+  the start and the lists are gathered; a background check runs on the main process alone (a collective in a
+  thread beside the training's own would deadlock).
 - Cached: the answer for each file is kept with its size and modification time in
   ``<cache root>/scans/`` (:func:`common.data.builtin.cache.cache_root`), one file per list of paths, so a
   second start re-reads only the files that changed. Images stored as bytes are cached by the dataset's
@@ -28,16 +27,12 @@ in ``bad_images.txt`` and never trained on.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import hashlib
 import io
 import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 from collections.abc import Sequence
@@ -47,31 +42,21 @@ from typing import Any
 # Only the package's UserError and PIL's checker at the top: the checking processes import this module
 # without the rest of the package (see _CHILD).
 from common import UserError
+from common.data.check_processes import (
+    BACKGROUND_NICE,
+    check_files,
+    check_in_parallel,
+    child_answer,
+    exiting,
+    run_child,
+)
 from common.data.images import listing, unreadable
 
 #: The checker's version, part of every cache file's name: a change to what is checked starts afresh.
 VERSION = "v2"
-#: Files below which a check the start waits for stays in the training process (a child's start costs more).
-CHUNK = 256
 #: Rows of a split above which ``--bad_images skip`` checks it in the background (see the module docstring).
 #: A split this size is checked in a fraction of a second before the start.
 BACKGROUND_ROWS = 2_000
-#: Niceness added to the background check's process: it yields the cores to the training and its loaders.
-BACKGROUND_NICE = 10
-
-
-def _check_files(paths: Sequence[str]) -> list[tuple[int, int, int, str]]:
-    """(size, modification and change times in ns, why unreadable or '') of each file: the change time moves
-    when a file is replaced by one of the same size with its modification time kept (``cp -p``, ``rsync -a``)."""
-    out = []
-    for path in paths:
-        try:
-            stat = os.stat(path)
-        except OSError as e:
-            out.append((-1, -1, -1, f"{type(e).__name__}: {e.strerror or e}"))
-            continue
-        out.append((stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, unreadable(path)))
-    return out
 
 
 def _cache_file(paths: Sequence[str]) -> Path:
@@ -81,101 +66,19 @@ def _cache_file(paths: Sequence[str]) -> Path:
     return cache_root() / "scans" / f"{VERSION}-{digest}.json"
 
 
-# The checking process: ``common`` stands in for the package (its __init__ imports timm and with it torch, which
-# the checker never uses), so that the process starts in the time Python and PIL take.
-_CHILD = """
-import sys, types
-package = types.ModuleType("common")
-package.__path__ = [sys.argv[1]]
-package.UserError = type("UserError", (Exception,), {})
-sys.modules["common"] = package
-from common.data.scan import _child_main
-_child_main(sys.argv[2], int(sys.argv[3]), sys.argv[4])
-"""
-_children: set[subprocess.Popen] = set()  # the checking processes still running
-_exiting = threading.Event()  # set at exit: a background check cut short says nothing
-
-
-def _child_main(mode: str, nice: int, cache: str) -> None:
-    """The checking process's work: on stdin a JSON list of paths; on stdout the JSON of :func:`_check_files`
+def child_main(mode: str, nice: int, cache: str) -> None:
+    """The checking process's work: on stdin a JSON list of paths; on stdout the JSON of :func:`check_files`
     of them (``mode`` ``check``) or of :func:`scan_files` of them (``scan``: with the cache file ``cache``).
     ``nice``: the niceness it adds to its own."""
     if nice:
         os.nice(nice)
     paths = json.load(sys.stdin)
-    json.dump(_check_files(paths) if mode == "check" else scan_files(paths, cache=Path(cache)), sys.stdout)
-
-
-def _kill_children() -> None:
-    _exiting.set()
-    for child in list(_children):
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-
-
-def _run_child(mode: str, paths: Sequence[str], nice: int = 0) -> subprocess.Popen:
-    """Start a checking process (:func:`_child_main`) on ``paths``; its answer: :func:`_child_answer`. It
-    starts with the stop signals blocked and keeps them so: a signal sent to the whole process group
-    (``scancel``, Ctrl-C) is the training process's alone (:class:`common.run.Run`). One still running when
-    the training process exits is killed."""
-    from common.loaders import STOP_SIGNALS
-
-    if not _children and not _exiting.is_set():
-        atexit.register(_kill_children)
-    package = str(Path(__file__).resolve().parents[1])
-    cache = str(_cache_file(paths)) if mode == "scan" else ""  # the cache root is the package's to say
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        argv = [sys.executable, "-c", _CHILD, package, mode, str(nice), cache]
-        # its errors to a file, not the terminal: one cut short at exit says nothing, and a failure is one line
-        errors = tempfile.TemporaryFile()
-        child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    _children.add(child)
-    child.errors = errors  # type: ignore[attr-defined]
-    try:
-        child.stdin.write(json.dumps(list(paths)).encode())
-        child.stdin.close()
-    except BrokenPipeError:  # it ended at once: _child_answer says why
-        pass
-    return child
-
-
-def _child_answer(child: subprocess.Popen) -> Any:
-    """What a checking process wrote, once it ends; RuntimeError when it failed (its error is on stderr)."""
-    out = child.stdout.read()
-    code = child.wait()
-    _children.discard(child)
-    child.errors.seek(0)
-    last = (child.errors.read().decode(errors="replace").strip().splitlines() or [f"exit status {code}"])[-1]
-    child.errors.close()
-    if code != 0:
-        raise RuntimeError(f"the image check's process failed: {last}")
-    return json.loads(out)
-
-
-def _check_in_parallel(paths: Sequence[str], workers: int) -> list[tuple[int, int, int, str]]:
-    """:func:`_check_files` of ``paths``, shared by ``workers`` checking processes when there are enough files;
-    where a process fails, its files are checked here."""
-    if workers <= 1 or len(paths) <= CHUNK:
-        return _check_files(paths)
-    share = -(-len(paths) // workers)
-    parts = [paths[i : i + share] for i in range(0, len(paths), share)]
-    children = [_run_child("check", part) for part in parts]
-    results = []
-    for part, child in zip(parts, children):
-        try:
-            results += [tuple(r) for r in _child_answer(child)]
-        except (RuntimeError, ValueError):
-            results += _check_files(part)
-    return results
+    json.dump(check_files(paths) if mode == "check" else scan_files(paths, cache=Path(cache)), sys.stdout)
 
 
 def scan_files(paths: Sequence[str], workers: int = 0, cache: Path | None = None) -> tuple[dict[str, str], bool]:
     """Why each unreadable file of ``paths`` cannot be used (``{path: reason}``), and whether every answer
-    came from the cache. ``workers`` > 1: files are checked by that many processes (:func:`_run_child`).
+    came from the cache. ``workers`` > 1: files are checked by that many processes (:func:`run_child`).
     ``cache``: the cache file of ``paths`` (:func:`_cache_file`), where the caller knows it."""
     cache = cache or _cache_file(paths)
     known: dict[str, list] = {}
@@ -192,7 +95,7 @@ def scan_files(paths: Sequence[str], workers: int = 0, cache: Path | None = None
             stats.append((-1, -1, -1))
     todo = [p for p, s in zip(paths, stats) if p not in known or tuple(known[p][:3]) != s or s[0] < 0]
     if todo:
-        results = _check_in_parallel(todo, workers)
+        results = check_in_parallel(todo, workers)
         known.update({p: list(r) for p, r in zip(todo, results)})
         try:  # written beside and renamed: a concurrent start reads the old cache or the new one
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -231,7 +134,8 @@ def scan_table(
     files = [i for i in mine if not has_bytes[i] and paths[i]]
     bad, cached = {}, True
     if files and nice > 0:
-        bad, cached = _child_answer(_run_child("scan", [paths[i] for i in files], nice))
+        some = [paths[i] for i in files]
+        bad, cached = child_answer(run_child("scan", some, nice, str(_cache_file(some))))
     elif files:
         bad, cached = scan_files([paths[i] for i in files], workers)
     found = [(i, paths[i], bad[paths[i]]) for i in files if paths[i] in bad]
@@ -308,7 +212,7 @@ class _Background:
             self.found = found
             self.report(found, boxes)
         except Exception as e:  # the run goes on: the loaders replace what they cannot read
-            if not _exiting.is_set():
+            if not exiting.is_set():
                 print(f"warning: the background check of the images stopped ({type(e).__name__}: {e})", flush=True)
 
 
