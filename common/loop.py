@@ -232,8 +232,11 @@ class Loop:
         """Checkpoint the position: in the batches, the batch just read; after a whole epoch, the start of the
         next; marked finished after the last epoch (``--resume auto`` alone then looks for other runs)."""
         kept = {**self.extra, "schedule_steps": self.total_steps}
+        kept.pop("next_lr", None)  # an earlier save's; a finished run plans no next step
         if self.lr is not None and self.step < len(self.lr):
             kept["next_lr"] = float(self.lr[self.step])
+        if self.lr is not None and 0 < self.step <= len(self.lr):  # a resume that extends the run jumps from it
+            kept["last_lr"] = float(self.lr[self.step - 1])
         if self._in_epoch:
             self.meters.pause()  # time/checkpoint_s, not a step
             self.run.save_checkpoint(TrainState(self.step, self.epoch, self.batches_done, kept))

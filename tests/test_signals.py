@@ -480,3 +480,28 @@ def test_export_given_sigterm_inside_the_exporter_ends_at_once_and_leaves_no_fil
     assert code == 0 and took < 10 and "Traceback" not in out and "error" not in out, out[-3000:]
     assert out.rstrip().splitlines()[-1] == "stopped by SIGTERM during the export; nothing after it was written", out
     assert not [p.name for p in folder.rglob("model*")], sorted(p.name for p in folder.rglob("*"))
+
+
+@pytest.mark.configs
+@pytest.mark.parametrize("recipe", ["classifier", "dino", "yolo", "detr", "faster_rcnn"])
+def test_a_short_run_with_loader_workers_ends_on_its_last_line(recipe, tmp_path):
+    """Every recipe's demo for 2 steps with two loader workers, its output to a file and another process busy on a
+    core (how a finished run used to end in `RuntimeError: DataLoader worker (pid N) is killed by signal`, exit 0):
+    exit 0, nothing after `output: <run>`, no traceback."""
+    folder, log = tmp_path / "run", tmp_path / "log.txt"
+    args = ["--max_steps", "2", "--num_workers", "2", "--report_to", "none", "--export", "false"]
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with open(log, "w") as out:
+            code = subprocess.run(
+                recipe_cmd(recipe, [*args, "--output_dir", str(folder)]),
+                env=recipe_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=900,
+            ).returncode
+    finally:
+        busy.kill()
+    text = log.read_text()
+    assert code == 0 and "Traceback" not in text, text[-4000:]
+    assert text.rstrip().splitlines()[-1] == f"output: {folder}", text[-2000:]

@@ -208,9 +208,9 @@ class ImageRows(KeyedDataset):
         and the file's own ``(width, height)``."""
         for attempt in itertools.count():
             row = self.ds[int(index)]
-            if self.cache is not None:
-                return row, index, *self.cache.get(int(index))
-            try:
+            try:  # a cached row that could not be decoded raises its error here too
+                if self.cache is not None:
+                    return row, index, *self.cache.get(int(index))
                 return row, index, *decode_sized(row[self.image_column], self.row_name(row, index), self.shorter)
             except UserError as e:  # after REPLACEMENT_TRIES draws, replacement raises the error
                 index = replacement(self.seed, epoch, index, len(self), attempt, e, self.replaced)

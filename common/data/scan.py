@@ -6,9 +6,10 @@ in ``bad_images.txt`` and never trained on.
 
 - What is checked: :func:`common.data.images.unreadable` (the file opens, its header gives a size, its data
   is complete), for images stored as files and as bytes in a dataset alike.
-- When: with ``--bad_images error`` every split, and otherwise a split of at most :data:`BACKGROUND_ROWS`
-  images, is checked before the run starts: its unreadable images are left out (or the run is refused before
-  anything is written). A larger split is checked in the background while the run starts, so that the first
+- When: with ``--bad_images error`` every split, and otherwise the evaluation split and a training split of at
+  most :data:`BACKGROUND_ROWS` images, is checked before the run starts: its unreadable images are left out (or
+  the run is refused before anything is written); an evaluation never scores one image under another's id. A
+  larger training split is checked in the background while the run starts, so that the first
   step does not wait for thousands of files: its rows all stay, so which samples a step sees never depends
   on when the check ended (a resumed run sees the very batches of the uninterrupted one), and an unreadable
   image is replaced, when a loader reaches it, by another drawn from the seed (:func:`common.loaders.replacement`,
@@ -54,7 +55,7 @@ from common.data.images import listing, unreadable
 
 #: The checker's version, part of every cache file's name: a change to what is checked starts afresh.
 VERSION = "v2"
-#: Rows of a split above which ``--bad_images skip`` checks it in the background (see the module docstring).
+#: Rows of a training split above which ``--bad_images skip`` checks it in the background (the module docstring).
 #: A split this size is checked in a fraction of a second before the start.
 BACKGROUND_ROWS = 2_000
 
@@ -314,7 +315,8 @@ def without_unreadable(
 
     splits = {"training": data.train if train else None, "evaluation": data.eval}
     splits = {k: v for k, v in splits.items() if v is not None}
-    later = {k: v for k, v in splits.items() if policy == "skip" and len(v) > BACKGROUND_ROWS}
+    # only the training split in the background: an evaluation image replaced by another would be scored as it
+    later = {k: v for k, v in splits.items() if policy == "skip" and k == "training" and len(v) > BACKGROUND_ROWS}
     found, cached, boxes = {}, True, {}
     for split, table in splits.items():
         if split in later:  # only the annotations now; the files in the background
