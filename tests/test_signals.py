@@ -5,8 +5,9 @@ DataLoader workers and the start-up scan's pool leave the signals to the trainin
 
 The runs start in a session of their own (``start_new_session``: a process group, as a batch job's or a
 terminal's) with two loader workers, and are signalled once their first step is printed. The stop under each
-launcher (python, ``accelerate launch``) is in the default suite; the resumes to the end, and torchrun with two
-processes, are in the second tier (``-m configs``), each a minute or more on 2 cores."""
+launcher (python, ``accelerate launch``) and the stop as an evaluation starts are in the default suite; the resumes
+to the end, torchrun with two processes, the stops of ``--predict`` and ``--export --weights`` and each recipe's
+clean end are in the second tier (``-m configs``), each a minute or more on 2 cores."""
 
 from __future__ import annotations
 
@@ -442,7 +443,7 @@ def classifier_weights(tmp_path_factory) -> Path:
     return folder / "best.safetensors"
 
 
-@pytest.mark.slow
+@pytest.mark.configs
 def test_predict_given_sigterm_ends_within_seconds_naming_its_partial_file(tmp_path, classifier_weights):
     """`--predict` on 3,000 images, SIGTERM to the group at its first batch: it ends within 10 s on its own (before:
     it predicted on every image), exit 0, saying how many images were predicted and where they are, in a file named
@@ -466,7 +467,7 @@ def test_predict_given_sigterm_ends_within_seconds_naming_its_partial_file(tmp_p
     assert len(rows) == 1 + int(found.group(1)) < 3000 and not (folder / "predictions.csv").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.configs
 def test_export_given_sigterm_inside_the_exporter_ends_at_once_and_leaves_no_file(tmp_path, classifier_weights):
     """`--export --weights W`, SIGTERM to the group while torch.onnx's exporter runs: the run ends within seconds,
     exit 0, with one line saying the export was stopped (before: `error: export failed (ConversionError ...)`, and
