@@ -229,10 +229,11 @@ def shutdown_workers(loader: Any) -> None:
     asks the workers to exit, joins them and takes their pids out of torch's SIGCHLD bookkeeping, so that
     their exit is never reported as a failed worker."""
     iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+    if iterator is None:
+        return
+    if hasattr(iterator, "_shutdown_workers"):  # a single-process iterator has none
         iterator._shutdown_workers()
-    if iterator is not None:
-        loader._iterator = None
+    loader._iterator = None
 
 
 def _end_workers_at_exit() -> None:

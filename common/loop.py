@@ -259,7 +259,7 @@ class Loop:
         """A stop outside the steps (between epochs, in an evaluation): a checkpoint where this session trained since
         the last one, the run's end, and :class:`RunStopped` (its lines already printed)."""
         evaluating = self._evaluating is not None
-        if self._evaluating is not None:  # best metrics as before the evaluation: a resume redoes it, best weights too
+        if evaluating:  # best metrics as before the evaluation: a resume redoes it, best weights too
             self.extra = self._evaluating
         if 0 < self.step != self._saved_step:  # nothing trained at step 0: no checkpoint to keep
             self.save_checkpoint()

@@ -130,7 +130,7 @@ def resumed_schedule(extra: dict[str, Any], total_steps: int, step: int, lr: Seq
     checkpoint was trained on, '' when there is none. ``extra``: the checkpoint's ``schedule_steps`` (its
     length), ``next_lr`` (the lr its next step would have had; absent once the run is finished) and ``last_lr``
     (the lr of its last step done); ``lr``: this run's value per step. Said are another length (another
-    ``max_steps``, ``epochs`` or ``max_time``: the decay stretches or squeezes over what is left) and the lr the
+    ``max_steps`` or ``epochs``: the decay stretches or squeezes over what is left) and the lr the
     next step jumps to wherever it is not the one the checkpoint planned (another ``lr``, warmup, schedule or
     length), including a finished run extended, which planned no next step: then the jump is from the lr of
     its last step, where the checkpoint records it."""

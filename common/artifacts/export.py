@@ -85,6 +85,8 @@ def export_model(
     difference in the kind's unit (``export/onnx_boxes_px``, ``export/onnx_scores``,
     ``export/pt2_logits_rel``, ...) and ``export/inputs`` (how many inputs were compared); one outside its
     tolerance is one :class:`UserError` and leaves no file."""
+    import onnx
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     wrapper = wrapper.eval().cpu().float()
@@ -101,86 +103,65 @@ def export_model(
     diffs: dict[str, float] = {"export/inputs": float(len(cases))}
     onnx_tmp, pt2_tmp = folder / "model.tmp.onnx", folder / "model.tmp.pt2"
     try:
-        _write_checked(wrapper, given, names, output_names, folder, metadata, dynamic, legacy, cases, kinds,
-                       detections, diffs)  # fmt: skip
+        if legacy:
+            axes = {name: dict(dims) for name, dims in dynamic.items()}
+            with _quiet():
+                torch.onnx.export(
+                    wrapper,
+                    tuple(given),
+                    str(onnx_tmp),
+                    input_names=names,
+                    output_names=list(output_names),
+                    dynamic_axes=axes,
+                    opset_version=17,
+                    dynamo=False,
+                )
+        else:
+            # the batch must stay free (an error otherwise); image sides are left to torch.export's own
+            # ranges (AUTO), as convolutions and poolings tie them to their strides
+            batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+            dims = {
+                n: batch if n == "batch" else torch.export.Dim.AUTO for spec in dynamic.values() for n in spec.values()
+            }
+            shapes = tuple({axis: dims[n] for axis, n in dynamic.get(name, {}).items()} or None for name in names)
+            # traced with a batch of 2 whatever was given: from a batch of 1, torch.export would specialise the
+            # batch dimension to 1 and refuse to keep it dynamic
+            traced = tuple(t[torch.arange(2) % len(t)] for t in given)
+            program = torch.export.export(wrapper, traced, dynamic_shapes=shapes)
+            try:  # the .pt2 format cannot hold every symbolic shape operation (a ceil of a free image side)
+                torch.export.save(program, str(pt2_tmp))
+            except Exception:
+                pt2_tmp.unlink(missing_ok=True)
+            if pt2_tmp.is_file():
+                loaded = torch.export.load(str(pt2_tmp)).module()
+                with torch.no_grad():
+                    worst = checked("model.pt2", loaded, cases, output_names, kinds, detections, pt2_tmp)
+                diffs.update(export_metrics("pt2", worst, kinds, detections))
+            with _quiet():
+                torch.onnx.export(
+                    program,
+                    traced,
+                    str(onnx_tmp),
+                    input_names=names,
+                    output_names=list(output_names),
+                    dynamo=True,
+                    external_data=False,  # one self-contained file (models under 2 GB)
+                    verbose=False,
+                )
+        proto = onnx.load(str(onnx_tmp))
+        described = {**metadata, "inputs": json.dumps(names), "outputs": json.dumps(list(output_names))}
+        onnx.helper.set_model_props(proto, {k: str(v) for k, v in described.items()})
+        onnx.save(proto, str(onnx_tmp))
+        worst = checked("model.onnx", OnnxModel(onnx_tmp), cases, output_names, kinds, detections, onnx_tmp)
+        diffs.update(export_metrics("onnx", worst, kinds, detections))
+        # renamed only once both are checked: a refused or interrupted export leaves no half of one
+        if pt2_tmp.is_file():
+            pt2_tmp.replace(folder / "model.pt2")
+        onnx_tmp.replace(folder / "model.onnx")
     finally:  # a refused, failed or stopped export leaves no temporary file
         onnx_tmp.unlink(missing_ok=True)
         pt2_tmp.unlink(missing_ok=True)
     return diffs
-
-
-def _write_checked(
-    wrapper: nn.Module,
-    given: list[torch.Tensor],
-    names: list[str],
-    output_names: Sequence[str],
-    folder: Path,
-    metadata: Mapping[str, str],
-    dynamic: Mapping[str, Mapping[int, str]],
-    legacy: bool,
-    cases: list[Any],
-    kinds: Mapping[str, str],
-    detections: Detections | None,
-    diffs: dict[str, float],
-) -> None:
-    """:func:`export_model`'s files under their temporary names, each checked, then renamed; ``diffs`` gets the
-    differences."""
-    import onnx
-
-    onnx_tmp, pt2_tmp = folder / "model.tmp.onnx", folder / "model.tmp.pt2"
-    if legacy:
-        axes = {name: dict(dims) for name, dims in dynamic.items()}
-        with _quiet():
-            torch.onnx.export(
-                wrapper,
-                tuple(given),
-                str(onnx_tmp),
-                input_names=names,
-                output_names=list(output_names),
-                dynamic_axes=axes,
-                opset_version=17,
-                dynamo=False,
-            )
-    else:
-        # the batch must stay free (an error otherwise); image sides are left to torch.export's own
-        # ranges (AUTO), as convolutions and poolings tie them to their strides
-        batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-        dims = {n: batch if n == "batch" else torch.export.Dim.AUTO for spec in dynamic.values() for n in spec.values()}
-        shapes = tuple({axis: dims[n] for axis, n in dynamic.get(name, {}).items()} or None for name in names)
-        # traced with a batch of 2 whatever was given: from a batch of 1, torch.export would specialise the
-        # batch dimension to 1 and refuse to keep it dynamic
-        traced = tuple(t[torch.arange(2) % len(t)] for t in given)
-        program = torch.export.export(wrapper, traced, dynamic_shapes=shapes)
-        try:  # the .pt2 format cannot hold every symbolic shape operation (a ceil of a free image side)
-            torch.export.save(program, str(pt2_tmp))
-        except Exception:
-            pt2_tmp.unlink(missing_ok=True)
-        if pt2_tmp.is_file():
-            loaded = torch.export.load(str(pt2_tmp)).module()
-            with torch.no_grad():
-                worst = checked("model.pt2", loaded, cases, output_names, kinds, detections, pt2_tmp)
-            diffs.update(export_metrics("pt2", worst, kinds, detections))
-        with _quiet():
-            torch.onnx.export(
-                program,
-                traced,
-                str(onnx_tmp),
-                input_names=names,
-                output_names=list(output_names),
-                dynamo=True,
-                external_data=False,  # one self-contained file (models under 2 GB)
-                verbose=False,
-            )
-    proto = onnx.load(str(onnx_tmp))
-    described = {**metadata, "inputs": json.dumps(names), "outputs": json.dumps(list(output_names))}
-    onnx.helper.set_model_props(proto, {k: str(v) for k, v in described.items()})
-    onnx.save(proto, str(onnx_tmp))
-    worst = checked("model.onnx", OnnxModel(onnx_tmp), cases, output_names, kinds, detections, onnx_tmp)
-    diffs.update(export_metrics("onnx", worst, kinds, detections))
-    # renamed only once both are checked: a refused or interrupted export leaves no half of one
-    if pt2_tmp.is_file():
-        pt2_tmp.replace(folder / "model.pt2")
-    onnx_tmp.replace(folder / "model.onnx")
 
 
 def export(run: Any, write: Callable[[Path], dict[str, float]], step: int | None = None) -> dict[str, float]:
