@@ -32,6 +32,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from common import UserError
+from common.budget import seconds_of
 from common.config_help import ALIASES, Range, arg, field_metadata, field_ranges, ordered_fields, recipe_file
 from common.config_help import show as _show
 
@@ -67,6 +68,10 @@ class RunConfig:
     epochs: int = arg(1, "training epochs", ge=1, le=MAX_EPOCHS,
         note="evaluating saved weights without training is --eval_only --weights W")
     max_steps: int = arg(0, ">0: stop after this many optimizer steps", ge=0)
+    max_time: str = arg("", "a time budget for the whole run, e.g. 90s, 10m, 2h: the first steps time the run, "
+        "then its steps and every schedule (warmup, decay, milestones, evaluations) are laid out to end within it, "
+        "final evaluation and weights included; the config's epoch counts become shares of it (empty: epochs and "
+        "max_steps decide)")
     batch_size: int = arg(16, "images per process and micro-step: global batch = this x processes x grad_accum_steps",
         ge=1, le=MAX_COUNT)
     grad_accum_steps: int = arg(1, "micro-batches accumulated into each optimizer step", ge=1, le=MAX_COUNT)
@@ -362,6 +367,11 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, base: dict[str
         if "config" in hints:
             cfg.config = str(config_file)  # type: ignore[attr-defined]
     _apply(cfg, cli, hints, "the command line", from_cli=True)
+    if "max_time" in hints:
+        try:
+            seconds_of(cfg.max_time)  # type: ignore[attr-defined]
+        except UserError as e:
+            raise ConfigError(str(e)) from None
     return cfg
 
 

@@ -91,9 +91,10 @@ def banner(
     total_steps: int,
     global_batch: int,
     tracker: str,
+    budget: str = "",
 ) -> str:
     """The run at a glance, before its first step: where it writes, on what it runs, on what data, for
-    how long, and where to watch it."""
+    how long (``budget``: a ``--max_time``), and where to watch it."""
     data = counted(train_images, "training image")
     if eval_images is not None:
         data += ", " + counted(eval_images, "evaluation image")
@@ -101,7 +102,9 @@ def banner(
         data += f", {counted(len(classes), 'class', 'classes')}: "
         data += _names(list(classes), WIDTH - 13 - len(data))
     steps = f"{total_steps:,} optimizer steps: {epochs} epochs x {steps_per_epoch:,}"
-    if total_steps < epochs * steps_per_epoch:
+    if budget:  # the steps follow from the first ones' time (common/budget.py)
+        steps = f"as many optimizer steps as {budget} holds ({steps_per_epoch:,} an epoch), planned after the first"
+    elif total_steps < epochs * steps_per_epoch:
         steps = f"{total_steps:,} optimizer steps (max_steps; {epochs} epochs would be {epochs * steps_per_epoch:,})"
     lines = [
         f"{recipe}: {folder}",
@@ -160,18 +163,24 @@ def summary(
     return "\n".join(_fit(line) for line in lines)
 
 
-def step_line(epoch: int, step: int, total: int, means: Mapping[str, float]) -> str:
+def step_line(epoch: int, step: int, total: int, means: Mapping[str, float], unit: str = "") -> str:
     """A log interval's line: the loss and, when the total has several, its terms (``loss_<name>``, not the
-    auxiliary decoder layers' ``loss_<name>_<i>``), the learning rate, the speed and the time left."""
+    auxiliary decoder layers' ``loss_<name>_<i>``), the learning rate, the speed and the time left. ``unit``:
+    ``img/s`` or ``s/step`` (a run keeps the one of its first line); empty: below one image a second, s/step.
+    ``total`` 0: not known yet (a budgeted run still timing its steps), no eta either."""
     terms = [(k[5:], v) for k, v in means.items() if k.startswith("loss_") and not k.rsplit("_", 1)[1].isdigit()]
     shown = f" ({' '.join(f'{k} {v:.3g}' for k, v in terms)})" if len(terms) > 1 else ""
     lr = f"  lr {means['lr']:.3g}" if "lr" in means else ""
-    if means.get("images_per_s", 0.0) >= 1 or "s_per_step" not in means:  # below one image a second: s/step
-        speed = f"{means.get('images_per_s', 0.0):.0f} img/s"
+    if not unit:
+        unit = "img/s" if means.get("images_per_s", 0.0) >= 1 or "s_per_step" not in means else "s/step"
+    if unit == "img/s" or "s_per_step" not in means:
+        per_s = means.get("images_per_s", 0.0)
+        speed = f"{per_s:.0f} img/s" if per_s >= 10 else f"{per_s:.2g} img/s"
     else:
         speed = f"{means['s_per_step']:.1f} s/step"
-    eta = format_seconds(means.get("eta_s", 0.0))
-    return f"epoch {epoch} step {step}/{total}  loss {means.get('loss', math.nan):.4g}{shown}{lr}  {speed}  eta {eta}"
+    eta = f"  eta {format_seconds(means['eta_s'])}" if "eta_s" in means else ""
+    steps = f"{step}/{total}" if total else f"{step}"
+    return f"epoch {epoch} step {steps}  loss {means.get('loss', math.nan):.4g}{shown}{lr}  {speed}{eta}"
 
 
 def launch_command(recipe: str) -> str:

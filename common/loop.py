@@ -1,11 +1,12 @@
 """The training loop's bookkeeping: epochs, the mid-epoch resume skip, meters, the progress bar and the best
 metric. Every change of a run's state is a call the recipe makes; the questions only answer::
 
-    loop = Loop(run, train_loader, total_steps)        # the run folder and the start banner
+    loop = Loop(run, train_loader, lay_out)            # the run folder and the start banner; lay_out(length): schedules
     set_seed(cfg.seed, device_specific=True)            # from here each process draws its own random numbers
     loop.resume()                                       # model, optimizer, ... from --resume's checkpoint
     for epoch in loop.epochs():                         # sets the samplers' epoch; ends at total_steps
         for batch in loop.batches():                    # skips what a resumed checkpoint already saw
+            lr = loop.value("lr")                       # this step's value of the schedules lay_out made
             ...forward: losses = {"loss_x": ..., ...}; loss = sum(w * losses[k] for k, w in weight_dict.items())
             ...backward, clip, optimizer.step()
             loop.record(loss, losses, len(images))      # meters and the non-finite guard, on the device
@@ -24,8 +25,12 @@ metric. Every change of a run's state is a call the recipe makes; the questions 
         if loop.checkpoint_due():                       # every checkpoint_every steps, and after the last epoch
             loop.save_checkpoint()
 
-A checkpoint records the position and ``extra`` (best metrics, recipe values): a resume continues with the very
-batches and random numbers of the uninterrupted run. Terms are ``losses`` keys named ``loss_*`` (DETR's naming).
+A run's length (:class:`common.budget.Length`) is ``epochs`` x steps per epoch, capped by ``max_steps``, or, with
+``--max_time``, what the budget holds: the loop times the first steps, plans (:func:`common.budget.plan_budget`) and
+then lays the recipe's schedules (``lay_out``) over the steps planned. A recipe reads each step's values with
+:meth:`Loop.value`. A checkpoint records the position, the plan and ``extra`` (best metrics, recipe values): a resume
+continues with the very batches, schedules and random numbers of the uninterrupted run. Terms are ``losses`` keys
+named ``loss_*`` (DETR's naming).
 
 A stop signal is honoured within one step wherever it lands: in the batches by the recipe's ``stop_requested``;
 in an evaluation (its batches, pictures, best weights) by :meth:`Loop.evaluation`, whose checkpoint makes a resume
@@ -39,36 +44,64 @@ import contextlib
 import copy
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from accelerate.utils import broadcast, broadcast_object_list
 from tqdm.auto import tqdm
 
 from common import RunStopped
+from common.budget import Length, Plan, plan_budget, process_start, seconds_of
 from common.console import step_line, summary
 from common.heartbeat import SILENCE_S
 from common.loaders import shutdown_workers
 from common.meters import Meters, format_seconds, prefixed
 from common.run import Run
 from common.run_folder import TrainState
-from common.schedules import resumed_schedule
+from common.schedules import resumed_schedule, steps_total
+
+LayOut = Callable[[Length], Mapping[str, np.ndarray]]
+# a budgeted run times the steps after its first two (workers and caches still warming up): at least 3, at most
+# 30, and fewer than 30 once they took TIMING_SHARE of the budget
+TIMING_STEPS = (3, 30)
+TIMING_SHARE = 0.04
 
 
 class Loop:
     """Epochs and batches of one run (the module docstring shows the loop it serves). ``train_loader``: prepared,
-    its batch sampler with ``set_epoch``; ``total_steps``: :func:`common.schedules.steps_total`; ``eval_images``,
-    ``classes``: for the banner; ``replaced``: the training set's :func:`common.loaders.shared_count` of images
-    replaced during the run; ``lr``: each step's learning rate, kept in checkpoints so that a resume with another
-    schedule says what changes. Creates the run folder, prints the banner and resumes (``run.resume()``)."""
+    its batch sampler with ``set_epoch``; ``lay_out``: the recipe's schedules for a :class:`Length` (a name ->
+    one value per step of ``length.steps``; ``lr`` among them is kept in checkpoints, so that a resume with another
+    schedule says what changes), called again when a budget is planned; it may also set what the run's length
+    decides elsewhere (the epochs without mosaic); ``steps_per_epoch``: an int or a function of the epoch (default:
+    the loader's batches over ``grad_accum_steps``); ``eval_images``, ``classes``: for the banner; ``replaced``:
+    the training set's :func:`common.loaders.shared_count` of images replaced during the run. Creates the run
+    folder and prints the banner; :meth:`resume` then says where the loop starts."""
 
-    def __init__(self, run: Run, train_loader: Any, total_steps: int, eval_images: int | None = None,
-                 classes: Any = None, replaced: Any = None, lr: Sequence[float] | None = None) -> None:  # fmt: skip
+    def __init__(self, run: Run, train_loader: Any, lay_out: LayOut | None = None, eval_images: int | None = None,
+                 classes: Any = None, replaced: Any = None,
+                 steps_per_epoch: int | Callable[[int], int] | None = None) -> None:  # fmt: skip
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
-        self.train_loader, self.total_steps, self.replaced, self.lr = train_loader, total_steps, replaced, lr
+        self.train_loader, self.replaced, self.lay_out = train_loader, replaced, lay_out
+        cfg = self.cfg
+        if steps_per_epoch is None:
+            steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
+        self.steps_per_epoch = steps_per_epoch
+        self.budget_s = seconds_of(getattr(cfg, "max_time", ""))
+        self.plan: Plan | None = None
+        total = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
+        # a budget's plan replaces it; until then its recipe's lay_out sees a budgeted length of the config's epochs
+        self.length = Length(total, steps_per_epoch, cfg.epochs, cfg.epochs, budgeted=bool(self.budget_s))
+        self.values = self._laid(self.length)
+        if self.budget_s:  # until planned: every schedule's starting value, no end in sight
+            self.values = {k: v[:1] for k, v in self.values.items()}
+        self._first = {k: float(v[0]) for k, v in self.values.items()}  # the timing steps' values
+        self.total_steps = (cfg.max_steps or 2**62) if self.budget_s else total
         run.begin()
-        run.print_banner(train_loader, total_steps, eval_images, classes)
+        run.print_banner(train_loader, self.total_steps, eval_images, classes, self.budget_s)
+        self.eval_images = eval_images
         self.start = TrainState()  # where the loop starts: resume() reads it from the checkpoint
         self.step = self.epoch = self.batches_done = 0
         self.extra: dict[str, Any] = {}
@@ -81,24 +114,132 @@ class Loop:
         self._tail_s: float | None = None
         self._loop_end: float | None = None
         self._last_line, self._last_step = time.monotonic(), self.step  # the last step line (no progress bar)
+        self._timed: list[float] = []  # a budgeted run's timing: perf_counter() at the end of each step
+        self._eval_s: float | None = None  # the last evaluation's seconds, this session
+        self._step_s, self._steps_timed = 0.0, 0  # the step clock's seconds and steps, this session (the eta)
+        self._unit = ""  # the step line's speed unit, fixed by its first line
+        self._first_step_s = 0.0  # seconds from the process's start to this session's first step's end
         self.progress: Any = None
+
+    def _laid(self, length: Length) -> dict[str, np.ndarray]:
+        values = self.lay_out(length) if self.lay_out is not None else {}
+        return {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
+
+    def value(self, name: str) -> float:
+        """This step's value of the schedule ``name`` (``lay_out``'s); a budgeted run's timing steps: its first."""
+        values = self.values[name]
+        return float(values[min(self.step, len(values) - 1)])
+
+    @property
+    def lr(self) -> np.ndarray | None:
+        return self.values.get("lr")
 
     def resume(self) -> TrainState:
         """Continue from the checkpoint ``--resume`` names (:meth:`common.run.Run.resume`: model, optimizer, EMA,
-        every object registered for checkpointing and every process's random generators), or start at step 0; says
-        how a changed schedule continues. Returns where the loop starts."""
+        every object registered for checkpointing and every process's random generators), or start at step 0; a
+        budgeted run's plan comes from it too. Says how a changed schedule continues. Returns where the loop starts."""
         self.start = self.run.resume()
         self.step, self.epoch, self.batches_done = self.start.step, self.start.epoch, self.start.batches_in_epoch
         self.extra = dict(self.start.extra)
         self._saved_step = self.step if self.run.last_checkpoint else -1
         self._last_step = self.step
-        if changed := resumed_schedule(self.extra, self.total_steps, self.step, self.lr):  # another max_steps or epochs
+        if self.budget_s and "plan" in self.extra:  # the same steps and schedules as the run it continues
+            self._apply(Plan(**self.extra["plan"]))
+            self.run.print(f"resume: max_time's plan kept: {self.total_steps:,} optimizer steps")
+        elif self.budget_s and self.step > 0 and "schedule_steps" in self.extra:
+            self.run.print("warning: max_time is ignored: the run it resumes was started without one")
+            self.budget_s = 0.0
+            cfg = self.cfg
+            total = steps_total(cfg.epochs, self.steps_per_epoch, cfg.max_steps)
+            self.length = Length(total, self.steps_per_epoch, cfg.epochs, cfg.epochs)
+            self.values, self.total_steps = self._laid(self.length), total
+        if changed := resumed_schedule(self.extra, self.total_steps, self.step, self.lr):  # another length
             self.run.print(changed)
         main = None if self.accelerator.is_main_process else True  # None: no bar in a log file
-        self.progress = tqdm(total=self.total_steps, initial=self.step, desc=self.run.recipe, dynamic_ncols=True,
-                             disable=main)  # fmt: skip
+        total = None if self._unplanned else self.total_steps
+        self.progress = tqdm(total=total, initial=self.step, desc=self.run.recipe, dynamic_ncols=True, disable=main)
         self.run.stop_phase = "training"
         return self.start
+
+    # -- a time budget ---------------------------------------------------------------------------
+    @property
+    def _unplanned(self) -> bool:
+        return bool(self.budget_s) and self.plan is None
+
+    def _apply(self, plan: Plan) -> None:
+        """Lay the schedules over ``plan``'s steps after its timing steps (those keep every schedule's first
+        value), and end the run there."""
+        self.plan = plan
+        self.length = Length(
+            plan.steps - plan.timing, self.steps_per_epoch, plan.epochs, self.cfg.epochs, plan.timing, True
+        )
+        laid = self._laid(self.length)
+        self.values = {k: np.concatenate([np.full(plan.timing, self._first[k]), v]) for k, v in laid.items()}
+        self.total_steps = plan.steps
+        self.extra["plan"] = plan.as_dict()
+        if self.progress is not None:
+            self.progress.total = plan.steps
+            self.progress.refresh()
+
+    def _time_steps(self) -> None:
+        """A budgeted run's timing, after each step until planned: the steps after this session's first two are
+        timed; once enough are, the main process plans and every process takes its plan."""
+        self._timed.append(time.perf_counter())
+        timed, seconds = len(self._timed) - 2, self._timed[-1] - self._timed[1 if len(self._timed) > 1 else 0]
+        done = timed >= TIMING_STEPS[0] and (seconds >= TIMING_SHARE * self.budget_s or timed >= TIMING_STEPS[1])
+        acc = self.accelerator
+        if acc.num_processes > 1:  # every process plans at the same step
+            flag = torch.tensor(float(done), device=acc.device)
+            done = bool(broadcast(flag).item())
+        if not done:
+            return
+        plan = None
+        if acc.is_main_process:
+            step_s = seconds / timed
+            per_image = step_s / (self.cfg.batch_size * self.cfg.grad_accum_steps)
+            eval_s = self._eval_s  # measured (DINO's step-0 evaluation), else the steps' forward passes
+            if eval_s is None:
+                eval_s = 1.0 + 0.5 * per_image * (self.eval_images or 0) / acc.num_processes
+            end_s = 3.0 + 0.01 * self.budget_s + (20.0 if getattr(self.cfg, "export", False) else 0.0)
+            plan = plan_budget(
+                self.budget_s,
+                time.time() - process_start(),
+                step_s,
+                eval_s,
+                end_s,
+                self.step,
+                self.steps_per_epoch,
+                math.ceil(self.cfg.epochs / self.cfg.eval_every),
+                self.cfg.max_steps,
+            ).as_dict()
+        if acc.num_processes > 1:
+            plan = broadcast_object_list([plan])[0]
+        self._apply(Plan(**plan))
+        per_epoch = self.steps_per_epoch if isinstance(self.steps_per_epoch, int) else self.length.per_epoch(0)
+        self.run.print(self.plan.describe(self._first_step_s, per_epoch))
+        self.run.log({"time/planned_steps": float(self.plan.steps)}, self.step, echo=False)
+
+    def budget_left(self) -> float:
+        """Seconds of ``--max_time`` left (infinite without one)."""
+        return self.budget_s - (time.time() - process_start()) if self.budget_s else math.inf
+
+    def _keep_time(self) -> None:
+        """After a planned step: when the steps left, the final evaluation and the end no longer fit what is left of
+        the budget (steps slower than timed), training ends here, the final evaluation next."""
+        plan = self.plan
+        assert plan is not None
+        if self.step >= self.total_steps:
+            return
+        need = (self._eval_s or plan.eval_s) + plan.end_s + plan.step_s
+        over = self.budget_left() < need
+        if self.accelerator.num_processes > 1:
+            over = bool(broadcast(torch.tensor(float(over), device=self.accelerator.device)).item())
+        if over:
+            self.run.print(
+                f"max_time: training ends at step {self.step:,} of {self.total_steps:,} to leave time for the final "
+                "evaluation and the weights (the steps ran slower than timed)"
+            )
+            self.total_steps = self.step
 
     # -- iterating ---------------------------------------------------------------------------------
     def epochs(self) -> Iterator[int]:
@@ -108,7 +249,8 @@ class Loop:
         it) resumes into that epoch, past its batches, so that the evaluation runs again."""
         if self.progress is None:
             raise RuntimeError("Loop.resume() comes before Loop.epochs(): it says where the loop starts")
-        for epoch in range(self.start.epoch, self.cfg.epochs):
+        epoch = self.start.epoch - 1
+        while (epoch := epoch + 1) < self.length.epochs or self._unplanned:  # a budget: its plan's epochs
             if epoch != self.start.epoch and self.run.should_stop():  # at the boundary: nothing half done
                 self._stop_now()
             evaluation_left = epoch == self.start.epoch and self.start.batches_in_epoch > 0 and not self.start.finished
@@ -178,16 +320,22 @@ class Loop:
         self.step += 1
         self.meters.step()
         self.progress.update(1)
+        if self._unplanned:  # a budget: the first steps time the run, then it is planned
+            self._time_steps()
+        elif self.plan is not None:
+            self._keep_time()
         quiet = self.accelerator.is_main_process and self.progress.disable  # no bar: output to a file
-        where = f"epoch {self.epoch} step {self.step}/{self.total_steps}"
+        where = f"epoch {self.epoch} step {self.step}/" + ("?" if self._unplanned else f"{self.total_steps}")
         if self.step == self.start.step + 1:
             took = time.perf_counter() - self.run.started
+            self._first_step_s = time.time() - process_start()
             self.run.log({"time/first_step_s": took}, self.step, echo=False)
             self.run.print(f"{where}  first step {took:.1f} s after the start")
         elif quiet and not self.log_due() and time.monotonic() - self._last_line >= SILENCE_S:
             per_step = (time.monotonic() - self._last_line) / max(self.step - self._last_step, 1)
-            eta = format_seconds(per_step * (self.total_steps - self.step))
-            self.run.print(f"{where}  {per_step:.1f} s/step  eta {eta}")
+            mean = self._step_s / self._steps_timed if self._steps_timed else per_step  # as the step lines
+            eta = "" if self._unplanned else f"  eta {format_seconds(self._eta(mean))}"
+            self.run.print(f"{where}  {per_step:.1f} s/step{eta}")
         else:
             return
         self._last_line, self._last_step = time.monotonic(), self.step
@@ -200,7 +348,13 @@ class Loop:
         """The interval's meter means (one all-reduce, one host sync) and ``values`` (host floats: the learning
         rate) under ``train/``, to metrics.jsonl and the trackers, and the step line with the loss terms; stops
         the run if a loss went non-finite since the last check. Returns the logged means."""
+        steps = self.meters.interval_steps  # before the summary resets them
         means = self.meters.summary(self.accelerator, steps_left=self.total_steps - self.step)
+        if "s_per_step" in means:  # the eta from every step of this session, not the last interval's alone
+            self._step_s, self._steps_timed = self._step_s + means["s_per_step"] * steps, self._steps_timed + steps
+            means["eta_s"] = self._eta(self._step_s / self._steps_timed)
+        if self._unplanned:
+            means.pop("eta_s", None)
         self.run.guard.check(self.accelerator, self.run.last_checkpoint)
         means.update({k: float(v) for k, v in values.items()})
         if self.replaced is not None and self.replaced.value:  # images that broke during the run, replaced
@@ -209,13 +363,26 @@ class Loop:
             means["max_memory_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
         self.run.log({**prefixed(means, "train"), "epoch": self.epoch}, self.step, echo=False)
         self._last_line, self._last_step = time.monotonic(), self.step
-        self.run.print(step_line(self.epoch, self.step, self.total_steps, means))
+        if not self._unit:  # one unit for the whole run: below one image a second, seconds per step
+            self._unit = "img/s" if means.get("images_per_s", 0.0) >= 1 or "s_per_step" not in means else "s/step"
+        total = 0 if self._unplanned else self.total_steps
+        self.run.print(step_line(self.epoch, self.step, total, means, self._unit))
         return means
+
+    def _eta(self, step_s: float) -> float:
+        """Seconds to the run's end: the steps left at ``step_s``, and the evaluations left at the last one's."""
+        evals = 0
+        if self._eval_s is not None:
+            per_epoch = self.length.per_epoch(self.epoch)
+            left = range(self.epoch, min(self.epoch + math.ceil((self.total_steps - self.step) / per_epoch) + 1,
+                                         self.length.epochs))  # fmt: skip
+            evals = sum(1 for e in left if self._eval_at(e))
+        return step_s * max(self.total_steps - self.step, 0) + evals * (self._eval_s or 0.0)
 
     # -- checkpoints and stops -----------------------------------------------------------------------
     @property
     def last_epoch(self) -> bool:
-        return self.epoch + 1 >= self.cfg.epochs or self.step >= self.total_steps
+        return self.epoch + 1 >= self.length.epochs or self.step >= self.total_steps
 
     def stop_requested(self) -> bool:
         """Whether a stop signal reached any process (every process gets the same answer at the same step)."""
@@ -269,8 +436,27 @@ class Loop:
         raise RunStopped("")
 
     # -- evaluation and the best metric ----------------------------------------------------------------
-    def eval_due(self) -> bool:  # every eval_every epochs and after the last
-        return (self.epoch + 1) % self.cfg.eval_every == 0 or self.last_epoch
+    def _eval_at(self, epoch: int) -> bool:
+        every = self.plan.eval_every if self.plan is not None else self.cfg.eval_every
+        return (epoch + 1) % every == 0 or epoch + 1 >= self.length.epochs
+
+    def eval_due(self) -> bool:
+        """Every ``eval_every`` epochs (a budget: its plan's) and after the last. A budgeted run still timing
+        evaluates at its last epoch only; one whose steps ran slower than timed leaves out an evaluation before its
+        last that would not leave time for the rest (said once)."""
+        if self.last_epoch:
+            return True
+        if self._unplanned or not self._eval_at(self.epoch):
+            return False
+        if self.plan is not None:
+            eval_s = self._eval_s or self.plan.eval_s
+            rest = (self.total_steps - self.step) * self.plan.step_s + 2 * eval_s + self.plan.end_s
+            if self.budget_left() < rest:
+                if not self.extra.get("evaluations_left_out"):
+                    self.run.print(f"max_time: the evaluation of epoch {self.epoch} left out to end in time")
+                self.extra["evaluations_left_out"] = self.extra.get("evaluations_left_out", 0) + 1
+                return False
+        return True
 
     @contextlib.contextmanager
     def evaluation(self) -> Iterator[None]:
@@ -282,10 +468,12 @@ class Loop:
         self.run.guard.check(self.accelerator, self.run.last_checkpoint)
         self._evaluating, phase = copy.deepcopy(self.extra), self.run.stop_phase
         self.run.stop_phase = "evaluation"
+        started = time.perf_counter()
         try:
             self.run.check_stop("the evaluation")
             self.run.evaluation_started()
             yield
+            self._eval_s = time.perf_counter() - started  # a budget's guard and the eta follow the measured one
         except RunStopped:
             self._stop_now()
         finally:

@@ -78,6 +78,11 @@ class Meters:
     def step(self) -> None:
         self._steps += 1
 
+    @property
+    def interval_steps(self) -> int:
+        """Optimizer steps since the last summary."""
+        return self._steps
+
     def summary(self, accelerator=None, steps_left: int = 0) -> dict[str, float]:
         """Means over all processes since the last summary, then reset. One all-reduce, one sync.
 

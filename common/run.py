@@ -143,8 +143,11 @@ class Run(Checkpoints):
                 "resume with changed " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.resume_changes.items())
             )
 
-    def print_banner(self, train_loader: Any, total_steps: int, eval_images: int | None, classes: Any) -> None:
-        """The start banner (devices, data, steps, tracker), the notes under it and the schedule's warnings."""
+    def print_banner(
+        self, train_loader: Any, total_steps: int, eval_images: int | None, classes: Any, budget_s: float = 0.0
+    ) -> None:
+        """The start banner (devices, data, steps or ``budget_s``, tracker), the notes under it and the schedule's
+        warnings (none with a budget: it lays every schedule out for its own length)."""
         acc, cfg = self.accelerator, self.cfg
         precision = {"no": "fp32"}.get(str(acc.mixed_precision), f"{acc.mixed_precision} autocast")
         per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
@@ -152,8 +155,10 @@ class Run(Checkpoints):
         global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum_steps
         data = (len(train_loader.dataset), eval_images, classes)
         where = (self.recipe, str(self.dir), str(acc.device), acc.num_processes, precision)
-        self.print(banner(*where, *data, per_epoch, cfg.epochs, total_steps, global_batch, tracker))
-        for line in [*self.notes, *schedule_warnings(cfg, total_steps, per_epoch)]:
+        budget = f"max_time {cfg.max_time}" if budget_s else ""
+        self.print(banner(*where, *data, per_epoch, cfg.epochs, total_steps, global_batch, tracker, budget))
+        warnings = [] if budget_s else schedule_warnings(cfg, total_steps, per_epoch)
+        for line in [*self.notes, *warnings]:
             self.print(line)
 
     # -- output -----------------------------------------------------------------------------

@@ -97,9 +97,16 @@ def steps_total(epochs: int, steps_per_epoch: Any, max_steps: int = 0) -> int:
     return min(total, max_steps) if max_steps > 0 else total
 
 
+# epoch counts that start something (a milestone) or last from the start (a warmup): a run that ends before them
+# never gets there. Those of another phase (DETR's crop pre-training) and warmup_epochs (its own line) are not here.
+_UNREACHED_SKIP = ("epochs", "warmup_epochs", "pretrain_crops_epochs", "no_aug_epochs")
+
+
 def schedule_warnings(cfg: Any, total_steps: int, steps_per_epoch: int) -> list[str]:
     """Lines for under the start banner when the schedule does not fit the run (it still starts): warmup that
-    lasts the whole run, and an evaluation interval longer than the run (the only evaluation is then its last)."""
+    lasts the whole run, an evaluation interval longer than the run (the only evaluation is then its last), and
+    any other epoch count of the config (``*_epochs``, ``*_epoch``, ``decay_milestones``, ``freeze_last_layer``)
+    the run never reaches; ``no_aug_epochs``: an end phase the run never reaches, or one covering all of it."""
     warnings = []
     epochs = min(cfg.epochs, math.ceil(total_steps / max(steps_per_epoch, 1)))  # those max_steps leaves
     warmup = round(cfg.warmup_epochs * steps_per_epoch)
@@ -113,6 +120,27 @@ def schedule_warnings(cfg: Any, total_steps: int, steps_per_epoch: int) -> list[
             f"warning: eval_every {cfg.eval_every} epochs is longer than the run's {epochs}: it is evaluated at its "
             "end only; lower --eval_every"
         )
+    for name, value in vars(cfg).items():
+        counted = name.endswith(("_epochs", "_epoch")) or name in ("decay_milestones", "freeze_last_layer")
+        if not counted or name in _UNREACHED_SKIP or isinstance(value, bool):
+            continue
+        late = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int | float) and v > 0]
+        if late := [v for v in late if v >= epochs]:
+            lasting = name.startswith(("warmup", "freeze"))  # a phase from the start, else something that starts
+            where = "outlasts the run" if lasting else "lies at or past the end of the run"
+            warnings.append(
+                f"warning: {name} {', '.join(f'{v:g}' for v in late)} {where} ({epochs} epochs): lower it, or give "
+                "--max_time to lay the schedules out over the run's length"
+            )
+    no_aug = getattr(cfg, "no_aug_epochs", 0)
+    if no_aug and (getattr(cfg, "mosaic", 0) or getattr(cfg, "mixup", 0)):
+        if no_aug >= cfg.epochs:
+            warnings.append(f"warning: no_aug_epochs {no_aug} >= epochs {cfg.epochs}: mosaic and mixup never happen")
+        elif epochs <= cfg.epochs - no_aug:
+            warnings.append(
+                f"warning: no_aug_epochs {no_aug}: the run ends (epoch {epochs}) before its last {no_aug} epochs "
+                "without mosaic and mixup"
+            )
     return warnings
 
 

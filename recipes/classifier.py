@@ -33,6 +33,7 @@ except ModuleNotFoundError:
     )
     sys.exit(2)
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
@@ -42,6 +43,7 @@ from timm.optim import create_optimizer_v2
 from common import UserError
 from common.artifacts.export import export
 from common.artifacts.figures import per_class_line, plot_confusion_matrix, save_table_csv
+from common.budget import Length
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, arg, timm_optimizers
 from common.console import cli_main, own_files
 from common.data.classification import ClassificationDataset, load_classification, with_label_fraction
@@ -53,7 +55,7 @@ from common.loaders import eval_loader_for, train_loader_for
 from common.loop import Loop
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
-from common.schedules import schedule, set_group_values, steps_total
+from common.schedules import schedule, set_group_values
 from common.trackers import log_table
 from common.weights import (
     config_with_weights,
@@ -431,21 +433,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     def steps_in_epoch(epoch: int) -> int:  # Accelerate steps at the end of the loader even mid-accumulation
         return math.ceil(len(train_loader) / accum_steps(epoch))
 
-    total_steps = steps_total(cfg.epochs, steps_in_epoch, cfg.max_steps)
-    milestones = [sum(steps_in_epoch(e) for e in range(m)) for m in cfg.decay_milestones]
-    lr_values = schedule(
-        cfg.sched,
-        cfg.peak_lr(accelerator.num_processes),  # lr carried from lr_batch images to the global batch
-        cfg.min_lr,
-        total_steps,
-        round(cfg.warmup_epochs * steps_in_epoch(0)),
-        cfg.warmup_lr,
-        milestones,
-        cfg.decay_rate,
-    )
+    peak = cfg.peak_lr(accelerator.num_processes)  # lr carried from lr_batch images to the global batch
+
+    def lay_out(length: Length) -> dict[str, np.ndarray]:
+        """The learning rate per step over the run's length (a --max_time plan's, once planned)."""
+        milestones = [length.at(m) for m in cfg.decay_milestones]
+        warmup = length.at(cfg.warmup_epochs)
+        return {
+            "lr": schedule(cfg.sched, peak, cfg.min_lr, length.steps, warmup, cfg.warmup_lr, milestones, cfg.decay_rate)
+        }
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced, lr_values)
+    loop = Loop(run, train_loader, lay_out, len(eval_set), data.classes, train_set.replaced, steps_in_epoch)
     set_seed(cfg.seed, device_specific=True)  # from here each process draws its own random numbers (dropout)
     loop.resume()  # model, optimizer, EMA, ... and the generators from --resume's checkpoint: where it stopped
     meters, results = loop.meters, {}
@@ -457,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 cfg.bn_momentum_end
                 + (cfg.bn_momentum - cfg.bn_momentum_end)
                 * 0.5
-                * (1 + math.cos(math.pi * epoch / max(cfg.epochs - 1, 1))),
+                * (1 + math.cos(math.pi * epoch / max(loop.length.epochs - 1, 1))),
             )
         model.train()
         if cfg.linear_probe:  # frozen features: batch-norm statistics must not drift either
@@ -469,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             soft_targets = targets
             if mixup_fn is not None:
                 images, soft_targets = mixup_fn(images, targets)
-            lr = float(lr_values[loop.step])
+            lr = loop.value("lr")
             set_group_values(optimizer, "lr", lr)
 
             with accelerator.accumulate(model):

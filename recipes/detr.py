@@ -57,6 +57,7 @@ except ModuleNotFoundError:
     sys.exit(2)
 
 
+import numpy as np
 import timm
 import torch
 from accelerate.utils import set_seed
@@ -64,6 +65,7 @@ from torch import nn
 
 from common import UserError
 from common.artifacts.export import export
+from common.budget import Length
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, arg
 from common.console import cli_main, own_files
 from common.data.classification import with_label_fraction
@@ -83,7 +85,7 @@ from common.models import (
     sync_batchnorm,
 )
 from common.run import Run
-from common.schedules import schedule, set_group_values, steps_total
+from common.schedules import schedule, set_group_values
 from common.weights import config_with_weights, kept_weights, load_backbone, save_weights, weights_metadata
 
 with own_files("detr_"):  # DETR's own files, beside this one: python -m common.vendor copies them with it
@@ -421,30 +423,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if units := fsdp_units(model):  # FSDP: the root and the blocks marked above
         run.print(f"fsdp: {units} modules sharded (fully_shard units, the root included)")
 
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
-    total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
-    drop_epoch = cfg.lr_drop_epochs or math.ceil(2 * cfg.epochs / 3)
-    # DETR: constant, x0.1 after lr_drop epochs (here with an optional linear warmup from 0)
-    lr_values = schedule(
-        "step",
-        peak,
-        0.0,
-        total_steps,
-        round(cfg.warmup_epochs * steps_per_epoch),
-        0.0,
-        [drop_epoch * steps_per_epoch],
-        0.1,
-    )
+    def lay_out(length: Length) -> dict[str, np.ndarray]:
+        """DETR's learning rate per step over the run's length: constant, x0.1 after lr_drop_epochs (here with an
+        optional linear warmup from 0)."""
+        drop = length.at(cfg.lr_drop_epochs or math.ceil(2 * cfg.epochs / 3))
+        return {"lr": schedule("step", peak, 0.0, length.steps, length.at(cfg.warmup_epochs), 0.0, [drop], 0.1)}
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced, lr_values)
+    loop = Loop(run, train_loader, lay_out, len(eval_set), data.classes, train_set.replaced)
     set_seed(cfg.seed, device_specific=True)  # from here each process draws its own random numbers (dropout)
     loop.resume()  # model, optimizer, EMA, ... and the generators from --resume's checkpoint: where it stopped
     meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
         model.train()
         for images, mask, targets in loop.batches():
-            lr = float(lr_values[loop.step])
+            lr = loop.value("lr")
             set_group_values(optimizer, "lr", lr)
 
             with accelerator.accumulate(model):

@@ -21,7 +21,6 @@ The teacher backbone is exported as `teacher_backbone.safetensors` for recipes/c
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from torchvision import transforms as T
 
 from common import UserError
 from common.artifacts.export import export
+from common.budget import Length
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, arg
 from common.console import cli_main, own_files
 from common.data.classification import ClassificationDataset, load_classification
@@ -61,7 +61,7 @@ from common.loaders import train_loader_for
 from common.loop import Loop
 from common.models import average_bn_statistics, create_timm_model, sync_batchnorm
 from common.run import Run
-from common.schedules import schedule, set_group_values, steps_total, weight_decay_groups
+from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, is_onnx, save_weights, weights_metadata
 
 with own_files("dino_"):  # DINO's own files, beside this one: python -m common.vendor copies them with it
@@ -163,7 +163,9 @@ class Config(RunConfig):
     plot_images: int = arg(4, "evaluation images drawn under plots/ at each evaluation: their nearest neighbours in "
         "the kNN bank, and for ViTs the [CLS] attention over them (0: none)", ge=0, le=64)
     # run
-    eval_every: int = arg(1, "evaluate every this many epochs; also at step 0 and at the end")
+    eval_every: int = arg(1, "evaluate every this many epochs; also at step 0 (eval_at_start) and at the end")
+    eval_at_start: bool = arg(True, "the kNN of the untrained teacher (and of raw pixels) before the first step: "
+        "the baseline the learned features are compared to; false: straight to training")
     # fmt: on
 
 
@@ -270,11 +272,16 @@ class DINOLoss(nn.Module):
         super().__init__()
         self.student_temp, self.center_momentum, self.ncrops = student_temp, center_momentum, ncrops
         self.register_buffer("center", torch.zeros(1, out_dim))
-        # per-epoch teacher temperature: linear warmup, then constant
+        self.warmup_teacher_temp, self.teacher_temp = warmup_teacher_temp, teacher_temp
+        self.set_epochs(warmup_teacher_temp_epochs, nepochs)
+
+    def set_epochs(self, warmup_teacher_temp_epochs: int, nepochs: int) -> None:
+        """The per-epoch teacher temperature over ``nepochs``: linear warmup, then constant (a budgeted run's
+        plan lays it out again for the epochs it holds)."""
         self.teacher_temp_schedule = np.concatenate(
             (
-                np.linspace(warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs),
-                np.ones(max(nepochs - warmup_teacher_temp_epochs, 1)) * teacher_temp,
+                np.linspace(self.warmup_teacher_temp, self.teacher_temp, warmup_teacher_temp_epochs),
+                np.ones(max(nepochs - warmup_teacher_temp_epochs, 1)) * self.teacher_temp,
             )
         )
 
@@ -429,13 +436,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     teacher_params = list(teacher.parameters())
     last_layer_params = list(unwrapped.head.last_layer.parameters())
 
-    # ---- schedules: one value per optimizer step, from the prepared loader's length ------------
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
-    total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
+    # ---- schedules: one value per optimizer step over the run's length (a --max_time plan's, once planned)
     peak = cfg.peak_lr(accelerator.num_processes)  # lr carried from lr_batch images to the global batch
-    lr_values = schedule("cosine", peak, cfg.min_lr, total_steps, round(cfg.warmup_epochs * steps_per_epoch))
-    wd_values = schedule("cosine", cfg.weight_decay, cfg.weight_decay_end, total_steps)
-    momentum_values = schedule("cosine", cfg.momentum_teacher, 1.0, total_steps)
+
+    def lay_out(length: Length) -> dict[str, np.ndarray]:
+        """lr, weight decay and the teacher's momentum per step; the teacher temperature per epoch."""
+        dino_loss.set_epochs(round(length.in_epochs(cfg.warmup_teacher_temp_epochs)), length.epochs)
+        return {
+            "lr": schedule("cosine", peak, cfg.min_lr, length.steps, length.at(cfg.warmup_epochs)),
+            "weight_decay": schedule("cosine", cfg.weight_decay, cfg.weight_decay_end, length.steps),
+            "momentum": schedule("cosine", cfg.momentum_teacher, 1.0, length.steps),
+        }
 
     # ---- evaluation only: the kNN of a saved backbone --------------------------------------------
     if cfg.eval_only:
@@ -456,11 +467,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     loop = Loop(
         run,
         train_loader,
-        total_steps,
+        lay_out,
         len(query_set) if knn_set else None,
         knn_set.classes if knn_set else None,
         train_set.replaced,
-        lr_values,
     )
     set_seed(cfg.seed, device_specific=True)  # from here each process draws its own random numbers (dropout)
     loop.resume()  # student, teacher, centre, optimizer and the generators from --resume's checkpoint
@@ -469,7 +479,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         run.print(f"no kNN evaluation: '{cfg.data}' has no labels; name a labelled set with --knn_data")
     if "baseline" not in loop.extra:  # kept in every checkpoint, so a resumed run does not redo them
         baseline: dict[str, float] = {}
-        if knn_set is not None:
+        if knn_set is not None and cfg.eval_at_start:
+            bank = f"{len(bank_set):,} bank and {len(query_set):,} query images"
+            run.print(f"step-0 kNN evaluation (the untrained baseline; --eval_at_start false skips it): {bank}")
             with loop.evaluation():  # the step-0 evaluation's seconds: time/eval_s at step 0; a stop ends the run
                 if cfg.knn_pixel_limit > 0:
                     baseline.update(
@@ -489,9 +501,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for epoch in loop.epochs():
         student.train()
         for crops, _ in loop.batches():
-            it = loop.step  # this step's index into the schedules
-            set_group_values(optimizer, "lr", float(lr_values[it]))
-            set_group_values(optimizer, "weight_decay", float(wd_values[it]))  # the no-decay group stays 0
+            lr, weight_decay, momentum = loop.value("lr"), loop.value("weight_decay"), loop.value("momentum")
+            set_group_values(optimizer, "lr", lr)
+            set_group_values(optimizer, "weight_decay", weight_decay)  # the no-decay group stays 0
 
             with accelerator.accumulate(student):
                 with torch.no_grad(), accelerator.autocast():
@@ -504,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     accelerator.unscale_gradients()  # fp16: clip true gradients
                     if cfg.clip_grad > 0:
                         meters.update(grad_norm_max=clip_gradients_per_param(student_params, cfg.clip_grad))
-                    if epoch < cfg.freeze_last_layer:
+                    if epoch < loop.length.in_epochs(cfg.freeze_last_layer):
                         for p in last_layer_params:
                             p.grad = None
                 optimizer.step()
@@ -514,13 +526,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if not accelerator.sync_gradients:  # still accumulating gradients
                 continue
             loop.end_step()
-            ema_update_(teacher_params, student_params, float(momentum_values[it]))  # the teacher follows
+            ema_update_(teacher_params, student_params, momentum)  # the teacher follows
             if loop.log_due():
+                temps = dino_loss.teacher_temp_schedule
                 loop.log_train(
-                    lr=lr_values[it],
-                    weight_decay=wd_values[it],
-                    momentum=momentum_values[it],
-                    teacher_temp=dino_loss.teacher_temp_schedule[min(epoch, cfg.epochs - 1)],
+                    lr=lr, weight_decay=weight_decay, momentum=momentum, teacher_temp=temps[min(epoch, len(temps) - 1)]
                 )
             if loop.stop_requested():  # SIGTERM/SIGINT/SIGUSR1 on any process: checkpoint, then end the run
                 loop.save_checkpoint()

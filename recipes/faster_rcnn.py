@@ -32,7 +32,6 @@ about 2 minutes wall on one CPU core; the README's recipe table has the details.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,12 +45,14 @@ except ModuleNotFoundError:
     )
     sys.exit(2)
 
+import numpy as np
 import torch
 from accelerate.utils import set_seed
 from torch import nn
 
 from common import UserError
 from common.artifacts.export import export
+from common.budget import Length
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, arg
 from common.console import cli_main, own_files
 from common.data.classification import with_label_fraction
@@ -64,7 +65,7 @@ from common.loaders import eval_loader_for, loader_kwargs
 from common.loop import Loop
 from common.models import average_bn_statistics, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
-from common.schedules import schedule, set_group_values, steps_total, weight_decay_groups
+from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, kept_weights, save_weights, weights_metadata
 
 with own_files("faster_rcnn_"):  # its own files, beside this one: python -m common.vendor copies them with it
@@ -105,7 +106,8 @@ class Config(RunConfig):
     fpn_channels: int = arg(48, "FPN width at every level (torchvision: 256)", ge=1, le=MAX_COUNT)
     extra_pool: bool = arg(False, "one more FPN level by max-pooling the coarsest (torchvision's \"pool\")")
     anchor_sizes: list[list[float]] = arg([[12, 18], [24, 36], [48, 72]], "px, per FPN level, as many "
-        "at each; empty: 8 x stride", gt=0)
+        "at each; empty: they follow the model: a timm backbone's 8 x each level's stride, a preset's own scaled by "
+        "the last min_size over the side they are sized for (800 px; the 320 preset's 320)", gt=0)
     aspect_ratios: list[float] = arg([1.0, 2.0], "height / width, at every level", gt=0)
     min_size: list[int] = arg([96], "shorter side, px; several: one drawn per training image, eval at the last",
         ge=1, le=MAX_SIDE)
@@ -316,30 +318,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if units := fsdp_units(model):  # FSDP: the root and the blocks marked above
         run.print(f"fsdp: {units} modules sharded (fully_shard units, the root included)")
 
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
-    total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
-    # poly decays to 0 at the last step (seamseg); step drops by decay_rate at each milestone epoch
-    lr_values = schedule(
-        cfg.sched,
-        peak,
-        0.0,
-        total_steps,
-        round(cfg.warmup_epochs * steps_per_epoch),
-        peak * cfg.warmup_factor,
-        [m * steps_per_epoch for m in cfg.decay_milestones],
-        cfg.decay_rate,
-        cfg.poly_power,
-    )
+    def lay_out(length: Length) -> dict[str, np.ndarray]:
+        """The learning rate per step over the run's length: poly decays to 0 at the last step (seamseg); step
+        drops by decay_rate at each milestone epoch."""
+        milestones = [length.at(m) for m in cfg.decay_milestones]
+        start, warmup = peak * cfg.warmup_factor, length.at(cfg.warmup_epochs)
+        lr = schedule(cfg.sched, peak, 0.0, length.steps, warmup, start, milestones, cfg.decay_rate, cfg.poly_power)
+        return {"lr": lr}
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.replaced, lr_values)
+    loop = Loop(run, train_loader, lay_out, len(eval_set), data.classes, train_set.replaced)
     set_seed(cfg.seed, device_specific=True)  # from here each process draws its own random numbers (dropout)
     loop.resume()  # model, optimizer, EMA, ... and the generators from --resume's checkpoint: where it stopped
     meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
         model.train()
         for images, targets in loop.batches():
-            lr = float(lr_values[loop.step])
+            lr = loop.value("lr")
             set_group_values(optimizer, "lr", lr)
 
             with accelerator.accumulate(model):

@@ -55,6 +55,7 @@ from accelerate.utils import set_seed
 
 from common import UserError
 from common.artifacts.export import export
+from common.budget import Length
 from common.config import MAX_COUNT, MAX_EPOCHS, MAX_SIDE, RunConfig, arg
 from common.console import cli_main, own_files
 from common.data.classification import with_label_fraction
@@ -64,11 +65,11 @@ from common.detection.coco_eval import CocoEvaluator, EvalDetails
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, collate, load_detection
 from common.detection.outputs import ap_per_class_line, report_evaluation
 from common.ema import ModelEma
-from common.loaders import KeyedDataset, eval_loader_for, loader_kwargs, sample_seed
+from common.loaders import KeyedDataset, eval_loader_for, loader_kwargs, sample_seed, shared_count
 from common.loop import Loop
 from common.models import average_bn_statistics, create_timm_model, fsdp_units, mark_fsdp_blocks, sync_batchnorm
 from common.run import Run
-from common.schedules import schedule, set_group_values, steps_total, weight_decay_groups
+from common.schedules import schedule, set_group_values, weight_decay_groups
 from common.weights import config_with_weights, kept_weights, load_backbone, save_weights, weights_metadata
 
 with own_files("yolo_"):  # YOLO's own files, beside this one: python -m common.vendor copies them with it
@@ -197,9 +198,20 @@ class YoloTrainSet(KeyedDataset):
         seed: int,
         transform_at: Callable[[int], Callable] | None = None,
     ) -> None:
-        self.base, self.size, self.mosaic, self.mixup, self.aug_epochs = base, size, mosaic, mixup, aug_epochs
+        self.base, self.size, self.mosaic, self.mixup = base, size, mosaic, mixup
         self.seed, self.transform_at = seed, transform_at
+        # the epochs with mosaic and mixup: the run's length sets it (a budget's plan, after the workers started)
+        self._aug_epochs = shared_count()
+        self.aug_epochs = aug_epochs
         self._at_size = {size: base}  # a DetectionDataset per input size, made on first use (in each worker)
+
+    @property
+    def aug_epochs(self) -> int:
+        return self._aug_epochs.value
+
+    @aug_epochs.setter
+    def aug_epochs(self, epochs: int) -> None:
+        self._aug_epochs.value = epochs
 
     def __len__(self) -> int:
         return len(self.base)
@@ -452,22 +464,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         accelerator.register_for_checkpointing(ema)
     unwrapped = accelerator.unwrap_model(model)
 
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
-    total_steps = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
-    lr_values = schedule(
-        cfg.sched,
-        peak,
-        cfg.min_lr,
-        total_steps,
-        round(cfg.warmup_epochs * steps_per_epoch),
-        cfg.warmup_lr,
-        [m * steps_per_epoch for m in cfg.decay_milestones],
-        cfg.decay_rate,
-    )
+    def lay_out(length: Length) -> dict[str, np.ndarray]:
+        """The learning rate per step over the run's length; the epochs with mosaic and mixup (the first of a
+        budgeted run keeps them: its batches were drawn before its plan)."""
+        no_aug = math.ceil(length.in_epochs(cfg.no_aug_epochs))
+        train_set.aug_epochs = max(length.epochs - no_aug, 1) if length.budgeted else cfg.epochs - cfg.no_aug_epochs
+        warmup, milestones = length.at(cfg.warmup_epochs), [length.at(m) for m in cfg.decay_milestones]
+        lr = schedule(cfg.sched, peak, cfg.min_lr, length.steps, warmup, cfg.warmup_lr, milestones, cfg.decay_rate)
+        return {"lr": lr}
+
     weight_dict = dict.fromkeys(LOSS_TERMS, 1.0)  # the total loss: sum of weight x term (GluonCV: all equal)
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
-    loop = Loop(run, train_loader, total_steps, len(eval_set), data.classes, train_set.base.replaced, lr_values)
+    loop = Loop(run, train_loader, lay_out, len(eval_set), data.classes, train_set.base.replaced)
     set_seed(cfg.seed, device_specific=True)  # from here each process draws its own random numbers (dropout)
     loop.resume()  # model, optimizer, EMA, ... and the generators from --resume's checkpoint: where it stopped
     meters, results, details = loop.meters, {}, None
@@ -475,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model.train()
         for images, targets in loop.batches():
             height, width = images.shape[-2:]  # this batch's multi-scale size (MultiScaleBatchSampler)
-            lr = float(lr_values[loop.step])
+            lr = loop.value("lr")
             set_group_values(optimizer, "lr", lr)
 
             with accelerator.accumulate(model):

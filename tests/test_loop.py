@@ -5,7 +5,6 @@ process's random numbers after the shared initialisation."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -47,9 +46,7 @@ def train(folder: Path, stop_at: int = 0, **fields) -> tuple[list[int], Loop]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     loader = train_loader_for(Indices(), cfg.batch_size, cfg.seed, 0, 1)
     model, optimizer, loader = run.accelerator.prepare(model, optimizer, loader)
-    per_epoch = math.ceil(len(loader) / cfg.grad_accum_steps)
-    total = steps_total(cfg.epochs, per_epoch, cfg.max_steps)
-    loop = Loop(run, loader, total, lr=schedule("cosine", 1.0, 0.0, total, round(cfg.warmup_epochs * per_epoch)))
+    loop = Loop(run, loader, lambda n: {"lr": schedule("cosine", 1.0, 0.0, n.steps, n.at(cfg.warmup_epochs))})
     loop.resume()
     seen: list[int] = []
     for _ in loop.epochs():
@@ -167,7 +164,7 @@ SEEDS = textwrap.dedent("""
     init = torch.randn(3).tolist()  # model initialisation: the shared seed
     loader = run.accelerator.prepare(train_loader_for(torch.utils.data.TensorDataset(torch.zeros(64, 1)), 4, 0, 0,
                                                       run.accelerator.num_processes))
-    loop = Loop(run, loader, 1)
+    loop = Loop(run, loader, steps_per_epoch=1)
     set_seed(0, device_specific=True)  # as the recipes do after the banner
     loop.resume()
     step = torch.randn(3).tolist()  # dropout, drop path, Mixup inside the loop: per process
@@ -221,7 +218,7 @@ SILENT = textwrap.dedent("""
 
     loader = train_loader_for(Zeros(), 2, 0, 0, run.accelerator.num_processes)
     model, optimizer, loader = run.accelerator.prepare(model, optimizer, loader)
-    loop = Loop(run, loader, 2 * len(loader))
+    loop = Loop(run, loader, steps_per_epoch=len(loader))
     loop.resume()
     for _ in loop.epochs():
         for x in loop.batches():

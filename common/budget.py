@@ -1,0 +1,155 @@
+"""A run's length: its optimizer steps and how the config's epoch counts map onto them (:class:`Length`), and the
+plan that turns a time budget (``--max_time 10m``) into such a length (:func:`plan_budget`).
+
+Without a budget a run is ``epochs`` x steps per epoch (capped by ``max_steps``) and every epoch count of the
+config (warmup, milestones, the epochs without mosaic, ...) means what it says. With one, the run first times
+itself for a few steps (its *timing steps*, at every schedule's starting value), then fixes how many optimizer
+steps the rest of the budget holds and lays every schedule over them: an epoch count of the config becomes the
+same share of this run (``warmup_epochs 3`` of ``epochs 100`` is the first 3 % of its steps), as if the config's
+run had been shrunk or stretched to the budget. :class:`common.loop.Loop` does the timing and keeps the plan in
+its checkpoints, so a resume continues the very same schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from common import UserError
+from common.meters import format_seconds
+
+_UNITS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|min|m|sec|s)")
+
+# the share of the budget the run's evaluations may take, the final one included; those beyond it are left out
+EVAL_SHARE = 0.10
+# the steps' share of what is left for them: slower steps than timed (a busier machine) still end in time
+STEP_MARGIN = 0.95
+
+
+def seconds_of(text: str) -> float:
+    """``90s``, ``10m``, ``2h``, ``1h30m``, ``1.5h`` -> seconds; '' -> 0 (no budget). Anything else, a bare number
+    included (seconds? minutes? Ultralytics' ``time`` is hours), is a :class:`UserError` naming the forms."""
+    text = str(text).strip().lower().replace(" ", "")
+    if not text:
+        return 0.0
+    parts = _DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text or len({_UNITS[u] for _, u in parts}) != len(parts):
+        raise UserError(f"max_time '{text}' is not a duration: give one with its unit, e.g. 90s, 10m, 2h or 1h30m")
+    seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    if seconds <= 0:
+        raise UserError(f"max_time '{text}' is no time at all: give the run's budget, e.g. 10m")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Length:
+    """The optimizer steps a run's schedules span and its epochs. ``steps``: the schedules' length (a budgeted run's
+    steps after its ``timing`` steps); ``steps_per_epoch``: an int or a function of the epoch (a changing gradient
+    accumulation); ``epochs``: the epochs the run trains, the last one possibly cut short; ``config_epochs``: the
+    config's ``epochs``, of which a budgeted run's epoch counts are shares (``budgeted``)."""
+
+    steps: int
+    steps_per_epoch: int | Callable[[int], int]
+    epochs: int
+    config_epochs: int
+    timing: int = 0
+    budgeted: bool = False
+
+    def per_epoch(self, epoch: int) -> int:
+        spe = self.steps_per_epoch
+        return max(int(spe(epoch) if callable(spe) else spe), 1)
+
+    def at(self, epochs: float) -> int:
+        """The step (of the schedules, from 0) a config's epoch count ends at: ``warmup_epochs``, a milestone.
+        Budgeted: the same share of ``steps`` as of the config's epochs."""
+        if self.budgeted:
+            return round(epochs / max(self.config_epochs, 1) * self.steps)
+        whole, part = int(epochs), epochs - int(epochs)
+        return round(sum(self.per_epoch(e) for e in range(whole)) + part * self.per_epoch(whole))
+
+    def in_epochs(self, epochs: float) -> float:
+        """A config's epoch count in this run's epochs (as given, without a budget)."""
+        return epochs * self.epochs / max(self.config_epochs, 1) if self.budgeted else float(epochs)
+
+    @property
+    def total(self) -> int:
+        """Optimizer steps of the whole run, the timing steps included."""
+        return self.timing + self.steps
+
+
+def epochs_for(steps: int, steps_per_epoch: int | Callable[[int], int]) -> int:
+    """The epochs ``steps`` optimizer steps start (the last one possibly cut short)."""
+    epochs, done = 0, 0
+    while done < steps:
+        done += max(int(steps_per_epoch(epochs) if callable(steps_per_epoch) else steps_per_epoch), 1)
+        epochs += 1
+    return max(epochs, 1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`plan_budget` decided, kept in every checkpoint so that a resume lays out the same run."""
+
+    budget_s: float  # --max_time, seconds
+    steps: int  # optimizer steps of the whole run, the timing steps included
+    timing: int  # the first steps, trained at every schedule's starting value while the run timed itself
+    epochs: int  # the epochs those steps start (the last one possibly cut short)
+    eval_every: int  # epochs between two evaluations (the last epoch is always evaluated)
+    step_s: float  # the timed seconds per optimizer step
+    eval_s: float  # one evaluation's seconds (measured, or estimated from the steps)
+    end_s: float  # seconds kept for the end: final weights, model folder, the export with --export
+
+    def describe(self, started_s: float, spe: int) -> str:
+        """The one line the run prints when it has planned."""
+        evals = math.ceil(self.epochs / self.eval_every)
+        per = f"{self.step_s:.2f} s/step" if self.step_s >= 0.1 else f"{self.step_s * 1000:.0f} ms/step"
+        return (
+            f"max_time {format_seconds(self.budget_s)}: {self.steps:,} optimizer steps ({self.epochs} epoch"
+            f"{'s' * (self.epochs != 1)} of {spe:,}), timed over the first {self.timing} at {per}; "
+            f"{evals} evaluation{'s' * (evals != 1)} of ~{self.eval_s:.0f} s, the schedules laid over the steps "
+            f"after step {self.timing}; {format_seconds(started_s)} spent before the first step"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_budget(
+    budget_s: float,
+    elapsed_s: float,
+    step_s: float,
+    eval_s: float,
+    end_s: float,
+    timing: int,
+    steps_per_epoch: int | Callable[[int], int],
+    evaluations: int,
+    max_steps: int = 0,
+) -> Plan:
+    """The run a budget holds. ``elapsed_s``: seconds since the process started (start-up and the ``timing`` steps
+    done); ``step_s``: seconds per optimizer step; ``eval_s``: one evaluation; ``end_s``: what follows the last
+    evaluation; ``evaluations``: as many as the config asks for (its epochs over ``eval_every``), fewer where they
+    would take more than :data:`EVAL_SHARE` of the budget, at least the final one; ``max_steps`` > 0 caps the steps.
+
+    The steps get what is left after the evaluations and the end, less a margin (:data:`STEP_MARGIN`)."""
+    evals = max(1, min(evaluations, math.floor(EVAL_SHARE * budget_s / max(eval_s, 1e-3))))
+    left = budget_s - elapsed_s - end_s - evals * eval_s
+    steps = timing + max(math.floor(STEP_MARGIN * left / max(step_s, 1e-6)), 0)
+    if max_steps > 0:
+        steps = min(steps, max_steps)
+    steps = max(steps, timing, 1)
+    epochs = epochs_for(steps, steps_per_epoch)
+    eval_every = max(1, math.ceil(epochs / evals))
+    return Plan(budget_s, steps, timing, epochs, eval_every, step_s, eval_s, end_s)
+
+
+@functools.cache
+def process_start() -> float:
+    """When this process started, ``time.time()`` seconds: a budget counts from there (imports, data, model)."""
+    import psutil  # Accelerate's own dependency
+
+    return psutil.Process().create_time()
