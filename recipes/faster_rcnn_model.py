@@ -47,6 +47,9 @@ PRESETS = {
 # A preset's backbone stages as torchvision's trainable_backbone_layers counts them (the stem is one); which
 # stages: docs/faster_rcnn.md, "Backbones"
 PRESET_STAGES = {name: 6 if "mobilenet" in name else 5 for name in PRESETS}
+# The shorter side a preset's anchors are sized for (torchvision's min_size): at another size the objects shrink or
+# grow with the image, and empty anchor_sizes scale the preset's anchors with them
+PRESET_SIDES = {name: 320 if "320" in name else 800 for name in PRESETS}
 # The RPN and RoI sampling budgets of a timm backbone whose fields are left empty / 0: the demo's, sized for at most
 # 6 objects per 96 px scene; a preset keeps torchvision's own (docs/faster_rcnn.md, "Backbones")
 TIMM_BUDGETS = {
@@ -266,9 +269,15 @@ def preset_model(cfg: ModelSettings, num_classes: int, notes: list[str]) -> TwoS
             f"{flag}: torchvision's weights {', '.join(missing)} could not be downloaded to {cache} "
             f"({type(e).__name__}); download them there once with network, or train without {flag}"
         ) from None
-    if cfg.anchor_sizes:  # the preset's anchors replaced; a new RPN head when the count per position changes
+    sizes = [list(s) for s in cfg.anchor_sizes]
+    if not sizes and cfg.min_size[-1] != PRESET_SIDES[cfg.model]:  # the preset's anchors, scaled with the image
+        scale = cfg.min_size[-1] / PRESET_SIDES[cfg.model]
+        sizes = [[round(a * scale) for a in level] for level in m.rpn.anchor_generator.sizes]
+        shown = ", ".join("/".join(map(str, level)) for level in sizes)
+        notes.append(f"anchors: the preset's x {scale:.2g} for a shorter side of {cfg.min_size[-1]} px: {shown} px")
+    if sizes:  # the preset's anchors replaced; a new RPN head when the count per position changes
         m.rpn.anchor_generator = AnchorGenerator(
-            tuple(tuple(s) for s in cfg.anchor_sizes), (tuple(cfg.aspect_ratios),) * len(cfg.anchor_sizes)
+            tuple(tuple(s) for s in sizes), (tuple(cfg.aspect_ratios),) * len(sizes)
         )
         per_position = m.rpn.anchor_generator.num_anchors_per_location()[0]
         if m.rpn.head.cls_logits.out_channels != per_position:
@@ -308,6 +317,10 @@ def timm_model(cfg: ModelSettings, num_classes: int, notes: list[str]) -> TwoSta
     backbone = TimmFPN(body, cfg.fpn_channels, cfg.extra_pool)
     strides = body.feature_info.reduction() + ([2 * body.feature_info.reduction()[-1]] if cfg.extra_pool else [])
     sizes = [tuple(s) for s in cfg.anchor_sizes] or [(8 * s,) for s in strides]
+    if not cfg.anchor_sizes:  # they follow the backbone: a new model or out_indices needs no new anchors
+        notes.append(
+            f"anchors: 8 x the FPN strides {'/'.join(map(str, strides))}: {'/'.join(str(s[0]) for s in sizes)} px"
+        )
     if len(sizes) != len(strides) or len({len(s) for s in sizes}) != 1:
         raise UserError(
             f"anchor_sizes must give one list of sizes per FPN level, as many at each (the RPN "

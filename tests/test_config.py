@@ -226,28 +226,41 @@ def test_every_shipped_config_fits_its_recipe():
     assert checked >= 5
 
 
-def test_own_photos_cpu_commands_parse():
-    """The CPU command in each own_photos.yaml header (`python recipes/<recipe>.py ...`, continued by
-    backslashes) names fields of its recipe with values they take, and changes what it says it changes."""
+def _header_command(path, start: str) -> list[str]:
+    """The arguments after the recipe's file of the command in ``path``'s header comments that begins with
+    ``start`` (continued by backslashes)."""
     import shlex
 
+    comments = [line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")]
+    first = next(i for i, line in enumerate(comments) if line.startswith(start))
+    command = comments[first]
+    for line in comments[first + 1 :]:
+        if not command.endswith("\\"):
+            break
+        command = command[:-1] + " " + line
+    words = shlex.split(command)
+    return words[words.index(f"recipes/{path.parent.name}.py") + 1 :]
+
+
+def test_own_photos_cpu_and_gpu_commands_parse():
+    """Each own_photos.yaml header names a CPU command (`python recipes/<recipe>.py ...`) and a one-GPU one
+    (`accelerate launch --config_file configs/accelerate/single_gpu.yaml ...`), both of fields of its recipe with
+    values they take: the CPU form is a 10-minute budget with fewer workers and no larger a batch."""
+    from common.budget import seconds_of
     from conftest import ROOT
 
     paths = sorted((ROOT / "configs").glob("*/own_photos.yaml"))
     assert {p.parent.name for p in paths} == {"classifier", "dino", "yolo", "detr", "faster_rcnn"}
     for path in paths:
-        comments = [line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")]
-        first = next(i for i, line in enumerate(comments) if line.startswith(f"python recipes/{path.parent.name}.py"))
-        command = comments[first]
-        for line in comments[first + 1 :]:
-            if not command.endswith("\\"):
-                break
-            command = command[:-1] + " " + line
-        args = shlex.split(command)[2:]
-        assert args[:2] == ["--config", f"configs/{path.parent.name}/own_photos.yaml"], command
-        shipped = parse_config(recipe(path.parent.name).Config, ["--config", str(path)])
-        on_cpu = parse_config(recipe(path.parent.name).Config, ["--config", str(path), *args[2:]])
-        assert on_cpu.batch_size < shipped.batch_size and on_cpu.num_workers < shipped.num_workers, command
+        name = path.parent.name
+        forms = {}
+        for form, start in (("cpu", f"python recipes/{name}.py"), ("gpu", "accelerate launch --config_file")):
+            args = _header_command(path, start)
+            assert args[:2] == ["--config", f"configs/{name}/own_photos.yaml"], (path, args)
+            forms[form] = parse_config(recipe(name).Config, ["--config", str(path), *args[2:]])
+        cpu, gpu = forms["cpu"], forms["gpu"]
+        assert seconds_of(cpu.max_time) == 600, path
+        assert cpu.batch_size <= gpu.batch_size and cpu.num_workers < gpu.num_workers, path
 
 
 # ---- fixed sets of values ---------------------------------------------------------------------
