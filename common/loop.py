@@ -146,7 +146,7 @@ class Loop:
         if self.budget_s and "plan" in self.extra:  # the same steps and schedules as the run it continues
             self._apply(Plan(**self.extra["plan"]))
             self.run.print(f"resume: max_time's plan kept: {self.total_steps:,} optimizer steps")
-        elif self.budget_s and self.step > 0 and "schedule_steps" in self.extra:
+        elif self.budget_s and self.step > 0 and "max_time_s" not in self.extra:
             self.run.print("warning: max_time is ignored: the run it resumes was started without one")
             self.budget_s = 0.0
             cfg = self.cfg
@@ -382,6 +382,8 @@ class Loop:
     # -- checkpoints and stops -----------------------------------------------------------------------
     @property
     def last_epoch(self) -> bool:
+        if self._unplanned:  # a budget still timing its steps: no end but max_steps
+            return self.step >= self.total_steps
         return self.epoch + 1 >= self.length.epochs or self.step >= self.total_steps
 
     def stop_requested(self) -> bool:
@@ -399,6 +401,8 @@ class Loop:
         """Checkpoint the position: in the batches, the batch just read; after a whole epoch, the start of the
         next; marked finished after the last epoch (``--resume auto`` alone then looks for other runs)."""
         kept = {**self.extra, "schedule_steps": self.total_steps}
+        if self.budget_s:  # a resume before the plan times the steps again; one without it was never budgeted
+            kept["max_time_s"] = self.budget_s
         kept.pop("next_lr", None)  # an earlier save's; a finished run plans no next step
         if self.lr is not None and self.step < len(self.lr):
             kept["next_lr"] = float(self.lr[self.step])
