@@ -529,3 +529,19 @@ def test_the_model_folders_transform_is_the_knn_evaluations_for_every_legal_pair
     pairs += [(g, rng.randint(g, MAX_SIDE)) for g in (rng.randint(8, MAX_SIDE) for _ in range(3000))]
     wrong = [(g, r, *sides(g, r)) for g, r in pairs if len(set(sides(g, r))) > 1]
     assert not wrong, wrong[:5]
+
+
+def test_the_step0_evaluation_is_announced_and_skipped_with_eval_at_start_false(tmp_path, capsys):
+    """The kNN of the untrained teacher before the first step says what it is and how to skip it; with
+    --eval_at_start false the run goes straight to training and logs no step-0 metrics."""
+    args = FAST + ["--max_steps", "1", "--batch_size", "16", "--knn_pixel_limit", "0"]
+    dino.main(args + ["--output_dir", str(tmp_path / "with")])
+    out = capsys.readouterr().out
+    assert "step-0 kNN evaluation (the untrained baseline; --eval_at_start false skips it): " in out
+    records = [json.loads(line) for line in (tmp_path / "with" / "metrics.jsonl").read_text().splitlines()]
+    assert any("knn/step0_top1" in r and r["step"] == 0 for r in records)
+    dino.main(args + ["--eval_at_start", "false", "--output_dir", str(tmp_path / "without")])
+    assert "step-0 kNN evaluation" not in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "without" / "metrics.jsonl").read_text().splitlines()]
+    assert not any("knn/step0_top1" in r for r in records)
+    assert any("knn/teacher_top1" in r for r in records)  # the evaluation at the end still runs
