@@ -503,3 +503,32 @@ def test_freeze_at_counts_a_presets_stages_as_torchvision_does(monkeypatch):
         frcnn.check_config(
             parse_config(frcnn.Config, ["--model", "fasterrcnn_mobilenet_v3_large_fpn", "--freeze_at", "7"])
         )
+
+
+def test_empty_anchor_sizes_follow_the_backbone_and_the_image_size():
+    """A timm backbone's anchors are 8 x each FPN level's stride whatever its out_indices; a preset's are its own,
+    scaled by the last min_size over the side they are sized for, with a note naming them."""
+    for levels, strides in (([1, 2, 3], [4, 8, 16]), ([2, 3, 4], [8, 16, 32]), ([1, 2, 3, 4], [4, 8, 16, 32])):
+        notes: list[str] = []
+        cfg = parse_config(frcnn.Config, ["--anchor_sizes", "[]", "--out_indices", str(levels), "--model_kwargs", "{}"])
+        sizes = create_model(cfg, 3, notes).rpn.anchor_generator.sizes
+        assert sizes == tuple((8 * s,) for s in strides) and any(str(8 * strides[-1]) in n for n in notes)
+    args = [
+        "--model",
+        "fasterrcnn_mobilenet_v3_large_320_fpn",
+        "--model_kwargs",
+        "{}",
+        "--anchor_sizes",
+        "[]",
+        "--aspect_ratios",
+        "[0.5, 1, 2]",
+    ]
+    own = create_model(parse_config(frcnn.Config, [*args, "--min_size", "[320]", "--max_size", "640"]), 3)
+    assert own.rpn.anchor_generator.sizes == ((32, 64, 128, 256, 512),) * 3  # its own side: unchanged
+    notes = []
+    half = create_model(parse_config(frcnn.Config, [*args, "--min_size", "[160]", "--max_size", "320"]), 3, notes)
+    assert half.rpn.anchor_generator.sizes == ((16, 32, 64, 128, 256),) * 3
+    assert any("x 0.5 for a shorter side of 160 px" in n for n in notes)
+    # written-out anchor_sizes stay as written
+    cfg = parse_config(frcnn.Config, ["--anchor_sizes", "[[20], [40], [80]]"])
+    assert create_model(cfg, 3).rpn.anchor_generator.sizes == ((20,), (40,), (80,))
