@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from common import UserError
@@ -147,9 +150,17 @@ def plan_budget(
     return Plan(budget_s, steps, timing, epochs, eval_every, step_s, eval_s, end_s)
 
 
+_IMPORTED = time.time()  # where /proc is missing: the budget counts from the first import of this module
+
+
 @functools.cache
 def process_start() -> float:
-    """When this process started, ``time.time()`` seconds: a budget counts from there (imports, data, model)."""
-    import psutil  # Accelerate's own dependency
-
-    return psutil.Process().create_time()
+    """When this process started, ``time.time()`` seconds: a budget counts from there (imports, data, model).
+    Linux: the kernel's start time of the process (``/proc/self/stat``, in clock ticks since boot, against
+    ``/proc/uptime``); elsewhere when this module was first imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
