@@ -7,6 +7,7 @@ equal to the devkit's own computation, written here from its published algorithm
 from __future__ import annotations
 
 import json
+import math
 import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -20,6 +21,7 @@ from common import UserError
 from common.data.scan import without_unreadable
 from common.detection.coco_eval import CocoEvaluator
 from common.detection.data import DetectionDataset, detection_images, load_detection
+from common.detection.forms import detection_form
 from common.detection.voc import VOC_CLASSES, VocSource
 from conftest import check, run_recipe
 
@@ -302,6 +304,85 @@ def test_any_folder_so_laid_out_with_its_own_classes_and_bad_annotations_listed(
     accelerator = types.SimpleNamespace(process_index=0, num_processes=1)
     scanned = without_unreadable(data, "image", accelerator, "skip", 0, 1, tmp_path / "run")
     assert len(scanned.data.train) == 2 and "IMG_3.xml: object 1" in scanned.files["bad_images.txt"]
+
+
+def _raccoon(root: Path, count: int, images: str = "images", annotations: str = "annotations") -> Path:
+    """The raccoon set's layout (``images/raccoon-<n>.jpg`` + ``annotations/raccoon-<n>.xml``, no ImageSets), as
+    LabelImg writes its XML (``<folder>``, ``<path>``, ``<source>``, ``<segmented>``): ``count`` JPEGs with one to
+    three boxes of raccoon or dog, each box drawn on the picture."""
+    rng = np.random.default_rng(count)
+    for folder in (images, annotations):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    for n in range(1, count + 1):
+        name, (width, height) = f"raccoon-{n}", (int(rng.integers(60, 90)), int(rng.integers(50, 80)))
+        pixels = np.full((height, width, 3), 30, np.uint8)
+        parts = [
+            f'<annotation verified="yes"><folder>{images}</folder><filename>{name}.jpg</filename>'
+            f"<path>/home/user/raccoon/{images}/{name}.jpg</path><source><database>Unknown</database></source>"
+            f"<size><width>{width}</width><height>{height}</height><depth>3</depth></size><segmented>0</segmented>"
+        ]
+        for _ in range(int(rng.integers(1, 4))):
+            x0, y0 = int(rng.integers(1, width - 20)), int(rng.integers(1, height - 20))
+            x1, y1 = int(rng.integers(x0 + 8, width + 1)), int(rng.integers(y0 + 8, height + 1))
+            label = ["raccoon", "dog"][int(rng.random() < 0.3)]
+            pixels[y0 - 1 : y1, x0 - 1 : x1] = 200
+            parts.append(
+                f"<object><name>{label}</name><pose>Unspecified</pose><truncated>0</truncated><difficult>0</difficult>"
+                f"<bndbox><xmin>{x0}</xmin><ymin>{y0}</ymin><xmax>{x1}</xmax><ymax>{y1}</ymax></bndbox></object>"
+            )
+        Image.fromarray(pixels).save(root / images / f"{name}.jpg", quality=95)
+        (root / annotations / f"{name}.xml").write_text("".join(parts) + "</annotation>\n")
+    return root
+
+
+def test_images_beside_annotations_without_image_sets_read_as_voc_with_a_seeded_tenth_held_out(tmp_path):
+    """The raccoon layout (images/ + annotations/, no ImageSets), as shared sets and annotation tools lay it out, is
+    Pascal VOC (it was taken for a COCO folder for its annotations/ folder): every XML is an image of the training
+    split, its boxes and classes as the devkit's parser reads the XML, and 10 % is held out for evaluation as for
+    every form without an evaluation split: datasets' seeded train_test_split of the whole split, the same on every
+    load."""
+    root = _raccoon(tmp_path / "raccoon", 25)
+    assert detection_form(root) == "voc"
+    data = load_detection(str(root))
+    assert data.classes == ["dog", "raccoon"] and data.category_ids == [0, 1]
+    assert len(data.eval) == math.ceil(0.1 * 25) and len(data.train) == 25 - len(data.eval)
+    rows = {Path(row["image"]["path"]).stem: row for split in (data.train, data.eval) for row in split}
+    assert sorted(rows) == sorted(f"raccoon-{n}" for n in range(1, 26))  # every XML, once
+    for name, row in rows.items():
+        assert Path(row["image"]["path"]) == root / "images" / f"{name}.jpg"
+        objects = _parse_rec(root / "annotations" / f"{name}.xml")
+        xml = ET.parse(root / "annotations" / f"{name}.xml").getroot()
+        assert (row["width"], row["height"]) == (int(xml.findtext("size/width")), int(xml.findtext("size/height")))
+        expected = [[x0 - 1, y0 - 1, x1 - x0 + 1, y1 - y0 + 1] for x0, y0, x1, y1 in (o["bbox"] for o in objects)]
+        assert row["objects"]["bbox"] == expected
+        assert [data.classes[c] for c in row["objects"]["category"]] == [o["name"] for o in objects]
+    whole = load_detection(str(root), "train", "train").train  # the whole split, in its order
+    held = whole.train_test_split(test_size=0.1, seed=0)["test"]["image_id"]
+    assert data.eval["image_id"][:] == held and load_detection(str(root)).eval["image_id"][:] == held
+    assert (
+        load_detection(str(root), seed=1).eval["image_id"][:]
+        == (whole.train_test_split(test_size=0.1, seed=1)["test"]["image_id"])
+    )
+
+
+def test_the_folder_names_are_read_in_any_case_and_image_sets_still_split(tmp_path):
+    """Images/ + Annotations/ (and IMAGES/ + ANNOTATIONS/) read alike; ImageSets/Main lists, where there are some,
+    are the splits (val evaluated); a folder whose annotations/ holds COCO's instances json is COCO's still."""
+    first = _raccoon(tmp_path / "capital", 10, "Images", "Annotations")
+    upper = _raccoon(tmp_path / "upper", 10, "IMAGES", "ANNOTATIONS")
+    for root, images in ((first, "Images"), (upper, "IMAGES")):
+        data = load_detection(str(root), "train", "train")
+        assert len(data.train) == 10 and Path(data.train[0]["image"]["path"]).parent == root / images
+    main = first / "ImageSets" / "Main"
+    main.mkdir(parents=True)
+    (main / "train.txt").write_text("".join(f"raccoon-{n}\n" for n in range(1, 8)))
+    (main / "val.txt").write_text("raccoon-8\nraccoon-9\n")
+    listed = load_detection(str(first))
+    assert len(listed.train) == 7 and sorted(listed.eval["image_id"]) == [7, 8]  # positions among the 9 listed ids
+    assert [Path(p["path"]).stem for p in listed.eval["image"]] == ["raccoon-8", "raccoon-9"]
+    both = _raccoon(tmp_path / "both", 4)
+    (both / "annotations" / "instances_train.json").write_text(json.dumps({"images": [], "categories": []}))
+    assert detection_form(both) == "coco"
 
 
 def test_difficult_boxes_are_never_training_targets(tmp_path):

@@ -14,13 +14,17 @@ from common.detection.yolo_txt import find_yaml
 FORMS = (
     "COCO json (annotations/instances_<split>.json, or Roboflow's <split>/_annotations.coco.json), "
     "YOLO txt (a data.yaml naming the classes, with images/ and labels/), "
-    "Pascal VOC (Annotations/*.xml beside JPEGImages/), "
+    "Pascal VOC (Annotations/*.xml beside JPEGImages/, or annotations/ beside images/), "
     "or a saved or hub dataset with an 'objects' column"
 )
 
 
 def is_coco(path: Path) -> bool:
-    return path.is_dir() and ((path / "annotations").is_dir() or any(path.glob("*/_annotations.coco.json")))
+    """A COCO-json folder: ``annotations/instances_<split>.json``, or Roboflow's ``<split>/_annotations.coco.json``.
+    An ``annotations/`` folder of other files (Pascal VOC's XMLs, LabelMe's json) is not one."""
+    return path.is_dir() and (
+        any((path / "annotations").glob("instances_*.json")) or any(path.glob("*/_annotations.coco.json"))
+    )
 
 
 def detection_form(path: Path) -> str:

@@ -1,13 +1,16 @@
 """Pascal VOC folders read as the VOC devkit reads them (``VOCdevkit/VOCcode/VOCreadxml.m``, ``VOCevaldet.m``, and
 their Python port ``voc_eval.py``), into the normalised schema of :mod:`common.detection.sources`.
 
-- A VOC root is a folder with ``Annotations/`` (one XML per image) and ``JPEGImages/``. ``--data`` names one (a
-  ``VOC2007`` folder, or any folder so laid out), or a folder holding several (``VOCdevkit`` with ``VOC2007/`` and
-  ``VOC2012/``, or the folder above it).
+- A VOC root is a folder with ``Annotations/`` (one XML per image) and ``JPEGImages/``, or, as annotation tools and
+  shared sets lay it out (the raccoon set, LabelImg's exports), ``annotations/`` beside ``images/``: the folder names
+  in any case, the images folder ``JPEGImages`` where there are both; one XML in the annotations folder at least
+  (COCO's ``annotations/`` holds json). ``--data`` names one (a ``VOC2007`` folder, or any folder so laid out), or a
+  folder holding several (``VOCdevkit`` with ``VOC2007/`` and ``VOC2012/``, or the folder above it).
 - Splits: the image lists ``ImageSets/Main/<split>.txt`` (``train``, ``val``, ``trainval``, ``test``; the first word
   of each line; a class's own lists, ``<class>_<split>.txt``, are not splits). Without such lists every XML is the
-  ``train`` split. Over several roots a split is named ``<root>/<split>`` (``VOC2007/test``), and the plain name reads
-  every root's list of that name; ``+`` joins splits (``VOC2007/trainval+VOC2012/trainval``,
+  ``train`` split, and with no evaluation split :func:`common.detection.data.load_detection` holds out its seeded
+  10 %, as for every form without one. Over several roots a split is named ``<root>/<split>`` (``VOC2007/test``), and
+  the plain name reads every root's list of that name; ``+`` joins splits (``VOC2007/trainval+VOC2012/trainval``,
   :func:`common.detection.data.load_detection`).
 - Classes: the 20 VOC classes in the devkit's order (``VOCinit.m``, alphabetical: the order of Ultralytics'
   ``VOC.yaml``) when the folder is a VOC year (``VOC20xx``, or under ``VOCdevkit``) and every ``<name>`` is one of
@@ -34,6 +37,7 @@ their Python port ``voc_eval.py``), into the normalised schema of :mod:`common.d
 
 from __future__ import annotations
 
+import glob
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -67,8 +71,35 @@ DOCS = "docs/data.md#pascal-voc"
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
+#: The folder names of a VOC root's annotations and images, in any case; the first that is there is taken.
+ANNOTATIONS, IMAGES = ("annotations",), ("jpegimages", "images")
+
+
+def sub_folder(path: Path, names: tuple[str, ...]) -> Path | None:
+    """The folder in ``path`` named one of ``names`` in any case (the first of ``names`` found; of two spellings of
+    one name, the first in sorted order: ``Annotations`` before ``annotations``), or None."""
+    try:
+        found: dict[str, Path] = {}
+        for child in sorted(path.iterdir()):
+            if child.name.lower() in names and child.is_dir():
+                found.setdefault(child.name.lower(), child)
+    except OSError:  # not a folder, or one that cannot be listed
+        return None
+    return next((found[name] for name in names if name in found), None)
+
+
+def xml_files(folder: Path) -> list[Path]:
+    """The ``.xml`` files (the suffix in any case) directly in ``folder``, sorted."""
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() == ".xml" and p.is_file())
+
+
 def is_root(path: Path) -> bool:
-    return (path / "Annotations").is_dir() and (path / "JPEGImages").is_dir()
+    """Whether ``path`` is a VOC root: an annotations folder with an XML beside an images folder (:data:`ANNOTATIONS`,
+    :data:`IMAGES`)."""
+    annotations = sub_folder(path, ANNOTATIONS)
+    if annotations is None or sub_folder(path, IMAGES) is None:
+        return False
+    return any(p.suffix.lower() == ".xml" for p in annotations.iterdir())
 
 
 def voc_roots(path: Path) -> dict[str, Path]:
@@ -87,10 +118,11 @@ def voc_roots(path: Path) -> dict[str, Path]:
 
 
 def split_lists(root: Path) -> dict[str, list[str]]:
-    """Split name -> image ids, from ``ImageSets/Main/<split>.txt`` (a class's ``<class>_<split>.txt`` left out);
-    without them every annotation is the ``train`` split."""
-    main = root / "ImageSets" / "Main"
-    files = sorted(main.glob("*.txt")) if main.is_dir() else []
+    """Split name -> image ids, from ``ImageSets/Main/<split>.txt`` (the folder names in any case; a class's
+    ``<class>_<split>.txt`` left out); without them every annotation is the ``train`` split."""
+    sets = sub_folder(root, ("imagesets",))
+    main = sub_folder(sets, ("main",)) if sets else None
+    files = sorted(main.glob("*.txt")) if main else []
     stems = {f.stem for f in files}
     lists = {}
     for f in files:
@@ -98,7 +130,8 @@ def split_lists(root: Path) -> dict[str, list[str]]:
         if head and tail in stems:
             continue
         lists[f.stem] = [line.split()[0] for line in f.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
-    return lists or {"train": sorted(p.stem for p in (root / "Annotations").glob("*.xml"))}
+    annotations = sub_folder(root, ANNOTATIONS)
+    return lists or {"train": [p.stem for p in xml_files(annotations)] if annotations else []}
 
 
 def parse_xml(xml: Path) -> tuple[dict[str, Any], str]:
@@ -139,6 +172,14 @@ class VocSource:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.roots = voc_roots(path)
+        # each root's annotations and images folders, as spelled there (Annotations/ or annotations/, ...)
+        self._folders = {
+            name: (
+                sub_folder(root, ANNOTATIONS) or root / "Annotations",
+                sub_folder(root, IMAGES) or root / "JPEGImages",
+            )
+            for name, root in self.roots.items()
+        }
         self.lists: dict[str, list[tuple[str, str]]] = {}
         for name, root in self.roots.items():
             for split, ids in split_lists(root).items():
@@ -155,7 +196,11 @@ class VocSource:
 
     def _annotation(self, key: tuple[str, str]) -> tuple[dict[str, Any], str]:
         if key not in self._parsed:
-            self._parsed[key] = parse_xml(self.roots[key[0]] / "Annotations" / f"{key[1]}.xml")
+            folder = self._folders[key[0]][0]
+            xml = folder / f"{key[1]}.xml"
+            if not xml.is_file():  # the suffix in another case (IMG_1.XML)
+                xml = next((p for p in folder.glob(f"{glob.escape(key[1])}.*") if p.suffix.lower() == ".xml"), xml)
+            self._parsed[key] = parse_xml(xml)
         return self._parsed[key]
 
     @property
@@ -210,11 +255,11 @@ class VocSource:
         return position.__getitem__
 
     def _image(self, key: tuple[str, str], filename: str) -> str:
-        folder = self.roots[key[0]] / "JPEGImages"
+        folder = self._folders[key[0]][1]
         for candidate in (folder / f"{key[1]}.jpg", folder / filename if filename else None):
             if candidate is not None and candidate.is_file():
                 return str(candidate)
-        found = [p for p in sorted(folder.glob(f"{key[1]}.*")) if p.suffix.lower() in _IMAGE_SUFFIXES]
+        found = [p for p in sorted(folder.glob(f"{glob.escape(key[1])}.*")) if p.suffix.lower() in _IMAGE_SUFFIXES]
         return str(found[0] if found else folder / f"{key[1]}.jpg")
 
     def load(self, split: str, size_of: Callable[[str], tuple[int, int]]) -> tuple[Any, list[str], list[int], dict]:
