@@ -23,6 +23,7 @@ from common.detection.boxes import areas, rescale_boxes
 from common.detection.coco_eval import CocoEvaluator
 from common.detection.data import DetectionDataset, collate, load_detection
 from common.detection.figures import class_colour, draw_detections, save_detections, wandb_boxes
+from common.detection.forms import detection_form
 from common.detection.sources import features
 from conftest import ROOT, bright_rectangle, detection_table, free_port, load_recipe, recipe_env
 
@@ -301,6 +302,58 @@ def test_eval_split_carved_when_missing(tmp_path):
     data = load_detection(str(tmp_path), eval_fraction=0.4, seed=1)
     assert len(data.train) == 3 and len(data.eval) == 2
     assert sorted([*data.train["image_id"], *data.eval["image_id"]]) == [4, 5, 6, 10, 11]
+
+
+def test_a_folder_in_no_form_names_every_forms_evidence_it_holds(tmp_path):
+    """One line naming every form the folder holds evidence of, with counts and where (images, .xml annotations,
+    .json files, YOLO label files), and what each of those forms still needs."""
+
+    def refused(root: Path) -> str:
+        assert detection_form(root) == ""
+        with pytest.raises(UserError) as error:
+            load_detection(str(root))
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(f"'{root}' is in no detection form: found ")
+        return message
+
+    mixed = tmp_path / "mixed"  # json and xml, neither in a form's place
+    for name in ("a", "b", "c"):
+        _save(mixed / "photos" / f"{name}.jpg")
+    for name in ("a", "b"):
+        (mixed / "voc_xml").mkdir(parents=True, exist_ok=True)
+        (mixed / "voc_xml" / f"{name}.xml").write_text("<annotation></annotation>")
+    (mixed / "export").mkdir()
+    (mixed / "export" / "coco.json").write_text("{}")
+    assert refused(mixed) == (
+        f"'{mixed}' is in no detection form: found 3 images (photos/ (3)), 2 .xml annotations (voc_xml/ (2)) and "
+        "1 .json file (export/coco.json); Pascal VOC needs Annotations/<id>.xml beside JPEGImages/<id>.jpg (or "
+        "annotations/ beside images/) in one folder (docs/data.md#pascal-voc); COCO json needs "
+        "annotations/instances_<split>.json or <split>/_annotations.coco.json (docs/data.md#coco-json)"
+    )
+    keypoints = tmp_path / "keypoints"  # an annotations/ folder, but no instances_<split>.json: no COCO folder
+    _save(keypoints / "train" / "a.jpg")
+    (keypoints / "annotations").mkdir()
+    (keypoints / "annotations" / "person_keypoints_train.json").write_text("{}")
+    message = refused(keypoints)
+    assert "found 1 image (train/ (1)) and 1 .json file (annotations/person_keypoints_train.json); " in message
+    assert message.endswith("COCO json needs annotations/instances_<split>.json or <split>/_annotations.coco.json "
+                            "(docs/data.md#coco-json)")  # fmt: skip
+    labels = tmp_path / "labels"  # YOLO label files and .xml together: both named
+    _save(labels / "images" / "a.jpg")
+    (labels / "labels").mkdir()
+    (labels / "labels" / "a.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    (labels / "xml").mkdir()
+    (labels / "xml" / "a.xml").write_text("<annotation></annotation>")
+    message = refused(labels)
+    assert "found 1 image (images/ (1)), 1 YOLO label file (labels/ (1)) and 1 .xml annotation (xml/ (1)); " in message
+    assert "YOLO txt needs a data.yaml" in message and "Pascal VOC needs" in message and "COCO" not in message
+    with pytest.raises(UserError, match="is in no detection form: found no images in it"):
+        load_detection(str(tmp_path / "labels" / "labels"))
+
+
+def _save(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), (90, 90, 90)).save(path)
 
 
 def test_bad_input_is_one_clear_error(tmp_path):

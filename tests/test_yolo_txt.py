@@ -360,7 +360,8 @@ def test_a_folder_in_no_known_form_is_one_line_naming_what_is_there(tmp_path):
     with pytest.raises(UserError) as error:
         load_detection(str(root))
     message = str(error.value)
-    assert "found 6 images and 5 YOLO label files" in message and "but no data.yaml" in message
+    assert "found 6 images (images/ (6)) and 5 YOLO label files (labels/ (5));" in message
+    assert "YOLO txt needs a data.yaml naming the classes" in message
     assert "docs/data.md#yolo-txt" in message and "\n" not in message
     photos = tmp_path / "photos"
     for folder in ("cat", "dog"):

@@ -43,10 +43,22 @@ def _folders(files: list[Path], limit: int = 3) -> str:
     return shown + (f" and {len(counts) - limit} more folders" if len(counts) > limit else "")
 
 
+def _listed(files: list[Path], limit: int = 3) -> str:
+    """``a.json, b.json and 4 more``: the first ``limit`` of ``files``."""
+    shown = ", ".join(map(str, files[:limit]))
+    return shown + (f" and {len(files) - limit} more" if len(files) > limit else "")
+
+
+def _joined(parts: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
+
 def no_known_form(path: Path, data: str) -> str:
     """'' when ``path`` (a folder in no form of :func:`detection_form`) may still be a saved dataset, tables of a hub
     repository or an image folder with metadata (datasets reads those); otherwise the one line to refuse it with:
-    what each form needs and what the folder holds instead."""
+    every form's evidence the folder holds (images, YOLO label files, .xml and .json annotations: how many and
+    where), and what each form so evidenced still needs."""
     from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
 
     if any((path / f).exists() for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
@@ -65,31 +77,32 @@ def no_known_form(path: Path, data: str) -> str:
     json = [f for f in files if f.suffix.lower() == ".json"]
     yaml = [f for f in files if f.suffix.lower() in (".yaml", ".yml")]
     where = f"'{data}' is in no detection form"
+    if not images and not (labels or xml or json):
+        return f"{where}: found no images in it; expected {FORMS} (docs/data.md)"
+    found = [f"{counted(len(images), 'image')}" + (f" ({_folders(images)})" if images else "")]
+    needs = []
     if labels:
-        found = (
-            f"found {counted(len(images), 'image')} and {counted(len(labels), 'YOLO label file')} ({_folders(labels)})"
-        )
+        found.append(f"{counted(len(labels), 'YOLO label file')} ({_folders(labels)})")
         if yaml:
-            return (
-                f"{where}: {found} and {', '.join(map(str, yaml[:3]))}, no YOLO data yaml at its top "
-                "(path, train, val and names): name it with --data, or write data.yaml there; docs/data.md#yolo-txt"
+            found.append(f"{_listed(yaml)}, no YOLO data yaml (path, train, val and names)")
+            needs.append(
+                "YOLO txt needs a data yaml at its top: name it with --data, or write data.yaml there "
+                "(docs/data.md#yolo-txt)"
             )
-        return f"{where}: {found} but no data.yaml: write one naming the classes (docs/data.md#yolo-txt)"
+        else:
+            needs.append("YOLO txt needs a data.yaml naming the classes: write one (docs/data.md#yolo-txt)")
     if xml:
-        return (
-            f"{where}: found {counted(len(xml), '.xml annotation')} ({_folders(xml)}) and "
-            f"{counted(len(images), 'image')} ({_folders(images)}); "
-            "Pascal VOC needs Annotations/<id>.xml beside JPEGImages/<id>.jpg in one folder (docs/data.md#pascal-voc)"
+        found.append(f"{counted(len(xml), '.xml annotation')} ({_folders(xml)})")
+        needs.append(
+            "Pascal VOC needs Annotations/<id>.xml beside JPEGImages/<id>.jpg (or annotations/ beside images/) in one "
+            "folder (docs/data.md#pascal-voc)"
         )
     if json:
-        return (
-            f"{where}: found {', '.join(map(str, json[:3]))} and {counted(len(images), 'image')}, but no "
-            "annotations/instances_<split>.json nor <split>/_annotations.coco.json (docs/data.md#coco-json)"
+        found.append(f"{counted(len(json), '.json file')} ({_listed(json) if len(json) <= 3 else _folders(json)})")
+        needs.append(
+            "COCO json needs annotations/instances_<split>.json or <split>/_annotations.coco.json "
+            "(docs/data.md#coco-json)"
         )
-    if images:
-        return (
-            f"{where}: found {counted(len(images), 'image')} ({_folders(images)}) and no annotations; a detector needs "
-            "boxes: "
-            f"{FORMS} (docs/data.md)"
-        )
-    return f"{where}: found no images in it; expected {FORMS} (docs/data.md)"
+    if not needs:
+        return f"{where}: found {found[0]} and no annotations; a detector needs boxes: {FORMS} (docs/data.md)"
+    return f"{where}: found {_joined(found)}; " + "; ".join(needs)
