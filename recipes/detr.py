@@ -197,6 +197,8 @@ class Config(RunConfig):
         "their boxes drawn (predictions/) in the run folder; no dataset needed")
     predict_score: float = arg(0.5, "predict: detections scoring below this are neither written nor drawn (DETR's 100 "
         "queries each answer, most with a low score)", ge=0, le=1)
+    predict_scores: bool = arg(False, "predict: end each row of labels/<image>.txt with its score (Ultralytics' "
+        "--save_conf form, for labelling tools); without, rows class cx cy w h, which Ultralytics trains on")
     # run
     eval_every: int = arg(5, "evaluate every this many epochs; also at the end")
     # fmt: on

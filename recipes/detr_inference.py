@@ -42,6 +42,7 @@ class DetectorSettings(TransformSettings, Protocol):
     weights: str  # the saved weights: safetensors, a model/ or checkpoint folder or (predict) an exported .onnx
     predict: str  # an image or a folder of images to detect objects in
     predict_score: float  # detections written and drawn from this score
+    predict_scores: bool  # labels/<image>.txt rows end with the score (Ultralytics trains on 5 columns)
     batch_size: int  # images per process; prediction takes twice as many per batch
     num_workers: int  # DataLoader worker processes per process
 
@@ -69,7 +70,8 @@ def predict(cfg: DetectorSettings, run: Run, create_model: Callable[..., nn.Modu
     table, batches = prediction_batches(
         run, cfg.predict, data_transforms(cfg, False), detr_collate, 2 * cfg.batch_size, cfg.num_workers
     )
-    return save_predictions(run, detect(model, batches, run.accelerator), table, meta, cfg.predict_score, cfg.predict)
+    found = detect(model, batches, run.accelerator)
+    return save_predictions(run, found, table, meta, cfg.predict_score, cfg.predict, with_scores=cfg.predict_scores)
 
 
 def export_files(

@@ -36,6 +36,7 @@ class ShippingSettings(ModelSettings, Protocol):
     weights: str  # the saved weights: safetensors, a model/ or checkpoint folder or (predict) an exported .onnx
     predict: str  # an image or a folder of images to detect objects in
     predict_score: float  # detections written and drawn from this score
+    predict_scores: bool  # labels/<image>.txt rows end with the score (Ultralytics trains on 5 columns)
     num_workers: int  # DataLoader worker processes per process
 
 
@@ -63,8 +64,9 @@ def predict(cfg: ShippingSettings, run: Run) -> dict[str, float]:
         run, cfg.predict, data_transforms(False, 0.0, False), list_collate, 1, cfg.num_workers
     )
     found = detect(model, batches, run.accelerator)
+    threshold = ("box_score_thresh", cfg.box_score_thresh)
     return save_predictions(
-        run, found, table, meta, cfg.predict_score, cfg.predict, ("box_score_thresh", cfg.box_score_thresh)
+        run, found, table, meta, cfg.predict_score, cfg.predict, threshold, with_scores=cfg.predict_scores
     )
 
 

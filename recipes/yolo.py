@@ -164,6 +164,8 @@ class Config(RunConfig):
     predict: str = arg("", "an image or a folder of images: with --weights, write detections.json and the images with "
         "their boxes drawn (predictions/) in the run folder; no dataset needed")
     predict_score: float = arg(0.3, "predict: detections scoring below this are neither written nor drawn", ge=0, le=1)
+    predict_scores: bool = arg(False, "predict: end each row of labels/<image>.txt with its score (Ultralytics' "
+        "--save_conf form, for labelling tools); without, rows class cx cy w h, which Ultralytics trains on")
     # run
     eval_every: int = arg(2, "evaluate every this many epochs; also at the end")
     # fmt: on

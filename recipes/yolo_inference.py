@@ -44,6 +44,7 @@ class DetectorSettings(Protocol):
     max_detections: int  # detections kept per image after NMS
     predict: str  # an image or a folder of images to detect objects in
     predict_score: float  # detections written and drawn from this score
+    predict_scores: bool  # labels/<image>.txt rows end with the score (Ultralytics trains on 5 columns)
     batch_size: int  # images per process; prediction takes twice as many per batch
     num_workers: int  # DataLoader worker processes per process
 
@@ -72,8 +73,9 @@ def predict(cfg: DetectorSettings, run: Run, create_model: Callable[..., YOLOv3]
     transform = detection_transforms(False, cfg.img_size, preset=cfg.augment)  # as the evaluation saw images
     table, batches = prediction_batches(run, cfg.predict, transform, collate, 2 * cfg.batch_size, cfg.num_workers)
     found = detect(model, batches, run.accelerator, cfg.conf_threshold, cfg.nms_iou, cfg.max_detections)
+    threshold = ("conf_threshold", cfg.conf_threshold)
     return save_predictions(
-        run, found, table, meta, cfg.predict_score, cfg.predict, ("conf_threshold", cfg.conf_threshold)
+        run, found, table, meta, cfg.predict_score, cfg.predict, threshold, with_scores=cfg.predict_scores
     )
 
 

@@ -16,10 +16,12 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from common.data.builtin import DETECTION
+from common.detection.data import load_detection
 from common.weights import read_metadata
 from conftest import assert_same_detections, check, error_line, export_and_predict, load_recipe, run_recipe
 
@@ -362,6 +364,107 @@ def test_eval_only_and_predict_in_every_detector(recipe, args, tmp_path):
     entries = json.loads((tmp_path / "predict" / "detections.json").read_text())
     assert len(entries) == 16 and len(list((tmp_path / "predict" / "predictions").glob("*.png"))) == 16
     assert all(d["category_id"] in NAMES for e in entries for d in e["detections"])
+
+
+# ---- --predict's label files: what Ultralytics trains on ---------------------------------------------------------
+CLASSES = ["cat", "dog", "bird"]  # category ids 3, 7, 12: the label files hold the indices
+DETECTED = {  # image -> (boxes XYXY in its pixels, scores, class indices)
+    "a.jpg": ([[10.0, 8.0, 30.0, 40.0], [0.0, 0.0, 64.0, 48.0]], [0.9, 0.5], [2, 0]),
+    "sub/b.jpg": ([[4.5, 6.0, 20.0, 30.25]], [0.7], [1]),
+}
+
+
+def _predicted(tmp_path: Path, with_scores: bool) -> Path:
+    """common.detection.outputs.save_predictions on two photos (one in a sub-folder) and the detections above, as
+    a detector's --predict passes them; returns the run folder."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from common.detection.outputs import save_predictions
+    from common.detection.sources import image_table
+
+    photos = tmp_path / "photos"
+    (photos / "sub").mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (64, 48), (40, 40, 40)).save(photos / "a.jpg")
+    Image.new("RGB", (80, 60), (40, 40, 40)).save(photos / "sub" / "b.jpg")
+    files = [photos / name for name in DETECTED]
+    table = image_table(files)
+    batch = [
+        {"image_id": i, "boxes": torch.tensor(b), "scores": torch.tensor(s), "labels": torch.tensor(c)}
+        for i, (b, s, c) in enumerate(DETECTED.values())
+    ]
+    run = SimpleNamespace(
+        dir=tmp_path / ("scored" if with_scores else "run"),
+        accelerator=SimpleNamespace(num_processes=1, is_main_process=True),
+        begin=lambda: None,
+        print=lambda line: None,
+        finish=lambda: None,
+    )
+    run.dir.mkdir()
+    meta = {"classes": CLASSES, "category_ids": [3, 7, 12]}
+    save_predictions(run, [batch], table, meta, 0.3, photos, with_scores=with_scores)
+    return run.dir
+
+
+def test_predict_label_files_are_training_labels_with_a_data_yaml(tmp_path):
+    """labels/<image>.txt rows are `class cx cy w h` with the class index (not the dataset's category id), and
+    data.yaml beside them names the classes: with the images put under images/, the YOLO reader reads them back as
+    the detections. --predict_scores adds the score as a sixth column."""
+    import yaml
+
+    run = _predicted(tmp_path, with_scores=False)
+    assert yaml.safe_load((run / "data.yaml").read_text())["names"] == dict(enumerate(CLASSES))
+    for name, (boxes, _, classes) in DETECTED.items():
+        rows = [line.split() for line in (run / "labels" / name).with_suffix(".txt").read_text().splitlines()]
+        assert [len(row) for row in rows] == [5] * len(boxes) and [int(row[0]) for row in rows] == classes
+    shutil.copytree(tmp_path / "photos", run / "images")
+    back = load_detection(str(run / "data.yaml"), eval_split="val")
+    assert back.classes == CLASSES and back.category_ids == [0, 1, 2]
+    for row in back.eval:
+        boxes, _, classes = DETECTED[str(Path(row["image"]["path"]).relative_to(run / "images"))]
+        assert row["objects"]["category"] == classes
+        expected = [[x0, y0, x1 - x0, y1 - y0] for x0, y0, x1, y1 in boxes]
+        np.testing.assert_allclose(row["objects"]["bbox"], expected, atol=1e-3)
+    scored = _predicted(tmp_path, with_scores=True)
+    rows = [line.split() for line in (scored / "labels" / "a.txt").read_text().splitlines()]
+    assert [len(row) for row in rows] == [6, 6] and [float(row[5]) for row in rows] == pytest.approx([0.9, 0.5])
+    assert [row[:5] for row in rows] == [line.split() for line in (run / "labels" / "a.txt").read_text().splitlines()]
+
+
+def test_ultralytics_trains_on_predicts_label_files_and_refuses_scored_ones(tmp_path, monkeypatch):
+    """Where Ultralytics is installed (a separate environment: /tmp/ulvenv/bin/python -m pytest ...): its data yaml
+    check takes data.yaml, its dataset reads every 5-column label file with the classes and boxes written, and its
+    label check refuses the 6-column rows of --predict_scores as training labels."""
+    pytest.importorskip("ultralytics")
+    import ultralytics.data.utils as utils
+    from ultralytics.data.dataset import YOLODataset
+
+    monkeypatch.setattr(utils, "check_font", lambda *a, **k: None)  # a font for plots: a download, offline here
+    run = _predicted(tmp_path, with_scores=False)
+    shutil.copytree(tmp_path / "photos", run / "images")
+    data = utils.check_det_dataset(str(run / "data.yaml"))
+    assert data["names"] == dict(enumerate(CLASSES)) and Path(data["train"]) == run / "images"
+    dataset = YOLODataset(img_path=data["train"], data=data, imgsz=64, augment=False, cache=False)
+    read = {str(Path(label["im_file"]).relative_to(run / "images")): label for label in dataset.labels}
+    assert sorted(read) == sorted(DETECTED)
+    for name, (boxes, _, classes) in DETECTED.items():
+        width, height = Image.open(run / "images" / name).size
+        xywhn = [[(x0 + x1) / 2 / width, (y0 + y1) / 2 / height, (x1 - x0) / width, (y1 - y0) / height]
+                 for x0, y0, x1, y1 in boxes]  # fmt: skip
+        assert read[name]["cls"].flatten().tolist() == classes
+        np.testing.assert_allclose(read[name]["bboxes"], xywhn, atol=1e-5)
+    scored = _predicted(tmp_path, with_scores=True)
+    for folder, columns in ((run, 5), (scored, 6)):
+        shutil.copytree(tmp_path / "photos", folder / "images", dirs_exist_ok=True)
+        answer = utils.verify_image_label(
+            (str(folder / "images" / "a.jpg"), str(folder / "labels" / "a.txt"), "", False, 3, 0, 0, False)
+        )
+        im_file, rows, *_, corrupt, message = answer
+        if columns == 5:
+            assert im_file is not None and corrupt == 0 and rows.shape == (2, 5), message
+        else:
+            assert im_file is None and corrupt == 1 and "labels require 5 columns, 6 columns detected" in message
 
 
 def test_yolo_clips_its_boxes_to_the_original_image(monkeypatch):

@@ -23,13 +23,14 @@ from common.checkpoints import partial_stop
 from common.console import counted
 from common.data.images import decode_image
 from common.detection.figures import draw_detections, plot_pr_curves, save_detections
-from common.detection.yolo_txt import label_lines
+from common.detection.yolo_txt import data_yaml, label_lines
 from common.trackers import log_table
 
 PREDICTIONS = "predictions.json"  # in the run folder: an evaluation's detections, the COCO results format
 DETECTIONS = "detections.json"  # in the run folder: --predict's, per image file, corner boxes
 PARTIAL = "detections.partial.json"  # in the run folder: what --predict had written when a stop signal came
-LABELS = "labels"  # in the run folder: --predict's as YOLO label files, one per image (id cx cy w h score)
+LABELS = "labels"  # in the run folder: --predict's as YOLO label files, one per image (class cx cy w h [score])
+DATA_YAML = "data.yaml"  # in the run folder beside labels/: the class names of the label files' indices
 
 
 def write_json(value: Any, path: Path) -> None:
@@ -167,6 +168,7 @@ def save_predictions(
     score_threshold: float,
     root: str | Path,
     model_threshold: tuple[str, float] | None = None,
+    with_scores: bool = False,
 ) -> dict[str, float]:
     """``--predict``: the detections of ``batches`` (the recipe's detection pass over ``table``,
     :func:`common.detection.data.prediction_batches`:
@@ -176,8 +178,9 @@ def save_predictions(
     ``detections``: ``class``, ``category_id``, ``score``, ``box`` [x0, y0, x1, y1] in the original
     image's pixels, most confident first), are drawn on each image under ``predictions/``, at the
     image's path relative to ``root`` (the ``--predict`` folder) as PNG, and written as YOLO label files under
-    ``labels/`` at the same relative path (``.txt``; rows ``category_id cx cy w h score`` normalised by the image's
-    size, :func:`common.detection.yolo_txt.label_lines`; empty for an image without detections). Every process
+    ``labels/`` at the same relative path (``.txt``; rows ``class cx cy w h`` normalised by the image's size, ``class``
+    the class index, and with ``with_scores`` the score after them: :func:`common.detection.yolo_txt.label_lines`;
+    empty for an image without detections) with ``data.yaml`` beside them naming the classes. Every process
     detects its share; each batch's detections are gathered to the main process, which writes them (an image repeated by
     the padding once). ``model_threshold``: the field and value below which the model itself drops detections
     (YOLO's ``conf_threshold``), named in the counts. Returns the number of images and of detections."""
@@ -192,6 +195,9 @@ def save_predictions(
     files = {int(i): Path(v["path"]) for i, v in zip(rows["image_id"], rows["image"])}
     sizes = {int(i): (int(w), int(h)) for i, w, h in zip(rows["image_id"], rows["width"], rows["height"])}
     entries, seen, lower = [], set(), []
+    if accelerator.is_main_process:  # the label files' class names, so that Ultralytics and the reader take them
+        (run.dir / LABELS).mkdir(parents=True, exist_ok=True)
+        (run.dir / DATA_YAML).write_text(data_yaml(classes), encoding="utf-8")
     try:
         for batch in batches:
             found = [_kept(p, score_threshold) for p in batch]
@@ -231,11 +237,12 @@ def save_predictions(
                 out = (folder / relative).with_suffix(".png")
                 out.parent.mkdir(parents=True, exist_ok=True)
                 drawn.save(out)
-                # the same detections as a YOLO label file (id cx cy w h score), as labelling tools import them
+                # the same detections as a YOLO label file: class indices, as Ultralytics trains on them (the
+                # dataset's own category ids are in detections.json), the score only where asked for
                 label = (run.dir / LABELS / relative).with_suffix(".txt")
                 label.parent.mkdir(parents=True, exist_ok=True)
-                ids = [category_ids[int(c)] for c in labels]
-                label.write_text(label_lines(boxes.tolist(), scores.tolist(), ids, (w, h)))
+                shown = scores.tolist() if with_scores else None
+                label.write_text(label_lines(boxes.tolist(), labels.tolist(), (w, h), shown))
                 totals["detections"] += len(detections)
     except RunStopped as stop:  # a stop signal between two batches: what was predicted is kept, named as partial
         if accelerator.is_main_process:
@@ -256,7 +263,8 @@ def save_predictions(
         found = counted(int(totals["detections"]), "detection")
         run.print(
             f"{counted(len(entries), 'image')}, {found} {scoring}: {run.dir / DETECTIONS}, pictures in {folder}, "
-            f"YOLO label files in {run.dir / LABELS}"
+            f"YOLO label files in {run.dir / LABELS} (class indices of {run.dir / DATA_YAML}"
+            f"{', then the score' if with_scores else ''})"
         )
         below = np.concatenate(lower) if lower else np.zeros(0)
         if len(below):  # a young model's detections may all score below the threshold: say they exist

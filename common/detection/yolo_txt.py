@@ -19,8 +19,8 @@
   is never negative); a file that fails one (or mixes polygon and box rows, or holds a malformed line) leaves its
   image out, as Ultralytics does ("ignoring corrupt image/label"): the image and the reason are listed as an
   unreadable image is (``bad_images.txt``). Repeated rows count once (polygons: the same points). One rule is
-  this project's: a sixth value on a box row, a confidence as ``--predict`` writes, is ignored where Ultralytics
-  refuses the file, so that a model's label files read back as its detections.
+  this project's: a sixth value on a box row, a confidence as ``--predict --predict_scores`` writes, is ignored
+  where Ultralytics refuses the file, so that a model's label files read back as its detections.
 - Boxes become COCO ``[x, y, w, h]`` in pixels of the image as displayed (EXIF orientation applied), clipped to it.
 """
 
@@ -287,14 +287,36 @@ def splits(file: Path) -> list[str]:
 
 
 def label_lines(
-    boxes: Sequence[Sequence[float]], scores: Sequence[float], ids: Sequence[int], size: tuple[int, int]
+    boxes: Sequence[Sequence[float]],
+    labels: Sequence[int],
+    size: tuple[int, int],
+    scores: Sequence[float] | None = None,
 ) -> str:
-    """Detections as a label file of Ultralytics' ``--save_txt --save_conf`` form: per row ``id cx cy w h score``,
-    the box normalised by the image's ``size`` (width, height), from XYXY ``boxes`` in its pixels; ``ids`` the
-    dataset's own class ids."""
+    """Detections as an Ultralytics label file: per row ``class cx cy w h``, ``class`` the class index (``labels``,
+    the position in the data yaml's ``names``), the box normalised by the image's ``size`` (width, height), from XYXY
+    ``boxes`` in its pixels; with ``scores``, each row ends with its score (``--save_txt --save_conf``'s form, which
+    labelling tools import, but which Ultralytics refuses as training labels: 5 columns only)."""
     width, height = size
     out = []
-    for (x0, y0, x1, y1), score, c in zip(boxes, scores, ids):
-        values = ((x0 + x1) / 2 / width, (y0 + y1) / 2 / height, (x1 - x0) / width, (y1 - y0) / height, score)
+    for n, ((x0, y0, x1, y1), c) in enumerate(zip(boxes, labels)):
+        values = [(x0 + x1) / 2 / width, (y0 + y1) / 2 / height, (x1 - x0) / width, (y1 - y0) / height]
+        values += [] if scores is None else [scores[n]]
         out.append(" ".join([str(int(c))] + [f"{float(v):.6g}" for v in values]) + "\n")
     return "".join(out)
+
+
+def data_yaml(names: Sequence[str]) -> str:
+    """A data yaml naming the classes ``names`` (index -> name) with ``train`` and ``val`` at ``images/`` beside it
+    and no ``path`` (so the yaml's own folder, for Ultralytics and :func:`read_yaml` alike): what makes the label
+    files under ``labels/`` a dataset once the images are put under ``images/`` at the same relative paths."""
+    import yaml
+
+    head = (
+        "# Ultralytics' data yaml for the label files in labels/ (class indices of names below). To train on them\n"
+        "# (yolo train data=<this file>), put the images at the same paths under images/ beside labels/.\n"
+    )
+    return head + yaml.safe_dump(
+        {"train": "images", "val": "images", "nc": len(names), "names": dict(enumerate(map(str, names)))},
+        sort_keys=False,
+        allow_unicode=True,
+    )
