@@ -40,6 +40,7 @@ evaluate again before it goes on; between epochs by :meth:`Loop.epochs`. The las
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import math
@@ -54,7 +55,7 @@ from accelerate.utils import broadcast, broadcast_object_list
 from tqdm.auto import tqdm
 
 from common import RunStopped
-from common.budget import Length, Plan, plan_budget, process_start, seconds_of
+from common.budget import STEP_MARGIN, Length, Plan, plan_budget, process_start, seconds_of
 from common.console import step_line, summary
 from common.heartbeat import SILENCE_S
 from common.loaders import shutdown_workers
@@ -68,6 +69,8 @@ LayOut = Callable[[Length], Mapping[str, np.ndarray]]
 # 30, and fewer than 30 once they took TIMING_SHARE of the budget
 TIMING_STEPS = (3, 30)
 TIMING_SHARE = 0.04
+RECENT_STEPS = 20  # a budgeted run's speed after its plan: the median of this many recent steps
+CHECK_EVERY = 10  # with several processes, the budget is checked every this many steps (a collective)
 
 
 class Loop:
@@ -115,6 +118,7 @@ class Loop:
         self._loop_end: float | None = None
         self._last_line, self._last_step = time.monotonic(), self.step  # the last step line (no progress bar)
         self._timed: list[float] = []  # a budgeted run's timing: perf_counter() at the end of each step
+        self._ends: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS + 1)  # after the plan, alike
         self._eval_s: float | None = None  # the last evaluation's seconds, this session
         self._step_s, self._steps_timed = 0.0, 0  # the step clock's seconds and steps, this session (the eta)
         self._unit = ""  # the step line's speed unit, fixed by its first line
@@ -145,6 +149,8 @@ class Loop:
         self._last_step = self.step
         if self.budget_s and "plan" in self.extra:  # the same steps and schedules as the run it continues
             self._apply(Plan(**self.extra["plan"]))
+            for at, total in self.extra.get("squeezed", []):
+                self._squeeze(at, total)
             self.run.print(f"resume: max_time's plan kept: {self.total_steps:,} optimizer steps")
         elif self.budget_s and self.step > 0 and "max_time_s" not in self.extra:
             self.run.print("warning: max_time is ignored: the run it resumes was started without one")
@@ -199,7 +205,7 @@ class Loop:
             per_image = step_s / (self.cfg.batch_size * self.cfg.grad_accum_steps)
             eval_s = self._eval_s  # measured (DINO's step-0 evaluation), else the steps' forward passes
             if eval_s is None:
-                eval_s = 1.0 + 0.5 * per_image * (self.eval_images or 0) / acc.num_processes
+                eval_s = 2.0 + 0.75 * per_image * (self.eval_images or 0) / acc.num_processes  # and its pictures
             end_s = 3.0 + 0.01 * self.budget_s + (20.0 if getattr(self.cfg, "export", False) else 0.0)
             plan = plan_budget(
                 self.budget_s,
@@ -223,23 +229,55 @@ class Loop:
         """Seconds of ``--max_time`` left (infinite without one)."""
         return self.budget_s - (time.time() - process_start()) if self.budget_s else math.inf
 
+    def _step_time(self) -> float:
+        """Seconds per step lately: the median of the last :data:`RECENT_STEPS` steps' wall times, an evaluation's
+        interval left out (the plan's timed value until there are a few)."""
+        assert self.plan is not None
+        recent = [b - a for a, b in zip(self._ends, list(self._ends)[1:]) if b - a > 0][-RECENT_STEPS:]
+        return float(np.median(recent)) if len(recent) >= 5 else self.plan.step_s
+
     def _keep_time(self) -> None:
-        """After a planned step: when the steps left, the final evaluation and the end no longer fit what is left of
-        the budget (steps slower than timed), training ends here, the final evaluation next."""
+        """After a planned step (every :data:`CHECK_EVERY` steps with several processes: one collective): when the
+        steps left at their recent speed, the final evaluation and the end no longer fit what is left of the budget
+        (a busier machine), the rest of every schedule is squeezed into the steps that fit (:meth:`_squeeze`): the
+        decay still runs to its end. Said once a run; kept in the checkpoints for a resume."""
         plan = self.plan
         assert plan is not None
-        if self.step >= self.total_steps:
+        now = time.perf_counter()
+        self._ends.append(now)
+        several = self.accelerator.num_processes > 1
+        if self.step >= self.total_steps or (several and self.step % CHECK_EVERY):
             return
-        need = (self._eval_s or plan.eval_s) + plan.end_s + plan.step_s
-        over = self.budget_left() < need
-        if self.accelerator.num_processes > 1:
-            over = bool(broadcast(torch.tensor(float(over), device=self.accelerator.device)).item())
-        if over:
-            self.run.print(
-                f"max_time: training ends at step {self.step:,} of {self.total_steps:,} to leave time for the final "
-                "evaluation and the weights (the steps ran slower than timed)"
-            )
-            self.total_steps = self.step
+        step_s, tail = self._step_time(), (self._eval_s or plan.eval_s) + plan.end_s
+        left = self.budget_left() - tail
+        fits = self.total_steps
+        if left < (self.total_steps - self.step) * step_s:  # behind: what fits, with a margin for what comes
+            fits = self.step + max(math.floor(STEP_MARGIN * left / step_s), 1)
+        if several:
+            fits = int(broadcast(torch.tensor(fits, device=self.accelerator.device)).item())
+        if fits < self.total_steps:
+            if not self.extra.get("squeezed"):
+                self.run.print(
+                    f"max_time: the steps run slower than timed ({step_s:.2f} s/step, timed {plan.step_s:.2f}): the "
+                    f"schedules' rest after step {self.step:,} is squeezed into {fits - self.step:,} steps, to "
+                    f"step {fits:,} of {self.total_steps:,}, so that the decay, the final evaluation and the "
+                    "weights still come within the budget"
+                )
+            self.extra.setdefault("squeezed", []).append([self.step, fits])
+            self._squeeze(self.step, fits)
+
+    def _squeeze(self, at: int, total: int) -> None:
+        """Every schedule's values from step ``at`` on, resampled (linearly) onto ``total - at`` steps: the same
+        curve from where it is to its end, faster; the run now ends at ``total``."""
+        for name, values in self.values.items():
+            rest = values[at:]
+            if len(rest) > 1:
+                points = np.linspace(0, len(rest) - 1, max(total - at, 1))
+                self.values[name] = np.concatenate([values[:at], np.interp(points, np.arange(len(rest)), rest)])
+        self.total_steps = total
+        if self.progress is not None:
+            self.progress.total = total
+            self.progress.refresh()
 
     # -- iterating ---------------------------------------------------------------------------------
     def epochs(self) -> Iterator[int]:
@@ -454,7 +492,7 @@ class Loop:
             return False
         if self.plan is not None:
             eval_s = self._eval_s or self.plan.eval_s
-            rest = (self.total_steps - self.step) * self.plan.step_s + 2 * eval_s + self.plan.end_s
+            rest = (self.total_steps - self.step) * self._step_time() + 2 * eval_s + self.plan.end_s
             if self.budget_left() < rest:
                 if not self.extra.get("evaluations_left_out"):
                     self.run.print(f"max_time: the evaluation of epoch {self.epoch} left out to end in time")
@@ -478,6 +516,7 @@ class Loop:
             self.run.evaluation_started()
             yield
             self._eval_s = time.perf_counter() - started  # a budget's guard and the eta follow the measured one
+            self._ends.clear()  # the next step's interval holds this evaluation: not a step's time
         except RunStopped:
             self._stop_now()
         finally:
