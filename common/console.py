@@ -183,13 +183,30 @@ def step_line(epoch: int, step: int, total: int, means: Mapping[str, float], uni
     return f"epoch {epoch} step {steps}  loss {means.get('loss', math.nan):.4g}{shown}{lr}  {speed}{eta}"
 
 
-def launch_command(recipe: str) -> str:
-    """``accelerate launch <script>``: the recipe file as this process was started (relative to the working
-    directory where it lies under it), else ``recipes/<recipe>.py``."""
+def launch_command(recipe: str, launcher: str = "") -> str:
+    """The command that starts the recipe's script as this process was started, for the commands a run prints
+    (continue, redo): ``accelerate launch <script>`` under ``accelerate launch`` (it exports
+    ``ACCELERATE_MIXED_PRECISION`` to the training processes on every path, DeepSpeed's too, and
+    ``ACCELERATE_DYNAMO_BACKEND`` on the others; multi-GPU runs go through torchrun, so this is asked first),
+    ``torchrun --nproc_per_node N <script>`` under torchrun (``TORCHELASTIC_RUN_ID``; ``--nnodes`` where there are
+    several machines, whose rendezvous flags only the user knows), else ``python <script>``. ``launcher`` given
+    (``accelerate launch``): that one, for a command another process will run, whose launcher this one cannot know.
+    ``<script>``: the recipe file as this process was started (relative to the working directory where it lies under
+    it), else ``recipes/<recipe>.py``."""
     script = Path(sys.argv[0]) if Path(sys.argv[0]).stem == recipe else Path(f"recipes/{recipe}.py")
     if script.is_absolute() and script.is_relative_to(Path.cwd()):
         script = script.relative_to(Path.cwd())
-    return f"accelerate launch {script}"
+    if not launcher:
+        env = os.environ
+        if "ACCELERATE_MIXED_PRECISION" in env or "ACCELERATE_DYNAMO_BACKEND" in env:
+            launcher = "accelerate launch"
+        elif "TORCHELASTIC_RUN_ID" in env:
+            local = int(env.get("LOCAL_WORLD_SIZE", "1"))
+            nodes = int(env.get("WORLD_SIZE", str(local))) // max(local, 1)
+            launcher = "torchrun" + (f" --nnodes {nodes}" if nodes > 1 else "") + f" --nproc_per_node {local}"
+        else:
+            launcher = "python"
+    return f"{launcher} {script}"
 
 
 @contextlib.contextmanager

@@ -299,9 +299,11 @@ def is_checkpoint_folder(path: str | Path) -> bool:
 
 
 def finish_command(run: Path, recipe: str) -> str:
-    """The command that finishes the run in the folder ``run`` (its weights files), as far as it is known."""
+    """The command that finishes the run in the folder ``run`` (its weights files), as far as it is known. Another
+    process started that run, perhaps on several devices (an FSDP run's sharded checkpoint): ``accelerate launch``,
+    which takes the user's own launch config, rather than this process's launcher."""
     flags = f"--config {run / 'config.yaml'} --resume auto"
-    return f"{launch_command(recipe)} {flags}" if recipe else f"the recipe with {flags}"
+    return f"{launch_command(recipe, 'accelerate launch')} {flags}" if recipe else f"the recipe with {flags}"
 
 
 def checkpoint_model(folder: Path, recipe: str = "") -> Path:

@@ -89,8 +89,8 @@ def test_classifier_failed_end_steps_are_told_after_the_summary_and_their_comman
 
     code, lines = _run(classifier, args)
     assert code == 1
-    finish = f"accelerate launch recipes/classifier.py --config {run / 'config.yaml'} --resume auto"
-    export = f"accelerate launch recipes/classifier.py --export --weights {run / 'best.safetensors'}"
+    finish = f"python recipes/classifier.py --config {run / 'config.yaml'} --resume auto"  # as this run started
+    export = f"python recipes/classifier.py --export --weights {run / 'best.safetensors'}"
     upload = f"hf upload me/digits {run / 'model'} ."
     assert _after_summary(lines, run) == [
         f"error: model folder failed (TypeError: {save_for_hf}); redo it with: {finish}",
@@ -105,7 +105,7 @@ def test_classifier_failed_end_steps_are_told_after_the_summary_and_their_comman
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["recipes/classifier.py"])
-    classifier.main(shlex.split(export)[3:] + ["--report_to", "none"])
+    classifier.main(shlex.split(export)[2:] + ["--report_to", "none"])
     onnx = tmp_path / "runs" / "classifier" / "export-run" / "model.onnx"
     assert onnx.is_file()
 
@@ -113,7 +113,7 @@ def test_classifier_failed_end_steps_are_told_after_the_summary_and_their_comman
     pushed = []
     monkeypatch.setattr(common.run, "check_hub_push", lambda repo: None)
     monkeypatch.setattr(common.run, "push_folder", lambda folder, repo: pushed.append((folder, repo)) or "pushed")
-    classifier.main(shlex.split(finish)[3:])
+    classifier.main(shlex.split(finish)[2:])
     assert pushed == [(run / "model", "me/digits")]
     best = safetensors.torch.load_file(str(run / "best.safetensors"))
     folder = safetensors.torch.load_file(str(run / "model" / "model.safetensors"))
@@ -133,7 +133,7 @@ def test_each_recipe_tells_a_failed_model_folder_and_export_after_the_summary(re
 
     code, lines = _run(module, TINY[recipe] + SHORT + ["--output_dir", str(run)])
     assert code == 1
-    launch = f"accelerate launch recipes/{recipe}.py"
+    launch = f"python recipes/{recipe}.py"
     kept = run / f"{KEPT[recipe]}.safetensors"
     assert _after_summary(lines, run) == [
         f"error: model folder failed (OSError: Read-only file system); redo it with: {launch} --config "

@@ -305,7 +305,7 @@ def test_a_stop_after_the_training_steps_keeps_what_is_written_and_says_how_to_f
     out, err = capsys.readouterr()
     assert exit_info.value.code == 0 and "Traceback" not in out + err, err[-2000:]
     lines = out.strip().splitlines()
-    command = f"accelerate launch recipes/{recipe}.py --config {run / 'config.yaml'} --resume auto"
+    command = f"python recipes/{recipe}.py --config {run / 'config.yaml'} --resume auto"
     if phase == "evaluate":  # the last evaluation is in the loop: a checkpoint before it, which it redoes
         checkpoint = run / "checkpoints" / "step_00000003"
         assert lines[-2] == f"stopped by SIGTERM at step 3; checkpoint {checkpoint} (before the evaluation, which " \

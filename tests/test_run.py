@@ -325,9 +325,9 @@ def test_the_continue_command_carries_what_a_resume_changed(tmp_path):
     changes = {"max_steps": (4, 6), "scale": ([0.6, 1.0], [0.5, 1.0]), "report_to": ("none", "tensorboard")}
     fake = SimpleNamespace(recipe="classifier", dir=tmp_path / "run", resume_changes=changes)
     command = Run.continue_command(fake)
-    assert command.startswith(f"accelerate launch recipes/classifier.py --config {tmp_path / 'run' / 'config.yaml'} ")
+    assert command.startswith(f"python recipes/classifier.py --config {tmp_path / 'run' / 'config.yaml'} ")
     assert command.endswith(" --resume auto")
-    flags = shlex.split(command)[5:-2]
+    flags = shlex.split(command)[4:-2]
     assert flags == ["--max_steps", "6", "--scale", "[0.5, 1.0]", "--report_to", "tensorboard"]
     cfg = parse_config(classifier.Config, flags)
     assert (cfg.max_steps, cfg.scale, cfg.report_to) == (6, [0.5, 1.0], "tensorboard")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY_CLASSIFIER, recipe_cmd, recipe_env
+from conftest import ROOT, TINY_CLASSIFIER, free_port, recipe_cmd, recipe_env
 
 SCRIPT = ROOT / "recipes" / "classifier.py"
 # two epochs of the classifier's tiny run (22 steps each on one process): long enough to be signalled mid-run
@@ -88,10 +88,12 @@ def stop_once_stepped(cmd: list[str], cwd: Path, env: dict[str, str], to_group: 
         run.kill()
 
 
-def stopped_cleanly(out: str, folder: Path, name: str = "SIGTERM", last: bool = True) -> tuple[int, list[str]]:
+def stopped_cleanly(
+    out: str, folder: Path, name: str = "SIGTERM", last: bool = True, launcher: tuple[str, ...] = ("python",)
+) -> tuple[int, list[str]]:
     """The stop contract on the training process's output: the signal acknowledged once, the checkpoint of the
-    step it stopped at, and the command that continues it (``last``: on the last line). Returns that step and
-    the command's arguments after the script."""
+    step it stopped at, and the command that continues it (``last``: on the last line), in the ``launcher`` that
+    started the run. Returns that step and the command's arguments after the script."""
     assert out.count(f"{name} received: finishing the step, saving a checkpoint, then exiting") == 1, out[-4000:]
     found = re.search(rf"stopped by {name} at step (\d+); checkpoint (\S+)", out)
     assert found, out[-4000:]
@@ -100,9 +102,10 @@ def stopped_cleanly(out: str, folder: Path, name: str = "SIGTERM", last: bool = 
     ours = [line for line in out.splitlines() if line.startswith("continue with: ")]
     assert ours and (not last or out.rstrip().splitlines()[-1] == ours[-1]), out[-4000:]
     command = shlex.split(ours[-1].removeprefix("continue with: "))
-    assert command[:3] == ["accelerate", "launch", str(SCRIPT)], command
-    assert command[3:] == ["--config", str(folder / "config.yaml"), "--resume", "auto"], command
-    return step, command[3:]
+    script = len(launcher) + 1
+    assert command[:script] == [*launcher, str(SCRIPT)], command
+    assert command[script:] == ["--config", str(folder / "config.yaml"), "--resume", "auto"], command
+    return step, command[script:]
 
 
 # -- the workers alone: fast ---------------------------------------------------------------------------
@@ -173,6 +176,49 @@ def test_the_image_checks_leave_group_signals_to_the_training_process(tmp_path):
     assert proc.stdout.split() == ["600", "2", "10", "15"], proc.stdout
 
 
+# -- the command that continues a run, in the launcher that started it -----------------------------------
+LAUNCHED = "from common.console import launch_command\nprint(launch_command('classifier'))\n"
+
+
+def test_the_printed_command_starts_the_recipe_as_this_process_was_started(tmp_path):
+    """A script named as the recipe, started by python, by `accelerate launch` and by torchrun with 2 processes,
+    each with the environment the launcher really gives it: the command its run would print (``continue with:``,
+    ``redo it with:``) names that launcher, torchrun with its process count (the issue: `accelerate launch` for a
+    run started with python, and Accelerate's warnings about its missing config on the resume)."""
+    (tmp_path / "classifier.py").write_text(LAUNCHED)
+    env = recipe_env()
+    for name in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)  # this test's own launcher, if any, is not the one under test
+
+    def printed(cmd: list[str]) -> list[str]:
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.splitlines()
+
+    assert printed([sys.executable, "classifier.py"]) == ["python classifier.py"]
+    assert printed([*ACCELERATE_LAUNCH, "classifier.py"]) == ["accelerate launch classifier.py"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    assert printed([*torchrun, "classifier.py"]) == ["torchrun --nproc_per_node 2 classifier.py"] * 2
+
+
+def test_accelerate_launch_over_torchrun_and_torchrun_over_machines(monkeypatch):
+    """`accelerate launch --multi_gpu` starts its processes through torchrun (both launchers' variables set): the
+    command is accelerate's, which applies the user's launch config again. torchrun over 2 machines of 4 processes:
+    --nnodes too. A command for a run another process started (an FSDP checkpoint's) names the launcher given."""
+    from common.console import launch_command
+
+    monkeypatch.setattr(sys, "argv", [str(Path.cwd() / "recipes" / "classifier.py")])
+    for name in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert launch_command("classifier") == "torchrun --nnodes 2 --nproc_per_node 4 recipes/classifier.py"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what prepare_multi_gpu_env exports
+    assert launch_command("classifier") == "accelerate launch recipes/classifier.py"
+    assert launch_command("yolo", "accelerate launch") == "accelerate launch recipes/yolo.py"
+
+
 # -- whole runs: the stop in the default suite, the resume to the end in the second tier ------------------
 def python_run(folder: Path) -> list[str]:
     return recipe_cmd("classifier", [*ARGS, "--output_dir", str(folder)])
@@ -206,19 +252,19 @@ def test_group_sigterm_under_accelerate_launch(tmp_path):
         [*ACCELERATE_LAUNCH, str(SCRIPT), *ARGS, "--output_dir", str(folder)], tmp_path, recipe_env()
     )
     assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in out, out[-4000:]
-    stopped_cleanly(out, folder)
+    stopped_cleanly(out, folder, launcher=("accelerate", "launch"))
 
 
 @pytest.mark.configs
 def test_a_run_stopped_by_group_sigterm_continues_to_the_end_with_the_printed_command(tmp_path):
-    """The stop above, then the printed command (through `accelerate launch`, as printed): it resumes from the
-    checkpoint the stop wrote and trains to the end."""
+    """The stop above, then the printed command (`python recipes/classifier.py ...`, as printed): it resumes from
+    the checkpoint the stop wrote and trains to the end."""
     folder = tmp_path / "run"
     proc, out = stop_once_stepped(python_run(folder), tmp_path, recipe_env())
     assert proc.returncode == 0 and "Traceback" not in out, out[-4000:]
     step, rest = stopped_cleanly(out, folder)
     resumed = subprocess.run(
-        [*ACCELERATE_LAUNCH, str(SCRIPT), *rest, "--max_steps", str(step + 2)],
+        [sys.executable, str(SCRIPT), *rest, "--max_steps", str(step + 2)],
         cwd=tmp_path,
         env=recipe_env(),
         capture_output=True,
@@ -246,7 +292,7 @@ def test_group_sigterm_under_torchrun_with_two_processes(tmp_path):
         assert re.fullmatch(r".*SignalException: Process \d+ got signal: 15", last), out[-4000:]
     else:
         assert "Traceback" not in out, out[-4000:]
-    step, rest = stopped_cleanly(out, folder, last=proc.returncode == 0)
+    step, rest = stopped_cleanly(out, folder, last=proc.returncode == 0, launcher=("torchrun", "--nproc_per_node", "2"))
     resumed = subprocess.run(
         recipe_cmd("classifier", [*rest, "--max_steps", str(step + 2)], 2),
         cwd=tmp_path,
