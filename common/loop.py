@@ -70,6 +70,7 @@ LayOut = Callable[[Length], Mapping[str, np.ndarray]]
 TIMING_STEPS = (3, 30)
 TIMING_SHARE = 0.04
 RECENT_STEPS = 20  # a budgeted run's speed after its plan: the median of this many recent steps
+EVAL_MARGIN = 1.25  # the final evaluation may take longer than the last one (a busier machine, more detections)
 CHECK_EVERY = 10  # with several processes, the budget is checked every this many steps (a collective)
 
 
@@ -248,7 +249,7 @@ class Loop:
         several = self.accelerator.num_processes > 1
         if self.step >= self.total_steps or (several and self.step % CHECK_EVERY):
             return
-        step_s, tail = self._step_time(), (self._eval_s or plan.eval_s) + plan.end_s
+        step_s, tail = self._step_time(), EVAL_MARGIN * (self._eval_s or plan.eval_s) + plan.end_s
         left = self.budget_left() - tail
         fits = self.total_steps
         if left < (self.total_steps - self.step) * step_s:  # behind: what fits, with a margin for what comes
