@@ -12,6 +12,7 @@ its checkpoints, so a resume continues the very same schedule.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import os
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from common import UserError
 from common.meters import format_seconds
@@ -164,3 +167,93 @@ def process_start() -> float:
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return _IMPORTED
+
+
+# a budgeted run times the steps after its first two (workers and caches still warming up): at least 3, at most
+# 30, and fewer than 30 once they took TIMING_SHARE of the budget
+TIMING_STEPS = (3, 30)
+TIMING_SHARE = 0.04
+RECENT_STEPS = 20  # after the plan, the run's speed: the median of this many recent steps
+EVAL_MARGIN = 1.25  # the final evaluation may take longer than the last one (a busier machine, more detections)
+CHECK_EVERY = 10  # with several processes the budget is checked every this many steps (one collective)
+STRETCH = 1.1  # a run whose steps turned faster stretches its schedules' rest when this many times its steps fit
+
+
+class BudgetClock:
+    """A budgeted run's clock: it times the first steps (:meth:`timed`), makes the :class:`Plan`
+    (:meth:`plan`), follows the steps' speed afterwards and says how many steps still fit (:meth:`fit`), and how
+    long is left (:meth:`left`). Decisions that change what every process does are the main process's, broadcast
+    (``accelerator``), so that they agree."""
+
+    def __init__(self, seconds: float, accelerator: Any) -> None:
+        self.seconds, self.accelerator = seconds, accelerator
+        self.timed_ends: list[float] = []  # perf_counter() at the end of each step, until planned
+        self.ends: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS + 1)  # and after it
+        self.eval_s: float | None = None  # the last evaluation's seconds, this session
+
+    def left(self) -> float:
+        return self.seconds - (time.time() - process_start())
+
+    def _agreed(self, value: float) -> float:
+        """The main process's ``value`` on every process."""
+        if self.accelerator.num_processes == 1:
+            return value
+        import torch
+        from accelerate.utils import broadcast
+
+        return float(broadcast(torch.tensor(value, device=self.accelerator.device, dtype=torch.float64)).item())
+
+    def timed(self) -> bool:
+        """After a step before the plan: whether enough steps are timed to plan (the same on every process)."""
+        self.timed_ends.append(time.perf_counter())
+        n, seconds = len(self.timed_ends) - 2, self.timed_ends[-1] - self.timed_ends[min(1, len(self.timed_ends) - 1)]
+        return bool(self._agreed(float(n >= TIMING_STEPS[0] and (seconds >= TIMING_SHARE * self.seconds
+                                                                  or n >= TIMING_STEPS[1]))))  # fmt: skip
+
+    def plan(self, cfg: Any, step: int, steps_per_epoch: int | Callable[[int], int], eval_images: int | None) -> Plan:
+        """The plan after ``step`` timed steps (the main process's, on every process). An evaluation not yet
+        measured is estimated from the steps: three quarters of a training step's time per image, its pictures
+        and a start."""
+        plan = None
+        acc = self.accelerator
+        if acc.is_main_process:
+            timed = len(self.timed_ends) - 2
+            step_s = (self.timed_ends[-1] - self.timed_ends[1]) / timed
+            per_image = step_s / (cfg.batch_size * cfg.grad_accum_steps)
+            eval_s = self.eval_s or 2.0 + 0.75 * per_image * (eval_images or 0) / acc.num_processes
+            end_s = 3.0 + 0.01 * self.seconds + (20.0 if getattr(cfg, "export", False) else 0.0)
+            elapsed = time.time() - process_start()
+            evaluations = math.ceil(cfg.epochs / cfg.eval_every)
+            plan = plan_budget(self.seconds, elapsed, step_s, EVAL_MARGIN * eval_s, end_s, step, steps_per_epoch,
+                               evaluations, cfg.max_steps).as_dict()  # fmt: skip
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            plan = broadcast_object_list([plan])[0]
+        return Plan(**plan)
+
+    def step_s(self, timed: float) -> float:
+        """Seconds per step lately: the median of the last :data:`RECENT_STEPS` steps' wall times, an evaluation's
+        interval left out (``timed``, the plan's, until there are 5)."""
+        ends = list(self.ends)
+        recent = [b - a for a, b in zip(ends, ends[1:]) if b > a]
+        return float(np.median(recent)) if len(recent) >= 5 else timed
+
+    def evaluated(self, seconds: float) -> None:
+        self.eval_s = seconds
+        self.ends.clear()  # the next step's interval holds the evaluation: not a step's time
+
+    def fit(self, step: int, total: int, plan: Plan, max_steps: int = 0) -> int:
+        """After a planned step: the run's last step so that the steps left at their recent speed, the final
+        evaluation and the end fit what is left of the budget: ``total`` while they do; fewer steps when they no
+        longer do; more when :data:`STRETCH` times as many steps fit (a machine that turned faster), at most
+        ``max_steps``. Checked every :data:`CHECK_EVERY` steps with several processes."""
+        self.ends.append(time.perf_counter())
+        if step >= total or (self.accelerator.num_processes > 1 and step % CHECK_EVERY):
+            return total
+        step_s = self.step_s(plan.step_s)
+        left = self.left() - (EVAL_MARGIN * self.eval_s if self.eval_s else plan.eval_s) - plan.end_s  # margin in
+        fits, need = step + max(math.floor(STEP_MARGIN * left / step_s), 1), (total - step) * step_s
+        if left < need or (len(self.ends) > RECENT_STEPS and fits > STRETCH * total):
+            total = min(fits, max_steps) if max_steps > 0 else fits
+        return int(self._agreed(float(total)))

@@ -40,7 +40,6 @@ evaluate again before it goes on; between epochs by :meth:`Loop.epochs`. The las
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import math
@@ -51,30 +50,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import broadcast, broadcast_object_list
 from tqdm.auto import tqdm
 
 from common import RunStopped
-from common.budget import STEP_MARGIN, Length, Plan, plan_budget, process_start, seconds_of
+from common.budget import BudgetClock, Length, process_start, seconds_of
+from common.budgeted import BudgetedLoop
 from common.console import step_line, summary
 from common.heartbeat import SILENCE_S
 from common.loaders import shutdown_workers
 from common.meters import Meters, format_seconds, prefixed
 from common.run import Run
 from common.run_folder import TrainState
-from common.schedules import resumed_schedule, steps_total
+from common.schedules import LaidOut, resumed_schedule, steps_total
 
 LayOut = Callable[[Length], Mapping[str, np.ndarray]]
-# a budgeted run times the steps after its first two (workers and caches still warming up): at least 3, at most
-# 30, and fewer than 30 once they took TIMING_SHARE of the budget
-TIMING_STEPS = (3, 30)
-TIMING_SHARE = 0.04
-RECENT_STEPS = 20  # a budgeted run's speed after its plan: the median of this many recent steps
-EVAL_MARGIN = 1.25  # the final evaluation may take longer than the last one (a busier machine, more detections)
-CHECK_EVERY = 10  # with several processes, the budget is checked every this many steps (a collective)
 
 
-class Loop:
+class Loop(BudgetedLoop):
     """Epochs and batches of one run (the module docstring shows the loop it serves). ``train_loader``: prepared,
     its batch sampler with ``set_epoch``; ``lay_out``: the recipe's schedules for a :class:`Length` (a name ->
     one value per step of ``length.steps``; ``lr`` among them is kept in checkpoints, so that a resume with another
@@ -89,19 +81,11 @@ class Loop:
                  steps_per_epoch: int | Callable[[int], int] | None = None) -> None:  # fmt: skip
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
         self.train_loader, self.replaced, self.lay_out = train_loader, replaced, lay_out
-        cfg = self.cfg
-        if steps_per_epoch is None:
-            steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
-        self.steps_per_epoch = steps_per_epoch
+        cfg, self.plan = self.cfg, None
+        spe = self.steps_per_epoch = steps_per_epoch or math.ceil(len(train_loader) / cfg.grad_accum_steps)
         self.budget_s = seconds_of(getattr(cfg, "max_time", ""))
-        self.plan: Plan | None = None
-        total = steps_total(cfg.epochs, steps_per_epoch, cfg.max_steps)
-        # a budget's plan replaces it; until then its recipe's lay_out sees a budgeted length of the config's epochs
-        self.length = Length(total, steps_per_epoch, cfg.epochs, cfg.epochs, budgeted=bool(self.budget_s))
-        self.values = self._laid(self.length)
-        if self.budget_s:  # until planned: every schedule's starting value, no end in sight
-            self.values = {k: v[:1] for k, v in self.values.items()}
-        self._first = {k: float(v[0]) for k, v in self.values.items()}  # the timing steps' values
+        total = steps_total(cfg.epochs, spe, cfg.max_steps)  # a budget: its plan's, and until then the config's
+        self.schedules = LaidOut(lay_out, Length(total, spe, cfg.epochs, cfg.epochs, 0, bool(self.budget_s)))
         self.total_steps = (cfg.max_steps or 2**62) if self.budget_s else total
         run.begin()
         run.print_banner(train_loader, self.total_steps, eval_images, classes, self.budget_s)
@@ -118,26 +102,19 @@ class Loop:
         self._tail_s: float | None = None
         self._loop_end: float | None = None
         self._last_line, self._last_step = time.monotonic(), self.step  # the last step line (no progress bar)
-        self._timed: list[float] = []  # a budgeted run's timing: perf_counter() at the end of each step
-        self._ends: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS + 1)  # after the plan, alike
-        self._eval_s: float | None = None  # the last evaluation's seconds, this session
+        self.clock = BudgetClock(self.budget_s, self.accelerator)  # a budget's timing, speed and time left
         self._step_s, self._steps_timed = 0.0, 0  # the step clock's seconds and steps, this session (the eta)
         self._unit = ""  # the step line's speed unit, fixed by its first line
         self._first_step_s = 0.0  # seconds from the process's start to this session's first step's end
         self.progress: Any = None
 
-    def _laid(self, length: Length) -> dict[str, np.ndarray]:
-        values = self.lay_out(length) if self.lay_out is not None else {}
-        return {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
-
     def value(self, name: str) -> float:
         """This step's value of the schedule ``name`` (``lay_out``'s); a budgeted run's timing steps: its first."""
-        values = self.values[name]
-        return float(values[min(self.step, len(values) - 1)])
+        return self.schedules.value(name, self.step)
 
     @property
     def lr(self) -> np.ndarray | None:
-        return self.values.get("lr")
+        return self.schedules.values.get("lr")
 
     def resume(self) -> TrainState:
         """Continue from the checkpoint ``--resume`` names (:meth:`common.run.Run.resume`: model, optimizer, EMA,
@@ -148,18 +125,8 @@ class Loop:
         self.extra = dict(self.start.extra)
         self._saved_step = self.step if self.run.last_checkpoint else -1
         self._last_step = self.step
-        if self.budget_s and "plan" in self.extra:  # the same steps and schedules as the run it continues
-            self._apply(Plan(**self.extra["plan"]))
-            for at, total in self.extra.get("squeezed", []):
-                self._squeeze(at, total)
-            self.run.print(f"resume: max_time's plan kept: {self.total_steps:,} optimizer steps")
-        elif self.budget_s and self.step > 0 and "max_time_s" not in self.extra:
-            self.run.print("warning: max_time is ignored: the run it resumes was started without one")
-            self.budget_s = 0.0
-            cfg = self.cfg
-            total = steps_total(cfg.epochs, self.steps_per_epoch, cfg.max_steps)
-            self.length = Length(total, self.steps_per_epoch, cfg.epochs, cfg.epochs)
-            self.values, self.total_steps = self._laid(self.length), total
+        if self.budget_s:
+            self._resume_budget()
         if changed := resumed_schedule(self.extra, self.total_steps, self.step, self.lr):  # another length
             self.run.print(changed)
         main = None if self.accelerator.is_main_process else True  # None: no bar in a log file
@@ -167,118 +134,6 @@ class Loop:
         self.progress = tqdm(total=total, initial=self.step, desc=self.run.recipe, dynamic_ncols=True, disable=main)
         self.run.stop_phase = "training"
         return self.start
-
-    # -- a time budget ---------------------------------------------------------------------------
-    @property
-    def _unplanned(self) -> bool:
-        return bool(self.budget_s) and self.plan is None
-
-    def _apply(self, plan: Plan) -> None:
-        """Lay the schedules over ``plan``'s steps after its timing steps (those keep every schedule's first
-        value), and end the run there."""
-        self.plan = plan
-        self.length = Length(
-            plan.steps - plan.timing, self.steps_per_epoch, plan.epochs, self.cfg.epochs, plan.timing, True
-        )
-        laid = self._laid(self.length)
-        self.values = {k: np.concatenate([np.full(plan.timing, self._first[k]), v]) for k, v in laid.items()}
-        self.total_steps = plan.steps
-        self.extra["plan"] = plan.as_dict()
-        if self.progress is not None:
-            self.progress.total = plan.steps
-            self.progress.refresh()
-
-    def _time_steps(self) -> None:
-        """A budgeted run's timing, after each step until planned: the steps after this session's first two are
-        timed; once enough are, the main process plans and every process takes its plan."""
-        self._timed.append(time.perf_counter())
-        timed, seconds = len(self._timed) - 2, self._timed[-1] - self._timed[1 if len(self._timed) > 1 else 0]
-        done = timed >= TIMING_STEPS[0] and (seconds >= TIMING_SHARE * self.budget_s or timed >= TIMING_STEPS[1])
-        acc = self.accelerator
-        if acc.num_processes > 1:  # every process plans at the same step
-            flag = torch.tensor(float(done), device=acc.device)
-            done = bool(broadcast(flag).item())
-        if not done:
-            return
-        plan = None
-        if acc.is_main_process:
-            step_s = seconds / timed
-            per_image = step_s / (self.cfg.batch_size * self.cfg.grad_accum_steps)
-            eval_s = self._eval_s  # measured (DINO's step-0 evaluation), else the steps' forward passes
-            if eval_s is None:
-                eval_s = 2.0 + 0.75 * per_image * (self.eval_images or 0) / acc.num_processes  # and its pictures
-            end_s = 3.0 + 0.01 * self.budget_s + (20.0 if getattr(self.cfg, "export", False) else 0.0)
-            plan = plan_budget(
-                self.budget_s,
-                time.time() - process_start(),
-                step_s,
-                eval_s,
-                end_s,
-                self.step,
-                self.steps_per_epoch,
-                math.ceil(self.cfg.epochs / self.cfg.eval_every),
-                self.cfg.max_steps,
-            ).as_dict()
-        if acc.num_processes > 1:
-            plan = broadcast_object_list([plan])[0]
-        self._apply(Plan(**plan))
-        per_epoch = self.steps_per_epoch if isinstance(self.steps_per_epoch, int) else self.length.per_epoch(0)
-        self.run.print(self.plan.describe(self._first_step_s, per_epoch))
-        self.run.log({"time/planned_steps": float(self.plan.steps)}, self.step, echo=False)
-
-    def budget_left(self) -> float:
-        """Seconds of ``--max_time`` left (infinite without one)."""
-        return self.budget_s - (time.time() - process_start()) if self.budget_s else math.inf
-
-    def _step_time(self) -> float:
-        """Seconds per step lately: the median of the last :data:`RECENT_STEPS` steps' wall times, an evaluation's
-        interval left out (the plan's timed value until there are a few)."""
-        assert self.plan is not None
-        recent = [b - a for a, b in zip(self._ends, list(self._ends)[1:]) if b - a > 0][-RECENT_STEPS:]
-        return float(np.median(recent)) if len(recent) >= 5 else self.plan.step_s
-
-    def _keep_time(self) -> None:
-        """After a planned step (every :data:`CHECK_EVERY` steps with several processes: one collective): when the
-        steps left at their recent speed, the final evaluation and the end no longer fit what is left of the budget
-        (a busier machine), the rest of every schedule is squeezed into the steps that fit (:meth:`_squeeze`): the
-        decay still runs to its end. Said once a run; kept in the checkpoints for a resume."""
-        plan = self.plan
-        assert plan is not None
-        now = time.perf_counter()
-        self._ends.append(now)
-        several = self.accelerator.num_processes > 1
-        if self.step >= self.total_steps or (several and self.step % CHECK_EVERY):
-            return
-        step_s, tail = self._step_time(), EVAL_MARGIN * (self._eval_s or plan.eval_s) + plan.end_s
-        left = self.budget_left() - tail
-        fits = self.total_steps
-        if left < (self.total_steps - self.step) * step_s:  # behind: what fits, with a margin for what comes
-            fits = self.step + max(math.floor(STEP_MARGIN * left / step_s), 1)
-        if several:
-            fits = int(broadcast(torch.tensor(fits, device=self.accelerator.device)).item())
-        if fits < self.total_steps:
-            if not self.extra.get("squeezed"):
-                self.run.print(
-                    f"max_time: the steps run slower than timed ({step_s:.2f} s/step, timed {plan.step_s:.2f}): the "
-                    f"schedules' rest after step {self.step:,} is squeezed into {fits - self.step:,} steps, to "
-                    f"step {fits:,} of {self.total_steps:,}, so that the decay, the final evaluation and the "
-                    "weights still come within the budget"
-                )
-            self.extra.setdefault("squeezed", []).append([self.step, fits])
-            self._squeeze(self.step, fits)
-
-    def _squeeze(self, at: int, total: int) -> None:
-        """Every schedule's values from step ``at`` on, resampled (linearly) onto ``total - at`` steps: the same
-        curve from where it is to its end, faster; the run now ends at ``total``."""
-        for name, values in self.values.items():
-            rest = values[at:]
-            if len(rest) > 1:
-                points = np.linspace(0, len(rest) - 1, max(total - at, 1))
-                self.values[name] = np.concatenate([values[:at], np.interp(points, np.arange(len(rest)), rest)])
-        self.total_steps = total
-        if self.progress is not None:
-            self.progress.total = total
-            self.progress.refresh()
 
     # -- iterating ---------------------------------------------------------------------------------
     def epochs(self) -> Iterator[int]:
@@ -411,12 +266,12 @@ class Loop:
     def _eta(self, step_s: float) -> float:
         """Seconds to the run's end: the steps left at ``step_s``, and the evaluations left at the last one's."""
         evals = 0
-        if self._eval_s is not None:
+        if self.clock.eval_s is not None:
             per_epoch = self.length.per_epoch(self.epoch)
             left = range(self.epoch, min(self.epoch + math.ceil((self.total_steps - self.step) / per_epoch) + 1,
                                          self.length.epochs))  # fmt: skip
             evals = sum(1 for e in left if self._eval_at(e))
-        return step_s * max(self.total_steps - self.step, 0) + evals * (self._eval_s or 0.0)
+        return step_s * max(self.total_steps - self.step, 0) + evals * (self.clock.eval_s or 0.0)
 
     # -- checkpoints and stops -----------------------------------------------------------------------
     @property
@@ -491,15 +346,7 @@ class Loop:
             return True
         if self._unplanned or not self._eval_at(self.epoch):
             return False
-        if self.plan is not None:
-            eval_s = self._eval_s or self.plan.eval_s
-            rest = (self.total_steps - self.step) * self._step_time() + 2 * eval_s + self.plan.end_s
-            if self.budget_left() < rest:
-                if not self.extra.get("evaluations_left_out"):
-                    self.run.print(f"max_time: the evaluation of epoch {self.epoch} left out to end in time")
-                self.extra["evaluations_left_out"] = self.extra.get("evaluations_left_out", 0) + 1
-                return False
-        return True
+        return self.plan is None or self._evaluation_fits()
 
     @contextlib.contextmanager
     def evaluation(self) -> Iterator[None]:
@@ -516,8 +363,7 @@ class Loop:
             self.run.check_stop("the evaluation")
             self.run.evaluation_started()
             yield
-            self._eval_s = time.perf_counter() - started  # a budget's guard and the eta follow the measured one
-            self._ends.clear()  # the next step's interval holds this evaluation: not a step's time
+            self.clock.evaluated(time.perf_counter() - started)  # a budget's guard and the eta follow it
         except RunStopped:
             self._stop_now()
         finally:

@@ -8,7 +8,7 @@ plot and test. 100 epochs x 5,000 steps is 500,000 float64 values: 4 MB.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -186,3 +186,41 @@ def resumed_schedule(extra: dict[str, Any], total_steps: int, step: int, lr: Seq
         elif parts:  # another length that leaves this step's value as it was
             parts.append(f"the lr of step {step + 1} stays {new:.3g}")
     return f"resume: {'; '.join(parts)}" if parts else ""
+
+
+class LaidOut:
+    """A recipe's schedules over its run's length: ``lay_out(length)`` (a name -> one value per step of
+    ``length.steps``) as :class:`common.loop.Loop` calls it, then per step (:meth:`value`). A budgeted run has only
+    every schedule's first value until its plan (:meth:`plan`: the timing steps keep them, the schedules are laid
+    over the steps after), and may lay the rest over fewer or more steps later (:meth:`refit`)."""
+
+    def __init__(self, lay_out: Callable[[Any], Mapping[str, Any]] | None, length: Any) -> None:
+        self.lay_out, self.length = lay_out, length
+        self.values = self._laid(length)
+        if length.budgeted:  # until planned: every schedule's starting value
+            self.values = {k: v[:1] for k, v in self.values.items()}
+        self.first = {k: float(v[0]) for k, v in self.values.items()}  # what the timing steps train with
+
+    def _laid(self, length: Any) -> dict[str, np.ndarray]:
+        values = self.lay_out(length) if self.lay_out is not None else {}
+        return {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
+
+    def value(self, name: str, step: int) -> float:
+        values = self.values[name]
+        return float(values[min(step, len(values) - 1)])
+
+    def relay(self, length: Any) -> None:
+        """The schedules over another length, from its step ``length.timing`` on (the steps before it keep their
+        first values)."""
+        self.length = length
+        laid = self._laid(length)
+        self.values = {k: np.concatenate([np.full(length.timing, self.first[k]), v]) for k, v in laid.items()}
+
+    def refit(self, at: int, was: int, total: int) -> None:
+        """Every schedule's values from step ``at`` to ``was``, resampled (linearly) onto ``total - at`` steps: the
+        same curve from where it is to its end, faster or slower."""
+        for name, values in self.values.items():
+            rest = values[at:was]
+            if len(rest) > 1:
+                points = np.linspace(0, len(rest) - 1, max(total - at, 1))
+                self.values[name] = np.concatenate([values[:at], np.interp(points, np.arange(len(rest)), rest)])

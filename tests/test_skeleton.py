@@ -20,7 +20,7 @@ from conftest import ROOT
 RECIPES = ["classifier", "dino", "yolo", "detr", "faster_rcnn"]
 
 #: Before the epochs: the run, the budget and its schedules, the loop, the per-process seeds and the resume.
-BEFORE = ["Run", "accelerator.prepare", "steps_total", "schedule", "Loop", "set_seed", "loop.resume"]
+BEFORE = ["Run", "accelerator.prepare", "schedule", "Loop", "set_seed", "loop.resume"]
 #: Inside ``for epoch in loop.epochs()``, in this order (each call's first appearance counts).
 EPOCH = [
     "loop.batches",
