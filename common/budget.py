@@ -67,8 +67,7 @@ class Length:
     budgeted: bool = False
 
     def per_epoch(self, epoch: int) -> int:
-        spe = self.steps_per_epoch
-        return max(int(spe(epoch) if callable(spe) else spe), 1)
+        return steps_in(self.steps_per_epoch, epoch)
 
     def at(self, epochs: float) -> int:
         """The step (of the schedules, from 0) a config's epoch count ends at: ``warmup_epochs``, a milestone.
@@ -88,11 +87,16 @@ class Length:
         return self.timing + self.steps
 
 
+def steps_in(steps_per_epoch: int | Callable[[int], int], epoch: int) -> int:
+    """Optimizer steps of ``epoch`` (``steps_per_epoch``: an int or a function of the epoch), at least 1."""
+    return max(int(steps_per_epoch(epoch) if callable(steps_per_epoch) else steps_per_epoch), 1)
+
+
 def epochs_for(steps: int, steps_per_epoch: int | Callable[[int], int]) -> int:
     """The epochs ``steps`` optimizer steps start (the last one possibly cut short)."""
     epochs, done = 0, 0
     while done < steps:
-        done += max(int(steps_per_epoch(epochs) if callable(steps_per_epoch) else steps_per_epoch), 1)
+        done += steps_in(steps_per_epoch, epochs)
         epochs += 1
     return max(epochs, 1)
 

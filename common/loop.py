@@ -80,7 +80,7 @@ class Loop(BudgetedLoop):
                  classes: Any = None, replaced: Any = None,
                  steps_per_epoch: int | Callable[[int], int] | None = None) -> None:  # fmt: skip
         self.run, self.cfg, self.accelerator = run, run.cfg, run.accelerator
-        self.train_loader, self.replaced, self.lay_out = train_loader, replaced, lay_out
+        self.train_loader, self.replaced = train_loader, replaced
         cfg, self.plan = self.cfg, None
         spe = self.steps_per_epoch = steps_per_epoch or math.ceil(len(train_loader) / cfg.grad_accum_steps)
         self.budget_s = seconds_of(getattr(cfg, "max_time", ""))
