@@ -181,6 +181,9 @@ RECENT_STEPS = 20  # after the plan, the run's speed: the median of this many re
 EVAL_MARGIN = 1.25  # the final evaluation may take longer than the last one (a busier machine, more detections)
 CHECK_EVERY = 10  # with several processes the budget is checked every this many steps (one collective)
 STRETCH = 1.1  # a run whose steps turned faster stretches its schedules' rest when this many times its steps fit
+# kept for what follows the last evaluation: the final weights, the model folder and the process's exit (seconds,
+# and a share of the budget for larger models' files), 20 s more for an --export
+END_S, END_SHARE, EXPORT_S = 5.0, 0.01, 20.0
 
 
 class BudgetClock:
@@ -225,7 +228,7 @@ class BudgetClock:
             step_s = (self.timed_ends[-1] - self.timed_ends[1]) / timed
             per_image = step_s / (cfg.batch_size * cfg.grad_accum_steps)
             eval_s = self.eval_s or 2.0 + 0.75 * per_image * (eval_images or 0) / acc.num_processes
-            end_s = 3.0 + 0.01 * self.seconds + (20.0 if getattr(cfg, "export", False) else 0.0)
+            end_s = END_S + END_SHARE * self.seconds + (EXPORT_S if getattr(cfg, "export", False) else 0.0)
             elapsed = time.time() - process_start()
             evaluations = math.ceil(cfg.epochs / cfg.eval_every)
             plan = plan_budget(self.seconds, elapsed, step_s, EVAL_MARGIN * eval_s, end_s, step, steps_per_epoch,

@@ -16,7 +16,9 @@ safetensors weights written by the recipe, ``plots/``.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import json
 import math
 import sys
@@ -39,6 +41,7 @@ from accelerate.utils import (
 from PIL import Image
 
 from common import StepsFailed
+from common.budget import process_start
 from common.checkpoints import Checkpoints
 from common.config import RunConfig, save_config, to_dict
 from common.console import banner, emulated_bf16_note, launch_command, recorded_failure, shown_value, tracker_line
@@ -54,6 +57,15 @@ from common.schedules import schedule_warnings
 from common.trackers import check_hub_push, init_trackers, log_images, log_weights, project_name, push_folder, run_name
 from common.weights import weights_line
 
+_runs_made = 0  # Run objects this process made
+
+
+def _skip_final_collections() -> None:
+    """At the interpreter's exit, its last garbage collections walk every object that torch, torchvision and timm
+    made (seconds after the run's last line, which a time budget counts); frozen, the objects are left to the
+    operating system. ``atexit`` runs this after every exit handler registered later (the loaders', wandb's)."""
+    gc.freeze()
+
 
 class Run(Checkpoints):
     """Everything around the training loop that is the same for every recipe (the module docstring)."""
@@ -61,7 +73,13 @@ class Run(Checkpoints):
     def __init__(self, cfg: RunConfig, recipe: str) -> None:
         self.cfg = cfg
         self.recipe = recipe  # the recipe file's name: runs/<recipe>/, the tracker project, the progress bar
-        self.started = time.perf_counter()
+        global _runs_made
+        # the session's clock (the first step's and the summary's times): a process's first run counts from the
+        # process's start, as its command's user waits; a later run in the same program from its own start
+        self.started = time.perf_counter() - (time.time() - process_start()) * (_runs_made == 0)
+        _runs_made += 1
+        atexit.unregister(_skip_final_collections)  # once, however many runs a program makes
+        atexit.register(_skip_final_collections)
         self._eval_from: float | None = None  # an evaluation's start (:meth:`evaluation_started`)
         self._plots_from: float | None = None  # its metrics' record: what follows until log_plots() is plots
         self._metrics: Any = None  # common.curves.MetricsReader of metrics.jsonl, made at the first curves

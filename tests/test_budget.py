@@ -16,6 +16,7 @@ import pytest
 
 import common.budget
 import common.loop
+import common.run
 from common import UserError
 from common.budget import EVAL_SHARE, STEP_MARGIN, Length, epochs_for, plan_budget, seconds_of
 from common.config import ConfigError, RunConfig, parse_config
@@ -126,7 +127,7 @@ def test_a_budgeted_recipe_run_ends_within_it_with_its_decay_run_to_the_end(tmp_
 def budgeted(folder, monkeypatch, started: float, stop_at: int = 0, **fields) -> tuple[dict[int, float], Loop]:
     """A loop whose steps take STEP_S and evaluations EVAL_S, under ``max_time`` counted from ``started``; a
     cosine from 1 to 0 with 10 % warmup of its 10 epochs. Returns each step's lr and the finished loop."""
-    for module in (common.loop, common.budget):  # the budget starts with the test
+    for module in (common.loop, common.budget, common.run):  # the budget starts with the test
         monkeypatch.setattr(module, "process_start", lambda: started)
     cfg = RunConfig(output_dir=str(folder), report_to="none", num_workers=0, batch_size=BATCH, epochs=10, **fields)
     run = Run(cfg, "budget")
@@ -159,8 +160,9 @@ def test_a_budgeted_loop_times_its_first_steps_then_lays_the_schedule_over_the_b
     took = time.time() - started
     plan = loop.plan
     assert plan is not None and loop.step == plan.steps == max(lrs) and 3 + 2 <= plan.timing <= 30 + 2
-    assert took <= 12 - 3.0 + 1.0  # the end's reserve (3 s + 1 %) is left for weights the harness does not write
-    assert took >= 0.8 * (12 - 3.12 - 2.8)  # the steps used most of what the end and an evaluation's estimate leave
+    end_s = common.budget.END_S + common.budget.END_SHARE * 12
+    assert took <= 12 - end_s + 1.0  # the end's reserve is left for weights the harness does not write
+    assert took >= 0.8 * (12 - end_s - 2.8)  # the steps used most of what the end and an evaluation's estimate leave
     # the timing steps at the schedule's first value (warmup from 0); then warmup and cosine over the plan's steps
     assert all(lrs[s] == 0.0 for s in range(1, plan.timing + 1))
     laid = schedule("cosine", 1.0, 0.0, plan.steps - plan.timing, round(0.1 * (plan.steps - plan.timing)))
