@@ -10,7 +10,9 @@ The normalised schema of every split, a ``datasets.Dataset``::
     objects   {bbox:     [[x, y, w, h], ...] COCO boxes in original pixels (float64)
                category: [c, ...]            class index 0..C-1 (int64)
                area:     [a, ...]            COCO area (the mask's area where the json has one), px^2
-               iscrowd:  [0 or 1, ...]}      crowd regions: never a training target, ignored by COCO eval
+               iscrowd:  [0 or 1, ...]       crowd regions: never a training target, ignored by COCO eval
+               segmentation: ["...", ...]}   only a split with masks: each object's COCO segmentation as
+                                             JSON, "" for none (:mod:`common.detection.masks`)
 """
 
 from __future__ import annotations
@@ -31,22 +33,26 @@ if TYPE_CHECKING:
     import datasets
 
 
-def features() -> datasets.Features:
-    """The normalised schema of every detection split (the module docstring)."""
+def features(masks: bool = False) -> datasets.Features:
+    """The normalised schema of every detection split (the module docstring); ``masks``: with
+    ``objects.segmentation``."""
     import datasets
 
+    objects = {
+        "bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float64"), length=4)),
+        "category": datasets.Sequence(datasets.Value("int64")),
+        "area": datasets.Sequence(datasets.Value("float64")),
+        "iscrowd": datasets.Sequence(datasets.Value("int8")),
+    }
+    if masks:
+        objects["segmentation"] = datasets.Sequence(datasets.Value("string"))
     return datasets.Features(
         {
             "image": datasets.Image(decode=False),
             "image_id": datasets.Value("int64"),
             "width": datasets.Value("int32"),
             "height": datasets.Value("int32"),
-            "objects": {
-                "bbox": datasets.Sequence(datasets.Sequence(datasets.Value("float64"), length=4)),
-                "category": datasets.Sequence(datasets.Value("int64")),
-                "area": datasets.Sequence(datasets.Value("float64")),
-                "iscrowd": datasets.Sequence(datasets.Value("int8")),
-            },
+            "objects": objects,
         }
     )
 
@@ -103,7 +109,7 @@ def load_coco_split(json_path: Path, image_dirs: list[Path], data: str) -> tuple
     if images and folder is None:
         where = ", ".join(f"'{d}'" for d in image_dirs)
         raise UserError(f"image '{images[0]['file_name']}' of '{json_path}' is in none of {where}")
-    rows = {img["id"]: {"bbox": [], "category": [], "area": [], "iscrowd": []} for img in images}
+    rows = {img["id"]: {"bbox": [], "category": [], "area": [], "iscrowd": [], "segmentation": []} for img in images}
     for ann in coco.get("annotations") or []:
         objects = rows.get(ann.get("image_id"))
         if objects is None:
@@ -123,12 +129,22 @@ def load_coco_split(json_path: Path, image_dirs: list[Path], data: str) -> tuple
         objects["category"].append(index[ann["category_id"]])
         objects["area"].append(float(ann.get("area", bbox[2] * bbox[3])))
         objects["iscrowd"].append(int(ann.get("iscrowd", 0)))
+        objects["segmentation"].append((ann.get("id"), ann.get("segmentation")))  # checked once sizes are known
 
     paths = [str(folder / img["file_name"]) for img in images] if folder else []
     sizes = [
         (img["width"], img["height"]) if "width" in img and "height" in img else _image_size({"path": p}, p)
         for img, p in zip(images, paths)
     ]
+    for objects, (width, height) in zip(rows.values(), sizes):
+        objects["segmentation"] = [
+            segmentation_json(value, (int(height), int(width)), f"annotation {ann_id} in '{json_path}'")
+            for ann_id, value in objects["segmentation"]
+        ]
+    masks = any(s for objects in rows.values() for s in objects["segmentation"])
+    if not masks:  # box-only data (Roboflow's detection exports write segmentation: []): the schema without masks
+        for objects in rows.values():
+            del objects["segmentation"]
     table = {
         "image": [{"path": p, "bytes": None} for p in paths],
         "image_id": [img["id"] for img in images],
@@ -137,7 +153,41 @@ def load_coco_split(json_path: Path, image_dirs: list[Path], data: str) -> tuple
         "objects": list(rows.values()),
     }
     check_box_format(table, f"'{json_path}'")
-    return datasets.Dataset.from_dict(table, features=features()), classes, [int(c["id"]) for c in categories]
+    ds = datasets.Dataset.from_dict(table, features=features(masks=masks))
+    return ds, classes, [int(c["id"]) for c in categories]
+
+
+def segmentation_json(value: Any, size: tuple[int, int], where: str) -> str:
+    """A COCO ``segmentation`` value as the schema keeps it (module docstring): polygons and run-length encodings
+    as JSON, exactly as given (an RLE without ``size`` keeps none: :func:`common.detection.masks.mask_of` takes the
+    image's); ``""`` for none (absent, ``None``, ``[]`` or only empty polygons, as box-only annotations of
+    Roboflow's exports are written). ``size``: the image's (height, width), which an RLE's ``size`` must equal.
+    Anything else is a :class:`UserError` naming ``where``."""
+    if value is None or value == "" or (isinstance(value, list) and not any(value)):
+        return ""
+    if isinstance(value, str):  # already a schema string (a saved normalised split), or JSON text of a value
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise UserError(f"{where} has a segmentation string that is not JSON: {value[:60]!r}") from None
+        return segmentation_json(value, size, where)
+    if isinstance(value, list):
+        numbers = (int, float)
+        if not all(isinstance(p, list) and all(isinstance(v, numbers) for v in p) for p in value):
+            raise UserError(f"{where} has a segmentation that is not polygons [[x1, y1, x2, y2, ...], ...]")
+        if any(len(p) % 2 for p in value):
+            raise UserError(f"{where} has a polygon of an odd number of coordinates (x, y pairs expected)")
+        return json.dumps(value)
+    if isinstance(value, dict) and isinstance(value.get("counts"), (str, bytes, list)):
+        if "size" in value and [int(v) for v in value["size"]] != list(size):
+            raise UserError(
+                f"{where} has a run-length mask of size {value['size']} (height, width) on an image of "
+                f"{size[0]} x {size[1]}"
+            )
+        if isinstance(value["counts"], bytes):  # pycocotools' own encodings, as a hub table may hold them
+            value = {**value, "counts": value["counts"].decode()}
+        return json.dumps(value)
+    raise UserError(f"{where} has segmentation {str(value)[:60]!r}; expected polygons or a run-length encoding")
 
 
 _BOX_KEYS = ("bbox", "bboxes", "boxes")

@@ -1,0 +1,156 @@
+"""Instance masks kept by the detection readers (``objects.segmentation``, :mod:`common.detection.masks`): COCO json
+(both layouts), Ultralytics' segment labels, Pascal VOC's ``SegmentationObject`` PNGs and hub tables whose objects
+carry a ``segmentation``. Each is checked against the tool that defines its format where that tool is installed:
+pycocotools' ``COCO.annToMask`` for COCO json, Ultralytics' own label parser for its segment rows. Box-only data of
+every form keeps the schema without masks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from common import UserError
+from common.detection.masks import has_masks, mask_of
+from common.detection.sources import features, load_coco_split
+
+pycocotools = pytest.importorskip("pycocotools")
+from pycocotools import mask as coco_mask  # noqa: E402
+from pycocotools.coco import COCO  # noqa: E402
+
+
+def _picture(path: Path, size: tuple[int, int]) -> Path:
+    """A grey image of ``size`` (width, height)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((size[1], size[0], 3), 90, np.uint8)).save(path)
+    return path
+
+
+# ---- COCO json -------------------------------------------------------------------------------------------------
+def _blob(height: int, width: int, y: slice, x: slice) -> np.ndarray:
+    mask = np.zeros((height, width), np.uint8)
+    mask[y, x] = 1
+    mask[y.start, x.start] = 0  # a hole in a corner: no box in disguise
+    return mask
+
+
+def _coco_with_masks(root: Path) -> Path:
+    """A COCO folder of two images (40 x 30 and 24 x 32), odd category ids (3, 7, 11), and one annotation of each
+    kind of segmentation: a polygon (two pieces), a compressed RLE, a crowd region's uncompressed RLE, and none."""
+    for name, size in (("a.png", (40, 30)), ("b.png", (24, 32))):
+        _picture(root / "train" / name, size)
+    compressed = coco_mask.encode(np.asfortranarray(_blob(30, 40, slice(5, 20), slice(20, 35))))
+    crowd = _blob(32, 24, slice(10, 30), slice(2, 12)).flatten(order="F")  # column-major, as COCO counts runs
+    changes = np.flatnonzero(np.diff(np.concatenate([[0], crowd, [2]])))  # starts of runs (a final 2: the end)
+    counts = np.diff(np.concatenate([[0], changes])).tolist()
+    annotations = [
+        {
+            "segmentation": [[2.5, 3.0, 15.0, 3.5, 9.0, 14.25], [1, 20, 8, 20, 8, 28, 1, 28]],
+            "area": 91.0,
+            "bbox": [1, 3, 14, 25],
+        },
+        {
+            "segmentation": {"size": [30, 40], "counts": compressed["counts"].decode()},
+            "area": 224.0,
+            "bbox": [20, 5, 15, 15],
+        },
+        {"segmentation": [], "area": 12.0, "bbox": [30, 22, 4, 3]},  # no mask: "" (Roboflow writes [] so)
+        {"segmentation": {"size": [32, 24], "counts": counts}, "area": 199.0, "bbox": [2, 10, 10, 20], "iscrowd": 1},
+        {"segmentation": [[3, 2, 20, 2, 20, 8]], "area": 51.0, "bbox": [3, 2, 17, 6]},
+    ]
+    image_of = [1, 1, 1, 2, 2]
+    category_of = [7, 3, 11, 3, 11]
+    for n, ann in enumerate(annotations):
+        ann.update(id=100 + n, image_id=image_of[n], category_id=category_of[n], iscrowd=ann.get("iscrowd", 0))
+    coco = {
+        "images": [
+            {"id": 1, "file_name": "a.png", "width": 40, "height": 30},
+            {"id": 2, "file_name": "b.png", "width": 24, "height": 32},
+        ],
+        "annotations": annotations,
+        "categories": [{"id": c, "name": f"c{c}"} for c in (11, 3, 7)],
+    }
+    path = root / "annotations" / "instances_train.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(coco))
+    return path
+
+
+def test_coco_masks_decode_as_pycocotools_decodes_them(tmp_path):
+    path = _coco_with_masks(tmp_path / "coco")
+    ds, classes, ids = load_coco_split(path, [tmp_path / "coco" / "train"], "coco")
+    assert has_masks(ds) and ds.features == features(masks=True)
+    assert (classes, ids) == (["c3", "c7", "c11"], [3, 7, 11])
+    reference = COCO(str(path))
+    for row in ds:
+        anns = reference.loadAnns(reference.getAnnIds(imgIds=[row["image_id"]]))
+        objects = row["objects"]
+        assert [ids[c] for c in objects["category"]] == [a["category_id"] for a in anns]
+        assert objects["area"] == [a["area"] for a in anns]  # the json's, not recomputed
+        assert objects["iscrowd"] == [a["iscrowd"] for a in anns]
+        for ann, segmentation in zip(anns, objects["segmentation"]):
+            if not ann["segmentation"]:
+                assert segmentation == ""
+                continue
+            assert json.loads(segmentation) == ann["segmentation"]  # kept as given
+            mask = mask_of(segmentation, row["height"], row["width"])
+            np.testing.assert_array_equal(mask, reference.annToMask(ann))
+            assert mask.sum() > 0
+    crowd = ds[1]["objects"]["segmentation"][0]  # the uncompressed counts spell the region they were made of
+    np.testing.assert_array_equal(mask_of(crowd, 32, 24), _blob(32, 24, slice(10, 30), slice(2, 12)))
+
+
+def test_roboflow_segmentation_export_keeps_masks_and_box_only_exports_keep_the_schema(tmp_path):
+    """Roboflow writes ``segmentation: []`` for box-only annotations: alone, no masks (the schema unchanged);
+    beside polygons, ``""`` for those objects."""
+    folder = tmp_path / "roboflow" / "train"
+    _picture(folder / "a.jpg", (32, 32))
+    anns = [
+        {"id": 0, "image_id": 0, "category_id": 1, "bbox": [2, 2, 10, 10], "area": 100, "segmentation": []},
+        {
+            "id": 1,
+            "image_id": 0,
+            "category_id": 1,
+            "bbox": [4, 4, 8, 8],
+            "area": 30,
+            "segmentation": [[4, 4, 12, 4, 4, 12]],
+        },
+    ]
+    coco = {
+        "images": [{"id": 0, "file_name": "a.jpg", "width": 32, "height": 32}],
+        "categories": [{"id": 0, "name": "cells"}, {"id": 1, "name": "rbc"}],
+        "annotations": anns,
+    }
+    (folder / "_annotations.coco.json").write_text(json.dumps(coco))
+    ds, _, _ = load_coco_split(folder / "_annotations.coco.json", [folder], "rf")
+    assert ds[0]["objects"]["segmentation"] == ["", "[[4, 4, 12, 4, 4, 12]]"]
+    anns[1]["segmentation"] = []
+    (folder / "_annotations.coco.json").write_text(json.dumps(coco))
+    ds, _, _ = load_coco_split(folder / "_annotations.coco.json", [folder], "rf")
+    assert not has_masks(ds) and ds.features == features()
+
+
+@pytest.mark.parametrize(
+    "segmentation, message",
+    [
+        ({"size": [30, 40], "counts": "abc"}, "run-length mask of size [30, 40]"),
+        ([[1, 2, 3, 4, 5]], "odd number"),
+        ([["a", 1, 2, 3, 4, 5]], "not polygons"),
+        (7, "expected polygons or a run-length encoding"),
+    ],
+)
+def test_coco_segmentations_that_cannot_be_masks_are_one_clear_error(tmp_path, segmentation, message):
+    folder = tmp_path / "train"
+    _picture(folder / "a.jpg", (20, 20))
+    coco = {
+        "images": [{"id": 0, "file_name": "a.jpg", "width": 20, "height": 20}],
+        "categories": [{"id": 1, "name": "x"}],
+        "annotations": [{"id": 5, "image_id": 0, "category_id": 1, "bbox": [2, 2, 5, 5], "segmentation": segmentation}],
+    }
+    (folder / "_annotations.coco.json").write_text(json.dumps(coco))
+    with pytest.raises(UserError, match="annotation 5 in") as e:
+        load_coco_split(folder / "_annotations.coco.json", [folder], "x")
+    assert message in str(e.value)
