@@ -154,3 +154,47 @@ def test_coco_segmentations_that_cannot_be_masks_are_one_clear_error(tmp_path, s
     with pytest.raises(UserError, match="annotation 5 in") as e:
         load_coco_split(folder / "_annotations.coco.json", [folder], "x")
     assert message in str(e.value)
+
+
+# ---- tables with an objects column -----------------------------------------------------------------------------
+def test_hub_tables_keep_their_objects_segmentation(tmp_path):
+    """Polygons as a hub table holds them (a list of per-object dicts, float32 points); a saved normalised split
+    with masks reads back unchanged; a segmentation column with nothing in it keeps the schema without masks."""
+    import datasets
+
+    from common.detection.sources import normalise
+
+    polygons = [
+        [[2.0, 2.0, 14.0, 2.0, 2.0, 12.0]],
+        [[10.5, 10.5, 20.0, 12.0, 14.0, 22.0], [1.0, 20.0, 4.0, 20.0, 4.0, 23.0]],
+    ]
+    schema = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "objects": datasets.Sequence(
+                {
+                    "bbox": datasets.Sequence(datasets.Value("float32"), length=4),
+                    "category": datasets.ClassLabel(names=["a", "b"]),
+                    "segmentation": datasets.Sequence(datasets.Sequence(datasets.Value("float32"))),
+                }
+            ),
+        }
+    )
+    image = Image.fromarray(np.zeros((24, 32, 3), np.uint8))
+    objects = {"bbox": [[2, 2, 12, 10], [1, 10.5, 19, 12.5]], "category": [0, 1], "segmentation": polygons}
+    table = datasets.Dataset.from_dict({"image": [image], "objects": [objects]}, features=schema)
+    ds, names = normalise(table, "hub", "train")
+    assert names == ["a", "b"] and ds.features == features(masks=True)
+    row = ds[0]
+    for polygon, segmentation in zip(polygons, row["objects"]["segmentation"]):
+        assert json.loads(segmentation) == polygon  # these points are exact in float32
+        expected = coco_mask.decode(coco_mask.merge(coco_mask.frPyObjects(polygon, 24, 32)))
+        np.testing.assert_array_equal(mask_of(segmentation, 24, 32), expected)
+
+    coco, _, _ = load_coco_split(_coco_with_masks(tmp_path / "coco"), [tmp_path / "coco" / "train"], "coco")
+    again, _ = normalise(coco, "saved", "train")
+    assert again.features == coco.features and again["objects"] == coco["objects"]
+
+    box_only = table.map(lambda r: {"objects": {**r["objects"], "segmentation": [[], []]}}, features=schema)
+    ds, _ = normalise(box_only, "hub", "train")
+    assert not has_masks(ds) and ds.features == features()

@@ -161,9 +161,11 @@ def segmentation_json(value: Any, size: tuple[int, int], where: str) -> str:
     """A COCO ``segmentation`` value as the schema keeps it (module docstring): polygons and run-length encodings
     as JSON, exactly as given (an RLE without ``size`` keeps none: :func:`common.detection.masks.mask_of` takes the
     image's); ``""`` for none (absent, ``None``, ``[]`` or only empty polygons, as box-only annotations of
-    Roboflow's exports are written). ``size``: the image's (height, width), which an RLE's ``size`` must equal.
-    Anything else is a :class:`UserError` naming ``where``."""
-    if value is None or value == "" or (isinstance(value, list) and not any(value)):
+    Roboflow's exports are written, or an RLE without counts). A string is JSON text of one of these (the
+    schema's own, as a saved normalised split holds it). ``size``: the image's (height, width), which an RLE's
+    ``size`` must equal. Anything else is a :class:`UserError` naming ``where``."""
+    empty_rle = isinstance(value, dict) and value.get("counts") in (None, "", [])  # an Arrow struct's missing value
+    if value is None or value == "" or (isinstance(value, list) and not any(value)) or empty_rle:
         return ""
     if isinstance(value, str):  # already a schema string (a saved normalised split), or JSON text of a value
         try:
@@ -196,7 +198,9 @@ _CATEGORY_KEYS = ("category", "categories", "category_id", "label", "labels", "c
 
 def normalise(ds: Any, data: str, split: str) -> tuple[Any, list[str] | None]:
     """A dataset with an ``objects`` column (COCO xywh boxes in pixels, as cppe-5) in the normalised
-    schema, and its class names (from a ClassLabel, else None)."""
+    schema, and its class names (from a ClassLabel, else None). Objects with a ``segmentation`` (COCO polygons or
+    run-length encodings, or the schema's JSON strings: a saved normalised split) keep it, as the COCO reader
+    does (:func:`segmentation_json`): the split has masks where one object at least has one."""
     import datasets
 
     columns = ds.features
@@ -224,6 +228,7 @@ def normalise(ds: Any, data: str, split: str) -> tuple[Any, list[str] | None]:
 
     images = ds.select_columns([image_column]).cast_column(image_column, datasets.Image(decode=False))
     meta = ds.select_columns([c for c in ("image_id", "width", "height", "objects") if c in columns])[:]
+    masks = "segmentation" in inner  # COCO-style polygons / RLE per object (or schema strings), kept
     table: dict[str, list] = {
         "image_id": meta.get("image_id") or list(range(len(ds))),
         "width": [],
@@ -243,6 +248,7 @@ def normalise(ds: Any, data: str, split: str) -> tuple[Any, list[str] | None]:
                 "area": [float(a) for a in objects["area"]] if "area" in objects else [b[2] * b[3] for b in boxes],
                 "iscrowd": [int(c) for c in objects["iscrowd"]] if "iscrowd" in objects else [0] * len(boxes),
             }
+            | ({"segmentation": list(objects["segmentation"])} if masks else {})  # made schema strings below
         )
     if "width" in meta and "height" in meta:
         table["width"], table["height"] = meta["width"], meta["height"]
@@ -252,7 +258,14 @@ def normalise(ds: Any, data: str, split: str) -> tuple[Any, list[str] | None]:
             table["width"].append(w)
             table["height"].append(h)
     check_box_format(table, f"split '{split}' of '{data}'")
-    schema = features()
+    for i, (objects, w, h) in enumerate(zip(table["objects"], table["width"], table["height"]) if masks else []):
+        where = f"row {i} of split '{split}' of '{data}'"
+        objects["segmentation"] = [segmentation_json(v, (int(h), int(w)), where) for v in objects["segmentation"]]
+    if masks and not any(s for objects in table["objects"] for s in objects["segmentation"]):
+        masks = False  # a segmentation column with nothing in it: box-only data, the schema without masks
+        for objects in table["objects"]:
+            del objects["segmentation"]
+    schema = features(masks=masks)
     meta_features = datasets.Features({k: v for k, v in schema.items() if k != "image"})
     meta_ds = datasets.Dataset.from_dict(table, features=meta_features)
     if image_column != "image":
