@@ -118,8 +118,9 @@ def banner(
 
 def no_value(key: str, v: Any) -> bool:
     """Whether ``v`` is COCO evaluation's -1 for "no ground truth of this kind in the split" (``map_large`` of a
-    set without large objects): the console shows it as ``n/a``; files and trackers keep the -1."""
-    return v == -1 and key.rsplit("/", 1)[-1].startswith(("map", "mar"))
+    set without large objects; the masks' ``mask_map_large`` likewise): the console shows it as ``n/a``; files and
+    trackers keep the -1."""
+    return v == -1 and key.rsplit("/", 1)[-1].removeprefix("mask_").startswith(("map", "mar"))
 
 
 def shown_value(key: str, v: Any, digits: str = ".4g") -> str:

@@ -35,7 +35,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 try:  # the shared package, installed once with `pip install -e <checkout>` (README, "Install")
     import common  # noqa: F401
@@ -60,6 +60,7 @@ from common.data.image_cache import image_caches
 from common.data.scan import without_unreadable
 from common.detection.coco_eval import CocoEvaluator, EvalDetails
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
+from common.detection.masks import objects_with_masks
 from common.detection.outputs import ap_per_class_line, report_evaluation
 from common.loaders import eval_loader_for, loader_kwargs
 from common.loop import Loop
@@ -72,6 +73,9 @@ with own_files("faster_rcnn_"):  # its own files, beside this one: python -m com
     from faster_rcnn_data import AspectRatioBatchSampler, data_transforms, has_boxes, list_collate  # its data helpers
     from faster_rcnn_inference import export_files, predict, trained_model, write_model_folder  # what a run ships
     from faster_rcnn_model import LOSS_NAMES, PRESET_STAGES, PRESETS, create_model, detect  # its model, detections
+
+# the loss terms' default weights, by the names loss_weights takes (LOSS_NAMES without "loss_")
+LOSS_WEIGHTS = {name.removeprefix("loss_"): 1.0 for name in LOSS_NAMES.values()}
 
 
 # ============================================================================================
@@ -132,7 +136,12 @@ class Config(RunConfig):
     box_detections_per_img: int = arg(100, "detections kept per image (torchvision: 100)", ge=1, le=MAX_COUNT)
     freeze_at: int = arg(0, "frozen backbone stages, stem counted as 1 (Detectron2 convention; COCO: 2)", ge=0, le=8)
     frozen_bn: bool = arg(False, "backbone batch norm as fixed affine layers (with pretrained weights)")
-    loss_weights: list[float] = arg([1.0, 1.0, 1.0, 1.0], "rpn objectness, rpn box, roi classifier, roi box")
+    masks: bool = arg(False, "instance segmentation: Mask R-CNN's mask head on the same RoIs (needs data with masks: "
+        "COCO polygons or RLE, Ultralytics segment labels, VOC SegmentationObject PNGs); mask mAP beside box mAP")
+    mask_head_dim: int = arg(64, "the mask head's four convolutions' width (timm backbones; torchvision: 256, which "
+        "the presets keep)", ge=1, le=MAX_COUNT)
+    loss_weights: dict = arg(dict(LOSS_WEIGHTS), "each loss term's weight in the total, by name (those not given: "
+        "1; mask only with --masks), e.g. --loss_weights '{mask: 2}'")
     # optimization
     epochs: int = arg(2, "training epochs")
     batch_size: int = arg(8, "images per process and micro-step: global batch = this x processes x grad_accum_steps")
@@ -155,8 +164,9 @@ class Config(RunConfig):
     # evaluation
     plot_images: int = arg(4, "evaluation images drawn with ground truth and predictions in "
         "plots/detections.png (0: none)", ge=0, le=64)
-    best_metric: Literal["map_50", "map", "map_50_11pt"] = arg("map_50", "what best.safetensors follows: mAP@0.5, "
-        "COCO's mAP@[.5:.95] (map; the COCO and VOC configs) or VOC07's 11-point mAP@0.5")
+    best_metric: Literal["map_50", "map", "map_50_11pt", "mask_map_50", "mask_map"] = arg("map_50", "what "
+        "best.safetensors follows: mAP@0.5, COCO's mAP@[.5:.95] (map; the COCO and VOC configs), VOC07's 11-point "
+        "mAP@0.5, or with --masks the masks' mAP@0.5 or mAP@[.5:.95]")
     # evaluation and prediction with saved weights (the model fields default to the file's saved config)
     eval_only: bool = arg(False, "evaluate --weights on the evaluation split (COCO mAP, pictures, predictions.json in "
         "the dataset's category ids), no training")
@@ -165,6 +175,8 @@ class Config(RunConfig):
     predict_score: float = arg(0.3, "predict: detections scoring below this are neither written nor drawn", ge=0, le=1)
     predict_scores: bool = arg(False, "predict: end each row of labels/<image>.txt with its score (Ultralytics' "
         "--save_conf form, for labelling tools); without, rows class cx cy w h, which Ultralytics trains on")
+    predict_mask_pngs: bool = arg(False, "predict, with masks: each image's masks also as one PNG under masks/ (pixel "
+        "value = the detection's number in detections.json, from 1; 0: none)")
     # run
     eval_every: int = arg(2, "evaluate every this many epochs; also at the end")
     # fmt: on
@@ -184,6 +196,25 @@ def evaluate(
     results = evaluator.evaluate(detect(model, eval_loader, accelerator), accelerator, details=True)
     model.train(was_training)
     return results
+
+
+def mask_line(data: Any, masks: bool, name: str) -> str:
+    """The banner line about masks: with ``masks``, how many objects of each split have one (an object without one
+    learns its box as its mask); the error where a split has none; without, a hint where the data has them."""
+    counts = {split: objects_with_masks(getattr(data, split)) for split in ("train", "eval")}
+    if not masks:
+        have = sum(n for n, _ in counts.values())
+        return f"  masks     '{name}' has {have:,} object masks; --masks true segments them" if have else ""
+    for split, (n, total) in counts.items():
+        if n == 0:
+            raise UserError(
+                f"--masks true: the {'training' if split == 'train' else 'evaluation'} split of '{name}' has no "
+                f"object masks ({total:,} objects, boxes only); masks come from COCO polygons or RLE, Ultralytics "
+                "segment labels or VOC SegmentationObject PNGs (docs/data.md)"
+            )
+    shown = ", ".join(f"{split} {n:,} of {total:,}" for split, (n, total) in counts.items())
+    missing = any(n < total for n, total in counts.values())
+    return f"  masks     {shown} objects{' (the others learn their box as their mask)' * missing}"
 
 
 # the fields that define the model: --weights restores them from the file's saved config
@@ -206,6 +237,8 @@ MODEL_FIELDS = (
     "box_nms_thresh",
     "box_detections_per_img",
     "frozen_bn",
+    "masks",
+    "mask_head_dim",
 )
 
 
@@ -220,11 +253,16 @@ def check_config(cfg: Config) -> None:
             f"init_backbone takes a timm model's weights; '{cfg.model}' is a torchvision preset "
             "(its backbone weights: --pretrained_backbone)"
         )
-    if len(cfg.loss_weights) != 4 or any(w < 0 for w in cfg.loss_weights):
+    unknown = set(cfg.loss_weights) - set(LOSS_WEIGHTS)
+    if unknown or not all(isinstance(w, (int, float)) and w >= 0 for w in cfg.loss_weights.values()):
         raise UserError(
-            f"loss_weights must be 4 non-negative numbers (rpn objectness, rpn box, roi classifier, "
-            f"roi box), got {cfg.loss_weights}"
+            f"loss_weights names non-negative weights of {', '.join(LOSS_WEIGHTS)} (those not given: 1), e.g. "
+            f"--loss_weights '{{mask: 2}}'; got {cfg.loss_weights}"
         )
+    if cfg.model.startswith("maskrcnn") and not cfg.masks:
+        raise UserError(f"{cfg.model} segments: train it with --masks true (fasterrcnn_* for boxes alone)")
+    if cfg.best_metric.startswith("mask") and not cfg.masks:
+        raise UserError(f"best_metric {cfg.best_metric} is the masks' mAP: it needs --masks true")
     # each number's own range was checked while parsing: here, how they go together
     if not cfg.min_size or cfg.max_size < max(cfg.min_size):
         raise UserError(
@@ -254,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with accelerator.main_process_first():
         data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
     run.note(*data.notes)  # how the folder was read, where it says (a VOC folder's turned photos)
+    run.note(mask_line(data, cfg.masks, cfg.data))  # --masks on data with masks, or why not
     # every image checked once before the first step: unreadable ones (and their boxes) are left out and listed
     data = without_unreadable(
         data, "image", accelerator, cfg.bad_images, cfg.num_workers, cfg.batch_size, run.dir, train=not cfg.eval_only
@@ -268,9 +307,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     num_classes = len(data.classes)
     # camera-size JPEGs decoded reduced, as far as the model's resize to min_size still finds its pixels
     side, eval_tf = max(cfg.min_size), data_transforms(False, 0.0, False)
-    evaluator = CocoEvaluator(data.eval, data.classes, run.interruptible)  # a stop ends COCO's scoring at once
+    # box mAP, and with --masks mask mAP too; a stop ends COCO's scoring at once
+    evaluator = CocoEvaluator(data.eval, data.classes, run.interruptible, masks=cfg.masks)
     if cfg.eval_only:  # the saved weights on the evaluation split: metrics, pictures, predictions.json
-        eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, side)
+        eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, side, masks=cfg.masks)
         eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=list_collate)
         model, eval_loader = accelerator.prepare(trained_model(cfg, data)[0], eval_loader)
         metrics, details = evaluate(model, run.progress(eval_loader, "eval"), evaluator, accelerator)
@@ -294,8 +334,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     run.note(cache_line)
     train_tf = data_transforms(True, cfg.hflip, cfg.color_jitter)
-    train_set = DetectionDataset(data.train, train_tf, cfg.seed, side, train_cache)
-    eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, side, eval_cache)
+    train_set = DetectionDataset(data.train, train_tf, cfg.seed, side, train_cache, masks=cfg.masks)
+    eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, side, eval_cache, masks=cfg.masks)
     eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=list_collate)
     aspect = [w / h for w, h in zip(data.train["width"], data.train["height"])]  # from the table: nothing decoded
     sampler = AspectRatioBatchSampler(
@@ -308,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- model -------------------------------------------------------------------------------
     model = create_model(cfg, num_classes, run.notes)
     model = sync_batchnorm(model, accelerator)  # several GPUs: BN statistics over the global batch
-    weight_dict = dict(zip(LOSS_NAMES.values(), cfg.loss_weights))  # the total loss: sum of weight x term
+    weight_dict = {f"loss_{k}": v for k, v in {**LOSS_WEIGHTS, **cfg.loss_weights}.items()}  # sum of weight x term
 
     # ---- optimizer and schedules (SGD; no weight decay on biases and norms) ----------------------
     groups = weight_decay_groups(model, cfg.weight_decay)  # frozen stages stay out
@@ -341,8 +381,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
             with accelerator.accumulate(model):
                 with accelerator.autocast():
-                    losses = model(images, targets)  # the four terms, each a mean
-                loss = sum(losses[k] * w for k, w in weight_dict.items())
+                    losses = model(images, targets)  # the four terms (five with masks), each a mean
+                loss = sum(losses[k] * weight_dict[k] for k in losses)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip_grad > 0:
                     meters.update(grad_norm=accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad))

@@ -41,10 +41,13 @@ def list_collate(
     batch: Sequence[tuple[torch.Tensor, dict[str, Any]]],
 ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     """A list of images (sizes may differ) and a list of targets: ``boxes`` [N_i, 4] XYXY px,
-    ``labels`` [N_i] with 0 = background (so class c is c + 1), plus what evaluation needs."""
+    ``labels`` [N_i] with 0 = background (so class c is c + 1), ``masks`` [N_i, H_i, W_i] uint8 where the
+    dataset has them, plus what evaluation needs."""
     images = [image for image, _ in batch]
     targets = [
-        {**t, "boxes": t["boxes"].as_subclass(torch.Tensor).float(), "labels": t["labels"] + 1} for _, t in batch
+        {**t, "boxes": t["boxes"].as_subclass(torch.Tensor).float(), "labels": t["labels"] + 1}
+        | ({"masks": t["masks"].as_subclass(torch.Tensor)} if "masks" in t else {})  # uint8 [N_i, H_i, W_i]
+        for _, t in batch
     ]
     return images, targets
 

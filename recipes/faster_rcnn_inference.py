@@ -37,6 +37,7 @@ class ShippingSettings(ModelSettings, Protocol):
     predict: str  # an image or a folder of images to detect objects in
     predict_score: float  # detections written and drawn from this score
     predict_scores: bool  # labels/<image>.txt rows end with the score (Ultralytics trains on 5 columns)
+    predict_mask_pngs: bool  # with masks: each image's masks as one PNG under masks/
     num_workers: int  # DataLoader worker processes per process
 
 
@@ -66,7 +67,15 @@ def predict(cfg: ShippingSettings, run: Run) -> dict[str, float]:
     found = detect(model, batches, run.accelerator)
     threshold = ("box_score_thresh", cfg.box_score_thresh)
     return save_predictions(
-        run, found, table, meta, cfg.predict_score, cfg.predict, threshold, with_scores=cfg.predict_scores
+        run,
+        found,
+        table,
+        meta,
+        cfg.predict_score,
+        cfg.predict,
+        threshold,
+        with_scores=cfg.predict_scores,
+        mask_pngs=cfg.predict_mask_pngs,
     )
 
 
@@ -91,6 +100,7 @@ def export_files(
     if image is None:  # traced at the size the graph resizes to (a trace follows the example's branches)
         image = torch.rand(3, cfg.min_size[-1], cfg.min_size[-1] * 4 // 3, generator=torch.Generator().manual_seed(0))
     names, spatial = ["boxes", "scores", "labels"], {"image": {1: "height", 2: "width"}}
+    names += ["mask_probs"] if model.masks else []  # [K, 28, 28] over each box, pasted outside the graph
     read = Detections(lambda out: [tuple(out)], cfg.box_score_thresh, cfg.box_detections_per_img)
     return export_model(Exported(model), {"image": image}, names, folder, saved, spatial, True, checks, detections=read)
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import timm
 import torch
 import torchvision
@@ -23,7 +24,8 @@ from accelerate import Accelerator
 from torch import nn
 from torchvision.models import MobileNet_V3_Large_Weights, ResNet50_Weights
 from torchvision.models.detection.faster_rcnn import FasterRCNN, FastRCNNPredictor, TwoMLPHead
-from torchvision.models.detection.roi_heads import RoIHeads
+from torchvision.models.detection.mask_rcnn import MaskRCNN, MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.models.detection.roi_heads import RoIHeads, paste_masks_in_image
 from torchvision.models.detection.rpn import AnchorGenerator, RegionProposalNetwork, RPNHead
 from torchvision.models.detection.transform import GeneralizedRCNNTransform, resize_boxes
 from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign
@@ -43,6 +45,8 @@ PRESETS = {
     "fasterrcnn_resnet50_fpn_v2": ResNet50_Weights.IMAGENET1K_V1,
     "fasterrcnn_mobilenet_v3_large_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
     "fasterrcnn_mobilenet_v3_large_320_fpn": MobileNet_V3_Large_Weights.IMAGENET1K_V1,
+    "maskrcnn_resnet50_fpn": ResNet50_Weights.IMAGENET1K_V1,  # Mask R-CNN: the same with a mask head (--masks true)
+    "maskrcnn_resnet50_fpn_v2": ResNet50_Weights.IMAGENET1K_V1,
 }
 # A preset's backbone stages as torchvision's trainable_backbone_layers counts them (the stem is one); which
 # stages: docs/faster_rcnn.md, "Backbones"
@@ -58,14 +62,19 @@ TIMM_BUDGETS = {
     "rpn_batch_size_per_image": 128,
     "box_batch_size_per_image": 32,
 }
-# The four losses as torchvision names them -> as this recipe names and logs them; loss_weights follow this
-# order. Each is already a mean over the sampled anchors or proposals (definitions: docs/faster_rcnn.md)
+# The losses as torchvision names them -> as this recipe names and logs them (loss_weights names them without
+# "loss_"); the mask term only with --masks. Each is already a mean over the sampled anchors, proposals or mask
+# pixels (definitions: docs/faster_rcnn.md)
 LOSS_NAMES = {
     "loss_objectness": "loss_rpn_objectness",
     "loss_rpn_box_reg": "loss_rpn_box",
     "loss_classifier": "loss_roi_classifier",
     "loss_box_reg": "loss_roi_box",
+    "loss_mask": "loss_mask",
 }
+# A mask head's output side, cells: its RoIAlign side (torchvision's 14) doubled by the transposed convolution
+MASK_SIDE = 28
+PASTE_PIXELS = 1 << 24  # masks pasted into full images at once: at most this many pixels (64 MB of float32)
 
 
 class ModelSettings(Protocol):
@@ -95,6 +104,8 @@ class ModelSettings(Protocol):
     box_detections_per_img: int  # detections kept per image
     freeze_at: int  # frozen backbone stages, stem counted as 1
     frozen_bn: bool  # backbone batch norm as fixed affine layers
+    masks: bool  # a Mask R-CNN mask head on the same RoIs
+    mask_head_dim: int  # the mask head's convolutions' width (timm)
 
 
 # ============================================================================================
@@ -140,15 +151,19 @@ class ExactResize(GeneralizedRCNNTransform):
         out = nn.functional.interpolate(image[None], size=new, mode="bilinear", align_corners=False)[0]
         if target is not None:
             target["boxes"] = resize_boxes(target["boxes"], image.shape[-2:], out.shape[-2:])
+            if "masks" in target:  # as torchvision resizes them: nearest, to the image's new size
+                masks = nn.functional.interpolate(target["masks"][:, None].float(), size=out.shape[-2:])
+                target["masks"] = masks[:, 0].byte()
         return out, target
 
 
 class TwoStageDetector(nn.Module):
-    """Faster R-CNN as one forward, so that DDP sees every parameter's gradient:
+    """Faster R-CNN (Mask R-CNN with mask heads) as one forward, so that DDP sees every parameter's gradient:
 
-    training ``(images, targets) -> {loss_rpn_objectness, loss_rpn_box, loss_roi_classifier, loss_roi_box}``;
-    eval ``images -> [{boxes [K, 4] XYXY in the input image's pixels, labels [K] (1..C), scores [K]}]``.
-    ``images``: a list of [3, H_i, W_i] in 0..1.
+    training ``(images, targets) -> {loss_rpn_objectness, loss_rpn_box, loss_roi_classifier, loss_roi_box}``
+    (and ``loss_mask``); eval ``images -> [{boxes [K, 4] XYXY in the input image's pixels, labels [K] (1..C),
+    scores [K]}]``, with mask heads also ``mask_probs [K, 28, 28]``: each detection's mask probabilities over its
+    box (:func:`pasted_masks` places them in an image). ``images``: a list of [3, H_i, W_i] in 0..1.
     """
 
     def __init__(
@@ -158,8 +173,9 @@ class TwoStageDetector(nn.Module):
         self.transform, self.backbone, self.rpn, self.roi_heads = transform, backbone, rpn, roi_heads
         # Box regressions leave their heads in fp32 whatever the autocast: BoxCoder casts anchors and proposals
         # to the regression's dtype, and bf16 would round every box (docs/faster_rcnn.md, "Mixed precision")
-        for head in (rpn.head, roi_heads.box_predictor):
-            head.register_forward_hook(_float_outputs)
+        for head in (rpn.head, roi_heads.box_predictor, roi_heads.mask_predictor):
+            if head is not None:
+                head.register_forward_hook(_float_outputs)
         # Anchors in fp32 whatever the autocast: torchvision's AnchorGenerator builds them in the features' dtype
         rpn.anchor_generator.register_forward_pre_hook(_fp32_grid)
 
@@ -173,20 +189,32 @@ class TwoStageDetector(nn.Module):
         detections, roi_losses = self.roi_heads(features, proposals, batch.image_sizes, targets)
         if self.training:
             return {LOSS_NAMES[k]: v for k, v in {**rpn_losses, **roi_losses}.items()}
-        return self.transform.postprocess(detections, batch.image_sizes, original_sizes)  # back to input px
+        # masks stay at 28 x 28 over their boxes: torchvision's postprocess would paste each into a full image here
+        probs = [d.pop("masks")[:, 0] for d in detections] if "masks" in (detections[0] if detections else {}) else []
+        found = self.transform.postprocess(detections, batch.image_sizes, original_sizes)  # back to input px
+        for d, p in zip(found, probs):
+            d["mask_probs"] = p
+        return found
+
+    @property
+    def masks(self) -> bool:
+        """Whether the model segments (has mask heads)."""
+        return self.roi_heads.has_mask()
 
 
 class Exported(nn.Module):
     """What is exported: one image ``[3, H, W]`` (0..1, any size; the model resizes and normalises it) ->
-    ``boxes [K, 4]`` XYXY in its pixels, ``scores [K]``, ``labels [K]`` (0..C-1), NMS inside the graph."""
+    ``boxes [K, 4]`` XYXY in its pixels, ``scores [K]``, ``labels [K]`` (0..C-1), NMS inside the graph; a
+    segmenting model also ``mask_probs [K, 28, 28]`` over each box (pasted outside the graph: :func:`pasted_masks`)."""
 
     def __init__(self, model: TwoStageDetector) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, ...]:
         found = self.model([image])[0]
-        return found["boxes"], found["scores"], found["labels"] - 1
+        out = (found["boxes"], found["scores"], found["labels"] - 1)
+        return (*out, found["mask_probs"]) if "mask_probs" in found else out
 
 
 def _fp32_grid(module: nn.Module, inputs: tuple[Any, list[torch.Tensor]]) -> tuple[Any, list[torch.Tensor]]:
@@ -224,7 +252,8 @@ def preset_model(cfg: ModelSettings, num_classes: int, notes: list[str]) -> TwoS
     )
     builder = getattr(torchvision.models.detection, cfg.model)
     # FasterRCNN passes unknown keywords on to its transform, which ignores them: check them here
-    known = set(inspect.signature(FasterRCNN).parameters) | {"size_divisible", "fixed_size"}
+    known = set(inspect.signature(MaskRCNN if cfg.model.startswith("maskrcnn") else FasterRCNN).parameters)
+    known |= {"size_divisible", "fixed_size"}
     if set(cfg.model_kwargs) - known:
         raise UserError(
             f"model_kwargs {sorted(set(cfg.model_kwargs) - known)} do not fit {cfg.model}: the presets take "
@@ -285,11 +314,42 @@ def preset_model(cfg: ModelSettings, num_classes: int, notes: list[str]) -> TwoS
     for weights in downloads:  # named in the start banner
         which = "--pretrained" if cfg.pretrained and weights == downloads[0] else "--pretrained_backbone"
         notes.append(f"{which.lstrip('-')}: torchvision's {weights} ({Path(weights.url).name})")
-    if cfg.pretrained:  # COCO's 91-way predictor -> ours
+    if cfg.pretrained:  # COCO's 91-way predictors -> ours
         m.roi_heads.box_predictor = FastRCNNPredictor(m.roi_heads.box_predictor.cls_score.in_features, num_classes + 1)
+        if m.roi_heads.has_mask():
+            m.roi_heads.mask_predictor = MaskRCNNPredictor(256, 256, num_classes + 1)
+    if cfg.masks and not m.roi_heads.has_mask():  # a Faster R-CNN preset: Mask R-CNN's mask head, new
+        with_mask_heads(m.roi_heads, m.backbone.out_channels, 256, 2, num_classes)
     if cfg.frozen_bn:  # the presets freeze it themselves whenever they load weights
         m.backbone.body = timm.layers.freeze_batch_norm_2d(m.backbone.body)
     return TwoStageDetector(ExactResize.like(m.transform), m.backbone, m.rpn, m.roi_heads)
+
+
+def with_mask_heads(roi_heads: RoIHeads, channels: int, width: int, sampling_ratio: int, num_classes: int) -> None:
+    """Mask R-CNN's mask branch on ``roi_heads``, as torchvision builds it: RoIAlign 14 x 14 from the levels the box
+    head reads, four 3 x 3 convolutions of ``width`` channels, a transposed convolution to 28 x 28 and one mask
+    logit per class (background is one more of ``num_classes``); trained on the positive proposals' own class."""
+    levels = roi_heads.box_roi_pool.featmap_names
+    roi_heads.mask_roi_pool = MultiScaleRoIAlign(levels, MASK_SIDE // 2, sampling_ratio)
+    roi_heads.mask_head = MaskRCNNHeads(channels, (width,) * 4, 1)
+    roi_heads.mask_predictor = MaskRCNNPredictor(width, width, num_classes + 1)
+    roi_heads.mask_predictor.register_forward_hook(_float_outputs)  # as the box predictor's: fp32 logits
+
+
+def pasted_masks(probs: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> list[dict[str, Any]]:
+    """Each detection's mask in an image of ``size`` (h, w) as COCO's compressed RLE: its ``probs`` [K, 28, 28]
+    placed over its box (``boxes`` [K, 4] XYXY in that image's pixels) as torchvision's Mask R-CNN places them,
+    then cut at 0.5. Pasted and encoded a few at a time, so that a photo's hundred masks are never all in memory."""
+    from pycocotools import mask as coco_mask
+
+    per_chunk = max(1, PASTE_PIXELS // max(size[0] * size[1], 1))
+    out: list[dict[str, Any]] = []
+    for k in range(0, len(probs), per_chunk):
+        pasted = paste_masks_in_image(probs[k : k + per_chunk, None].float(), boxes[k : k + per_chunk].float(), size)
+        inside = np.asfortranarray((pasted[:, 0] > 0.5).permute(1, 2, 0).cpu().numpy().astype(np.uint8))  # [h, w, n]
+        for rle in coco_mask.encode(inside):
+            out.append({"size": [int(v) for v in rle["size"]], "counts": rle["counts"].decode()})
+    return out
 
 
 def timm_model(cfg: ModelSettings, num_classes: int, notes: list[str]) -> TwoStageDetector:
@@ -353,6 +413,8 @@ def timm_model(cfg: ModelSettings, num_classes: int, notes: list[str]) -> TwoSta
         nms_thresh=cfg.box_nms_thresh,
         detections_per_img=cfg.box_detections_per_img,
     )
+    if cfg.masks:
+        with_mask_heads(roi_heads, cfg.fpn_channels, cfg.mask_head_dim, cfg.roi_sampling_ratio, num_classes)
     # the order of min_size matters: training draws one per image, evaluation uses the last
     transform = ExactResize(tuple(cfg.min_size), cfg.max_size, IMAGENET_MEAN, IMAGENET_STD)
     return TwoStageDetector(transform, backbone, rpn, roi_heads)
@@ -374,22 +436,28 @@ def detect(
     model: nn.Module | OnnxModel, loader: Iterable[tuple[list[torch.Tensor], list[dict]]], accelerator: Accelerator
 ) -> Iterator[list[dict[str, Any]]]:
     """Per batch of ``loader``, per image: ``image_id`` and the detections (``boxes`` XYXY in the original
-    image's pixels, ``scores``, ``labels`` as class indices 0..C-1); the model in eval mode, or its ONNX
-    export (one image at a time)."""
+    image's pixels, ``scores``, ``labels`` as class indices 0..C-1; a segmenting model's ``masks`` too, each
+    detection's COCO RLE in the original image: :func:`common.detection.masks.rle_of`); the model in eval mode,
+    or its ONNX export (one image at a time)."""
     for images, targets in loader:
         if isinstance(model, OnnxModel):
-            detections = [dict(zip(("boxes", "scores", "labels"), model(image))) for image in images]
+            names = ("boxes", "scores", "labels", "mask_probs")
+            detections = [dict(zip(names, model(image))) for image in images]
         else:
             with torch.no_grad(), accelerator.autocast():
                 detections = [{**d, "labels": d["labels"] - 1} for d in model(images)]  # boxes in the input's pixels
-        yield [
-            without_tiny(
+        found = []
+        for d, t in zip(detections, targets):
+            kept = without_tiny(
                 {
                     "image_id": t["image_id"],
-                    "boxes": rescale_boxes(d["boxes"], t["size"], t["orig_size"]),
-                    "scores": d["scores"],
-                    "labels": d["labels"],
+                    "boxes": rescale_boxes(torch.as_tensor(d["boxes"]), t["size"], t["orig_size"]),
+                    "scores": torch.as_tensor(d["scores"]),
+                    "labels": torch.as_tensor(d["labels"]),
                 }
+                | ({"mask_probs": torch.as_tensor(d["mask_probs"])} if "mask_probs" in d else {})
             )
-            for d, t in zip(detections, targets)
-        ]
+            if "mask_probs" in kept:  # pasted at the original size, kept as run lengths
+                kept["masks"] = pasted_masks(kept.pop("mask_probs"), kept["boxes"], tuple(t["orig_size"]))
+            found.append(kept)
+        yield found

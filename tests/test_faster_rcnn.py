@@ -88,7 +88,7 @@ def test_model_returns_the_four_terms_under_the_recipes_names():
         {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)},
     ]  # a negative image
     losses = model(images, targets)
-    assert list(losses) == list(LOSS_NAMES.values())
+    assert list(losses) == [name for name in LOSS_NAMES.values() if name != "loss_mask"]  # the mask term: --masks
     assert all(v.ndim == 0 and torch.isfinite(v) and v >= 0 for v in losses.values())
 
 
@@ -184,7 +184,10 @@ def test_default_run_learns_the_builtin_scenes(default_run):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--loss_weights", "1,1,1"], "loss_weights must be 4 non-negative numbers"),
+        (["--loss_weights", "{rpn_box: 2, boxes: 1}"], "loss_weights names non-negative weights of rpn_objectness"),
+        (["--loss_weights", "{mask: -1}"], "loss_weights names non-negative weights"),
+        (["--model", "maskrcnn_resnet50_fpn", "--model_kwargs", "{}"], "maskrcnn_resnet50_fpn segments: train it"),
+        (["--best_metric", "mask_map_50"], "best_metric mask_map_50 is the masks' mAP: it needs --masks true"),
         (["--min_size", "128"], "min_size must be one or more positive sizes no larger than max_size"),
         (["--anchor_sizes", "[[16], [32]]"], "anchor_sizes must give one list of sizes per FPN level"),
         (["--anchor_sizes", "[[16], [32, 48], [64]]"], "anchor_sizes must give one list of sizes per FPN level"),
@@ -202,6 +205,20 @@ def test_bad_input_is_a_user_error(args, message):
     with pytest.raises(UserError, match=message):
         frcnn.check_config(cfg)
         create_model(cfg, 10)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--loss_weights", "1,1,1,1"], "config field 'loss_weights' expects a mapping"),  # the positional form
+        (["--masks", "true"], "--masks true: the training split of 'digits_det' has no object masks"),
+    ],
+)
+def test_masks_without_masks_and_positional_loss_weights_are_one_line_before_anything_is_written(
+    tmp_path, capsys, args, message
+):
+    line = error_line(capsys, frcnn.main, ["--output_dir", str(tmp_path / "run"), "--report_to", "none", *args])
+    assert message in line and not (tmp_path / "run").exists()
 
 
 def test_bad_input_is_one_clear_line(tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""COCO box mAP with pycocotools, from predictions in original image pixels, across processes; and,
-from the same pass, what the pictures of an evaluation need (:class:`EvalDetails`)."""
+"""COCO box mAP (and mask mAP, for a model that segments) with pycocotools, from predictions in original image
+pixels, across processes; and, from the same pass, what the pictures of an evaluation need (:class:`EvalDetails`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ import numpy as np
 import torch
 
 from common import UserError
+from common.detection.masks import coco_segmentation
 
 METRICS = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large")  # COCOeval.stats[:6]
+# the same six of the masks (COCOeval(iouType="segm")), with masks
+MASK_METRICS = tuple(f"mask_{name}" for name in METRICS)
 # One more number, the figure Pascal VOC 2007 papers quote (GluonCV, the original YOLO and SSD): AP@0.5 with
 # VOC07's 11-point interpolation, with the VOC devkit's matching and thresholds (:func:`voc07_ap50`).
 VOC07_METRIC = "map_50_11pt"
@@ -44,6 +47,11 @@ class EvalDetails:
     # image_id (every image of the split) -> exactly the rows that were scored, [N, 6] float64: x, y, w, h
     # (original pixels), score, class index
     rows: dict[int, np.ndarray]
+    # with masks: image_id -> each row's mask as COCO's compressed RLE (``counts`` a str), and the masks' AP@[.5:.95]
+    # and AP@.5 per class [K] as ``ap`` and ``ap50`` hold the boxes'
+    masks: dict[int, list[dict[str, Any]]] | None = None
+    mask_ap: np.ndarray | None = None
+    mask_ap50: np.ndarray | None = None
 
     @functools.cached_property
     def predictions(self) -> dict[int, dict[str, np.ndarray]]:
@@ -55,14 +63,16 @@ class EvalDetails:
                 "scores": rows[:, 4].astype(np.float32),
                 "labels": rows[:, 5].astype(np.int64),
             }
+            | ({"masks": self.masks.get(image_id, [])} if self.masks is not None else {})
             for image_id, rows in self.rows.items()
         }
 
     def coco_results(self, category_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
         """The scored predictions in the COCO results format (``image_id``, ``category_id``, ``bbox``
         [x, y, w, h] in original pixels, ``score``), images by id, with class index i written as
-        ``category_ids[i]`` (the dataset's own ids; the class indices when None). pycocotools scoring
-        this list against the split's original json gives the metrics of this pass."""
+        ``category_ids[i]`` (the dataset's own ids; the class indices when None); with masks, each result's
+        ``segmentation`` too (COCO's compressed RLE). pycocotools scoring this list against the split's original
+        json gives the metrics of this pass (``iouType="segm"``: the mask metrics)."""
         ids = list(range(len(self.classes))) if category_ids is None else [int(i) for i in category_ids]
         return [
             {
@@ -71,16 +81,22 @@ class EvalDetails:
                 "bbox": [float(v) for v in row[:4]],
                 "score": float(row[4]),
             }
+            | ({"segmentation": self.masks[image_id][k]} if self.masks is not None else {})
             for image_id in sorted(self.rows)
-            for row in self.rows[image_id]
+            for k, row in enumerate(self.rows[image_id])
         ]
 
     def table(self) -> list[dict[str, Any]]:
-        """One row per class (class, instances, ap50, ap), for :func:`common.artifacts.figures.format_table`."""
-        return [
+        """One row per class (class, instances, ap50, ap; with masks mask_ap50, mask_ap), for
+        :func:`common.artifacts.figures.format_table`."""
+        rows = [
             {"class": name, "instances": int(n), "ap50": float(a50), "ap": float(a)}
             for name, n, a50, a in zip(self.classes, self.instances, self.ap50, self.ap)
         ]
+        if self.mask_ap is not None and self.mask_ap50 is not None:
+            for row, a50, a in zip(rows, self.mask_ap50, self.mask_ap):
+                row.update(mask_ap50=float(a50), mask_ap=float(a))
+        return rows
 
 
 class CocoEvaluator:
@@ -91,6 +107,8 @@ class CocoEvaluator:
     pixels, category id = class index, COCO areas and crowd flags as loaded, so the numbers are those
     of pycocotools on the original json. ``stoppable``: a run's ``interruptible`` (:class:`common.run.Run`), around
     pycocotools' scoring, which has no batches to stop at: with one process a stop signal ends it at once.
+    ``masks``: the predictions carry masks and are scored as masks too (``iouType="segm"``) against the split's
+    ``objects.segmentation`` (an object without one counts as its box).
     """
 
     def __init__(
@@ -98,8 +116,10 @@ class CocoEvaluator:
         ds: Any,
         classes: Sequence[str] | None = None,
         stoppable: Callable[[str], AbstractContextManager[None]] | None = None,
+        masks: bool = False,
     ) -> None:
         self.stoppable = stoppable or (lambda what: contextlib.nullcontext())
+        self.masks = masks
         from pycocotools.coco import COCO
 
         meta = ds.select_columns(["image_id", "width", "height", "objects"])[:]
@@ -109,9 +129,14 @@ class CocoEvaluator:
         images, annotations = [], []
         for image_id, w, h, objects in zip(ids, meta["width"], meta["height"], meta["objects"]):
             images.append({"id": image_id, "width": int(w), "height": int(h)})
-            for box, category, area, crowd in zip(
-                objects["bbox"], objects["category"], objects["area"], objects["iscrowd"]
+            shapes = objects.get("segmentation") or [""] * len(objects["bbox"])
+            for box, category, area, crowd, shape in zip(
+                objects["bbox"], objects["category"], objects["area"], objects["iscrowd"], shapes
             ):
+                if masks:  # COCO's own value; an object without one: its box as a polygon
+                    x, y, bw, bh = box
+                    outline = [[x, y, x + bw, y, x + bw, y + bh, x, y + bh]]
+                    segmentation = coco_segmentation(shape, int(h), int(w)) or outline
                 # ids from 1: COCOeval takes a matched id of 0 for "unmatched"
                 annotations.append(
                     {
@@ -122,6 +147,7 @@ class CocoEvaluator:
                         "area": float(area),
                         "iscrowd": int(crowd),
                     }
+                    | ({"segmentation": segmentation} if masks else {})
                 )
         count = len(classes) if classes is not None else 1 + max((a["category_id"] for a in annotations), default=0)
         names = list(classes) if classes is not None else [str(i) for i in range(count)]
@@ -163,34 +189,60 @@ class CocoEvaluator:
         :class:`EvalDetails` of the same pass (per-class AP, the precision array for PR curves, the
         detection confusion matrix, the predictions per image_id), equal on every process.
         """
-        from pycocotools.coco import COCO
-        from pycocotools.cocoeval import COCOeval
 
-        predictions: dict[int, np.ndarray] = {}  # image_id -> (N, 6): x, y, w, h, score, class
+        predictions: dict[int, tuple[np.ndarray, list | None]] = {}  # image_id -> rows (N, 6), masks (N RLEs)
         for batch in batches:
             for p in batch:
                 image_id = int(p["image_id"])
                 if image_id not in self.image_ids:
                     raise ValueError(f"prediction for image_id {image_id}, which is not in the evaluation split")
+                if self.masks and "masks" not in p:
+                    raise ValueError(f"prediction for image_id {image_id} has no masks; a mask evaluation needs them")
                 if image_id not in predictions:
-                    predictions[image_id] = _rows(p)
+                    predictions[image_id] = (_rows(p), list(p["masks"]) if self.masks else None)
         local = list(predictions.items())
         if accelerator is not None and accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
             local = gather_object(local)  # every process's list, in rank order
-        merged: dict[int, np.ndarray] = {}
-        for image_id, rows in local:
-            merged.setdefault(image_id, rows)
+        found: dict[int, tuple[np.ndarray, list | None]] = {}
+        for image_id, value in local:
+            found.setdefault(image_id, value)
+        merged = {image_id: rows for image_id, (rows, _) in found.items()}
+        masks = {image_id: m for image_id, (_, m) in found.items()} if self.masks else None
         # A fixed order (images by id, each image's detections as the model gave them): COCOeval breaks
         # score ties by input order, so the order of arrival must not matter.
         results = [
             {"image_id": image_id, "bbox": row[:4].tolist(), "score": float(row[4]), "category_id": int(row[5])}
+            | ({"segmentation": masks[image_id][k]} if masks is not None else {})
             for image_id in sorted(merged)
-            for row in merged[image_id]
+            for k, row in enumerate(merged[image_id])
         ]
+        evaluation = self._scored(results, "bbox")
+        metrics = {name: float(value) for name, value in zip(METRICS, evaluation.stats[:6])}
+        metrics[VOC07_METRIC] = voc07_ap50(self.gt.dataset["annotations"], merged, len(self.gt.dataset["categories"]))
+        segm = None
+        if masks is not None:  # the same detections scored by their masks' IoU
+            segm = self._scored(results, "segm")
+            metrics.update({name: float(value) for name, value in zip(MASK_METRICS, segm.stats[:6])})
+        if not details:
+            return metrics
+        found_details = self._details(evaluation, merged)
+        if segm is not None:
+            found_details.masks = {image_id: masks.get(image_id, []) for image_id in found_details.rows}
+            found_details.mask_ap, found_details.mask_ap50 = _class_ap(segm)
+        return metrics, found_details
+
+    def _scored(self, results: list[dict[str, Any]], iou_type: str) -> Any:
+        """pycocotools' COCOeval of ``results`` (COCO result dicts) against the ground truth, accumulated and
+        summarised; ``iou_type``: ``bbox`` or ``segm``."""
+        from pycocotools.coco import COCO
+        from pycocotools.cocoeval import COCOeval
+
         with contextlib.redirect_stdout(io.StringIO()), self.stoppable("COCO's scoring"):
             if results:
+                # results with a bbox: loadRes takes each one's area from its box (both scorings, as pycocotools
+                # reads predictions.json), and keeps its segmentation for the segm scoring
                 dt = self.gt.loadRes(results)
             else:  # loadRes rejects an empty list; no detections scores 0 wherever there is ground truth
                 dt = COCO()
@@ -200,13 +252,11 @@ class CocoEvaluator:
                     "categories": list(self.gt.dataset["categories"]),
                 }
                 dt.createIndex()
-            evaluation = COCOeval(self.gt, dt, iouType="bbox")
+            evaluation = COCOeval(self.gt, dt, iouType=iou_type)
             evaluation.evaluate()
             evaluation.accumulate()
             evaluation.summarize()
-        metrics = {name: float(value) for name, value in zip(METRICS, evaluation.stats[:6])}
-        metrics[VOC07_METRIC] = voc07_ap50(self.gt.dataset["annotations"], merged, len(self.gt.dataset["categories"]))
-        return (metrics, self._details(evaluation, merged)) if details else metrics
+        return evaluation
 
     def _details(self, evaluation: Any, merged: dict[int, np.ndarray]) -> EvalDetails:
         """The :class:`EvalDetails` of a scored pass: ``evaluation`` (accumulated COCOeval), ``merged``
@@ -214,10 +264,7 @@ class CocoEvaluator:
         categories = sorted(self.gt.dataset["categories"], key=lambda c: c["id"])
         k = len(categories)
         precision = np.asarray(evaluation.eval["precision"], np.float64)  # [T, R, K, A, M]
-        valid = precision[..., 0, -1] > -1  # area "all", 100 detections: [T, R, K]
-        with np.errstate(invalid="ignore"):  # a class without ground truth: 0 / 0 -> NaN, as intended
-            ap = np.where(valid, precision[..., 0, -1], 0).sum((0, 1)) / valid.sum((0, 1))
-            ap50 = np.where(valid[0], precision[0, :, :, 0, -1], 0).sum(0) / valid[0].sum(0)
+        ap, ap50 = _class_ap(evaluation)
         instances = np.zeros(k, np.int64)
         for a in self.gt.dataset["annotations"]:
             instances[a["category_id"]] += not a["iscrowd"]
@@ -231,6 +278,17 @@ class CocoEvaluator:
             gt[:, 2:4] += gt[:, :2]  # COCO xywh -> XYXY
             confusion += detection_confusion(_xyxy(rows), rows[:, 4], rows[:, 5], gt[:, :4], gt[:, 4], k, gt[:, 5] > 0)
         return EvalDetails([c["name"] for c in categories], ap, ap50, instances, precision, confusion, scored)
+
+
+def _class_ap(evaluation: Any) -> tuple[np.ndarray, np.ndarray]:
+    """AP@[.5:.95] and AP@.5 per class [K] of an accumulated COCOeval (area "all", 100 detections); NaN for a class
+    without ground truth."""
+    precision = np.asarray(evaluation.eval["precision"], np.float64)  # [T, R, K, A, M]
+    valid = precision[..., 0, -1] > -1  # [T, R, K]
+    with np.errstate(invalid="ignore"):  # a class without ground truth: 0 / 0 -> NaN, as intended
+        ap = np.where(valid, precision[..., 0, -1], 0).sum((0, 1)) / valid.sum((0, 1))
+        ap50 = np.where(valid[0], precision[0, :, :, 0, -1], 0).sum(0) / valid[0].sum(0)
+    return ap, ap50
 
 
 def voc07_ap50(annotations: Sequence[dict[str, Any]], predictions: dict[int, np.ndarray], num_classes: int) -> float:

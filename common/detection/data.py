@@ -252,12 +252,14 @@ class DetectionDataset(ImageRows):
         shorter: int = 0,
         cache: Any = None,
         replaced: Any = None,
+        masks: bool = False,
     ) -> None:
         # shorter > 0: large JPEGs decoded reduced (common.data.classification.ImageRows), the boxes scaled with them;
         # ``orig_size`` stays the file's own. cache, replaced: the decoded images and the count of images
-        # replaced during the run (ImageRows)
+        # replaced during the run (ImageRows). masks: targets carry each object's mask (a split with masks)
         super().__init__(ds, "image", seed, shorter, cache, replaced)
         self.transform = transform
+        self.masks = masks
 
     def row_name(self, row: dict[str, Any], index: int) -> str:
         return f"row {index} (image_id {row['image_id']})"
@@ -274,6 +276,8 @@ class DetectionDataset(ImageRows):
             "boxes": F.convert_bounding_box_format(boxes, new_format=tv_tensors.BoundingBoxFormat.XYXY),
             "labels": torch.tensor([objects["category"][i] for i in keep], dtype=torch.int64),
         }
+        if self.masks:  # moved by every transform as the pixels and boxes are (a tv_tensors.Mask)
+            target["masks"] = tv_tensors.Mask(_object_masks(objects, keep, (height, width), image, target["boxes"]))
         with seeded(sample_seed(self.seed, epoch, index)):
             out, target = self.transform(image, target)
         out = out.as_subclass(torch.Tensor)
@@ -284,6 +288,22 @@ class DetectionDataset(ImageRows):
         )
         target.setdefault("size", tuple(out.shape[-2:]))
         return out, target
+
+
+def _object_masks(
+    objects: dict[str, list], keep: list[int], size: tuple[int, int], image: Any, boxes: torch.Tensor
+) -> torch.Tensor:
+    """uint8 ``[N, h, w]`` masks of the objects ``keep`` at the decoded image's size (``size``: the original's h, w);
+    an object without a segmentation (``""``) fills its box, so that every target has a mask to learn."""
+    from common.detection.masks import masks_of
+
+    segmentations = [objects["segmentation"][i] for i in keep]
+    masks = torch.from_numpy(masks_of(segmentations, *size, out=(image.height, image.width)))
+    for i, segmentation in enumerate(segmentations):
+        if not segmentation:
+            x0, y0, x1, y1 = boxes[i].floor().int().tolist()
+            masks[i, max(y0, 0) : max(y1 + 1, 0), max(x0, 0) : max(x1 + 1, 0)] = 1
+    return masks
 
 
 def collate(

@@ -9,6 +9,7 @@ photo reduced, so that labels are equally legible on both.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,7 @@ def draw_detections(
     score_threshold: float = 0.3,
     size: int = 512,
     max_predictions: int = MAX_DRAWN,
+    pred_masks: Sequence[dict[str, Any]] | None = None,
 ) -> Image.Image:
     """One image with its ground truth and predictions, drawn at ``size`` px on its longer side (an
     image under half that is enlarged by a whole factor, so somewhat less).
@@ -132,7 +134,8 @@ def draw_detections(
     label above the box. Predictions with score >= ``score_threshold`` (the ``max_predictions`` most
     confident): solid boxes in their class's colour, "name 0.87" on a label of that colour below the
     box. Labels move (inside the box, the other edge) rather than cover one another. A margin of one
-    label's height around the image keeps labels of boxes at its edges whole."""
+    label's height around the image keeps labels of boxes at its edges whole. ``pred_masks``: each prediction's
+    mask (COCO RLE in the original image's pixels), drawn under the boxes as a translucent fill of its colour."""
     picture = to_pil(image)
     scale = size / max(picture.size)
     # enlarged by a whole factor (nearest): every source pixel the same square, no blur on 96-px scenes
@@ -143,13 +146,17 @@ def draw_detections(
     label_h = text.getbbox("Ag")[3] + 4
     margin, line = label_h + 2, max(2, round(size / 240))
     canvas = Image.new("RGB", (picture.width + 2 * margin, picture.height + 2 * margin), (245, 245, 245))
+    scores = _values(pred_scores)
+    keep = sorted((i for i, s in enumerate(scores) if s >= score_threshold), key=lambda i: -scores[i])[:max_predictions]
+    if pred_masks is not None:  # the least confident first: the most confident on top
+        picture = _with_masks(
+            picture, [pred_masks[i] for i in keep[::-1]], [int(_values(pred_labels)[i]) for i in keep[::-1]]
+        )
     canvas.paste(picture, (margin, margin))
     draw = ImageDraw.Draw(canvas)
 
     gt = _boxes(target_boxes) * scale + margin
     gt_names = [_name(classes, int(c)) for c in _values(target_labels)]
-    scores = _values(pred_scores)
-    keep = sorted((i for i, s in enumerate(scores) if s >= score_threshold), key=lambda i: -scores[i])[:max_predictions]
     pred, pred_classes = _boxes(pred_boxes)[keep] * scale + margin, [int(_values(pred_labels)[i]) for i in keep]
     for box, c in zip(pred[::-1], pred_classes[::-1]):  # the most confident last, on top
         draw.rectangle(box.tolist(), outline=class_colour(c), width=line + 1)
@@ -206,6 +213,23 @@ def _legend(width: int, classes: Sequence[str], score_threshold: float, text: An
     return strip
 
 
+MASK_ALPHA = 0.45  # a predicted mask's fill: this much of its class colour over the picture
+
+
+def _with_masks(picture: Image.Image, masks: Sequence[dict[str, Any]], labels: Sequence[int]) -> Image.Image:
+    """``picture`` (the image resized for drawing) with each mask (COCO RLE at the original size) filled in its
+    class's colour at MASK_ALPHA, resized to the picture by nearest neighbour."""
+    from common.detection.masks import mask_of
+
+    out = np.asarray(picture.convert("RGB"), np.float32).copy()
+    for rle, c in zip(masks, labels):
+        h, w = rle["size"]
+        inside = mask_of(json.dumps(rle), h, w)
+        inside = np.asarray(Image.fromarray(inside * 255).resize(picture.size, Image.NEAREST)) > 127
+        out[inside] = (1 - MASK_ALPHA) * out[inside] + MASK_ALPHA * np.asarray(class_colour(c), np.float32)
+    return Image.fromarray(np.rint(out).astype(np.uint8))
+
+
 def save_detections(
     images: Sequence[Any],
     targets: Sequence[dict[str, Any]],
@@ -229,7 +253,16 @@ def save_detections(
     tiles = []
     for k, (image, t, p) in enumerate(zip(images, targets, predictions)):
         drawn = draw_detections(
-            image, t["boxes"], t["labels"], p["boxes"], p["labels"], p["scores"], classes, score_threshold, size
+            image,
+            t["boxes"],
+            t["labels"],
+            p["boxes"],
+            p["labels"],
+            p["scores"],
+            classes,
+            score_threshold,
+            size,
+            pred_masks=p.get("masks"),
         )
         shown = sum(s >= score_threshold for s in _values(p["scores"]))
         objects = len(_values(t["labels"]))

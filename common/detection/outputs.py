@@ -23,6 +23,7 @@ from common.checkpoints import partial_stop
 from common.console import counted
 from common.data.images import decode_image
 from common.detection.figures import draw_detections, plot_pr_curves, save_detections
+from common.detection.masks import save_mask_png, segment_lines
 from common.detection.yolo_txt import data_yaml, label_lines
 from common.trackers import log_table
 
@@ -145,10 +146,10 @@ def ap_per_class_line(details: Any, folder: Path) -> str:
 
 def _kept(
     prediction: dict[str, Any], score_threshold: float
-) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]] | None]:
     """One image's detections scoring at least ``score_threshold``, most confident first, on the host:
-    (image_id, boxes [N, 4] float32 XYXY, scores [N] float32, labels [N] int64, and the scores of the
-    detections below the threshold [M] float32)."""
+    (image_id, boxes [N, 4] float32 XYXY, scores [N] float32, labels [N] int64, the scores of the
+    detections below the threshold [M] float32, and their masks (COCO RLEs) where the model segments, else None)."""
     import torch
 
     scores = torch.as_tensor(prediction["scores"]).detach().float().cpu()
@@ -157,7 +158,9 @@ def _kept(
     boxes = torch.as_tensor(prediction["boxes"]).as_subclass(torch.Tensor).detach().float().cpu()[keep]
     labels = torch.as_tensor(prediction["labels"]).detach().cpu()[keep]
     below = scores[scores < score_threshold].numpy()
-    return int(prediction["image_id"]), boxes.numpy(), scores[keep].numpy(), labels.numpy().astype(np.int64), below
+    masks = [prediction["masks"][int(i)] for i in keep] if "masks" in prediction else None
+    image_id = int(prediction["image_id"])
+    return image_id, boxes.numpy(), scores[keep].numpy(), labels.numpy().astype(np.int64), below, masks
 
 
 def save_predictions(
@@ -169,6 +172,7 @@ def save_predictions(
     root: str | Path,
     model_threshold: tuple[str, float] | None = None,
     with_scores: bool = False,
+    mask_pngs: bool = False,
 ) -> dict[str, float]:
     """``--predict``: the detections of ``batches`` (the recipe's detection pass over ``table``,
     :func:`common.detection.data.prediction_batches`:
@@ -176,11 +180,14 @@ def save_predictions(
     ``labels`` as class indices of ``meta["classes"]``, the weights' metadata) scoring at least
     ``score_threshold`` go to ``detections.json`` (one entry per image: ``file``, ``width``, ``height``,
     ``detections``: ``class``, ``category_id``, ``score``, ``box`` [x0, y0, x1, y1] in the original
-    image's pixels, most confident first), are drawn on each image under ``predictions/``, at the
-    image's path relative to ``root`` (the ``--predict`` folder) as PNG, and written as YOLO label files under
-    ``labels/`` at the same relative path (``.txt``; rows ``class cx cy w h`` normalised by the image's size, ``class``
-    the class index, and with ``with_scores`` the score after them: :func:`common.detection.yolo_txt.label_lines`;
-    empty for an image without detections) with ``data.yaml`` beside them naming the classes. Every process
+    image's pixels, most confident first; a segmenting model's ``segmentation`` too, COCO's compressed RLE), are
+    drawn on each image under ``predictions/``, at the image's path relative to ``root`` (the ``--predict``
+    folder) as PNG, and written as YOLO label files under ``labels/`` at the same relative path (``.txt``; rows
+    ``class cx cy w h`` normalised by the image's size, ``class`` the class index, and with ``with_scores`` the
+    score after them: :func:`common.detection.yolo_txt.label_lines`; with masks Ultralytics' segment rows
+    ``class x1 y1 x2 y2 ...``, each mask's outline: :func:`common.detection.yolo_txt.segment_lines`; empty for an
+    image without detections) with ``data.yaml`` beside them naming the classes. ``mask_pngs``: each image's masks
+    also as one PNG under ``masks/`` (pixel value = detection number in detections.json, from 1; 0 none). Every process
     detects its share; each batch's detections are gathered to the main process, which writes them (an image repeated by
     the padding once). ``model_threshold``: the field and value below which the model itself drops detections
     (YOLO's ``conf_threshold``), named in the counts. Returns the number of images and of detections."""
@@ -205,7 +212,7 @@ def save_predictions(
                 found = gather_object(found)  # a collective: every process has as many batches (the padding)
             if not accelerator.is_main_process:
                 continue
-            for image_id, boxes, scores, labels, below in found:
+            for image_id, boxes, scores, labels, below, masks in found:
                 if image_id in seen:
                     continue
                 seen.add(image_id)
@@ -220,6 +227,8 @@ def save_predictions(
                     }
                     for b, s, c in zip(boxes, scores, labels)
                 ]
+                for detection, rle in zip(detections, masks or []):
+                    detection["segmentation"] = rle
                 entries.append({"file": str(file), "width": w, "height": h, "detections": detections})
                 image = decode_image({"path": str(file)}, str(file))  # the original, for drawing
                 drawn = draw_detections(
@@ -232,6 +241,7 @@ def save_predictions(
                     classes,
                     score_threshold,
                     size=max(512, min(max(w, h), 1600)),
+                    pred_masks=masks,
                 )
                 relative = file.relative_to(root) if root.is_dir() else Path(file.name)
                 out = (folder / relative).with_suffix(".png")
@@ -242,7 +252,12 @@ def save_predictions(
                 label = (run.dir / LABELS / relative).with_suffix(".txt")
                 label.parent.mkdir(parents=True, exist_ok=True)
                 shown = scores.tolist() if with_scores else None
-                label.write_text(label_lines(boxes.tolist(), labels.tolist(), (w, h), shown))
+                if masks is None:
+                    label.write_text(label_lines(boxes.tolist(), labels.tolist(), (w, h), shown))
+                else:  # Ultralytics' segment rows: each mask's outline
+                    label.write_text(segment_lines(masks, boxes.tolist(), labels.tolist(), shown))
+                    if mask_pngs:
+                        save_mask_png(masks, (h, w), (run.dir / "masks" / relative).with_suffix(".png"))
                 totals["detections"] += len(detections)
     except RunStopped as stop:  # a stop signal between two batches: what was predicted is kept, named as partial
         if accelerator.is_main_process:

@@ -7,7 +7,8 @@ Built-in sets need no network, are deterministic, are generated in seconds and c
   :mod:`.digits`), ``digits_ssl`` (a harder set for self-supervised learning, :mod:`.digits_ssl`) and
   ``digits_det_crops`` (every box of ``digits_det`` as a 32-px crop, :mod:`.digits_det`);
 - detection (``--data`` of the detectors): ``digits_det``, scenes of several digits as a COCO-json
-  folder (:mod:`.digits_det`).
+  folder (:mod:`.digits_det`), and ``shapes_seg``, scenes of flat shapes with their polygons, for instance
+  segmentation (:mod:`.shapes_seg`).
 
 A leaf package: it imports nothing from ``common`` but :class:`common.UserError`, so that the
 data layers above it (``common.data.classification``, ``common.detection.data``) can name it without a cycle.
@@ -22,6 +23,7 @@ from typing import Any
 from common.data.builtin.digits import digits_dataset
 from common.data.builtin.digits_det import digits_det_crops_dataset, digits_det_folder
 from common.data.builtin.digits_ssl import digits_ssl_dataset
+from common.data.builtin.shapes_seg import shapes_seg_folder
 
 # Name -> a function of no argument returning the set: a hub-style datasets.DatasetDict with
 # ``image`` and ``label`` (ClassLabel) columns for classification, a COCO-json folder for detection.
@@ -30,4 +32,4 @@ CLASSIFICATION: dict[str, Callable[[], Any]] = {
     "digits_ssl": digits_ssl_dataset,
     "digits_det_crops": digits_det_crops_dataset,
 }
-DETECTION: dict[str, Callable[[], Path]] = {"digits_det": digits_det_folder}
+DETECTION: dict[str, Callable[[], Path]] = {"digits_det": digits_det_folder, "shapes_seg": shapes_seg_folder}
