@@ -198,3 +198,97 @@ def test_hub_tables_keep_their_objects_segmentation(tmp_path):
     box_only = table.map(lambda r: {"objects": {**r["objects"], "segmentation": [[], []]}}, features=schema)
     ds, _ = normalise(box_only, "hub", "train")
     assert not has_masks(ds) and ds.features == features()
+
+
+# ---- Ultralytics segment labels --------------------------------------------------------------------------------
+SEGMENT_ROWS = (
+    "0 0.1 0.1 0.5 0.125 0.3 0.75\n"  # a triangle
+    "1 0.5 0.25 0.9 0.25 0.9 0.5 0.7 0.9 0.5 0.5\n"  # a pentagon
+    "0 0.1 0.1 0.5 0.125 0.3 0.75\n"  # the triangle again: counts once
+    "1 0.95 -0.005 1.005 0.2 0.96 0.3\n"  # past the right edge, within the 1 % tolerance: clipped
+)
+
+
+def _yolo_segments(root: Path) -> Path:
+    """A split of 80 x 40 images: a file of segment rows, one of box rows, one missing; the yaml."""
+    for name in ("seg.jpg", "box.jpg", "none.jpg"):
+        _picture(root / "images" / "train" / name, (80, 40))
+    (root / "labels" / "train").mkdir(parents=True)
+    (root / "labels" / "train" / "seg.txt").write_text(SEGMENT_ROWS)
+    (root / "labels" / "train" / "box.txt").write_text("1 0.5 0.5 0.25 0.5\n")
+    (root / "data.yaml").write_text("path: .\ntrain: images/train\nnames: [a, b]\n")
+    return root / "data.yaml"
+
+
+def _load_yolo(yaml: Path):
+    from common.detection.sources import _image_size
+    from common.detection.yolo_txt import load_split
+
+    ds, _, _, unusable = load_split(yaml, "train", lambda p: _image_size({"path": p}, p))
+    assert not unusable
+    return {Path(r["image"]["path"]).stem: r for r in ds}, ds
+
+
+def _shoelace(xy: np.ndarray) -> float:
+    x, y = xy[:, 0], xy[:, 1]
+    return abs(float(np.dot(x, np.roll(y, 1)) - np.dot(y, np.roll(x, 1)))) / 2
+
+
+def test_segment_rows_keep_their_polygons_in_pixels(tmp_path):
+    rows, ds = _load_yolo(_yolo_segments(tmp_path / "ds"))
+    assert has_masks(ds) and ds.features == features(masks=True)
+    scale = np.array([80, 40])
+    expected = [
+        np.array([[0.1, 0.1], [0.5, 0.125], [0.3, 0.75]]) * scale,
+        np.array([[0.5, 0.25], [0.9, 0.25], [0.9, 0.5], [0.7, 0.9], [0.5, 0.5]]) * scale,
+        (np.array([[0.95, -0.005], [1.005, 0.2], [0.96, 0.3]]) * scale).clip(0, scale),
+    ]
+    seg = rows["seg"]["objects"]
+    assert seg["category"] == [0, 1, 1] and len(seg["segmentation"]) == 3
+    for segmentation, points, box, area in zip(seg["segmentation"], expected, seg["bbox"], seg["area"]):
+        (polygon,) = json.loads(segmentation)  # one polygon per object, in pixels
+        np.testing.assert_allclose(np.reshape(polygon, (-1, 2)), points, atol=1e-4)
+        x0, y0 = points.min(0)
+        np.testing.assert_allclose(box, [x0, y0, *(points.max(0) - [x0, y0])], atol=1e-6)  # the box is the polygon's
+        assert area == pytest.approx(_shoelace(points), abs=1e-3)  # the polygon's area, not the box's
+        mask = mask_of(segmentation, 40, 80)
+        assert 0 < mask.sum() < box[2] * box[3] + 2 * (box[2] + box[3]) + 4
+    assert rows["box"]["objects"]["segmentation"] == [""]  # a file of box rows beside them: no mask
+    assert rows["box"]["objects"]["area"] == [20 * 20]
+    assert rows["none"]["objects"]["segmentation"] == []
+
+
+def test_box_rows_only_keep_the_schema_and_bad_segment_files_stay_left_out(tmp_path):
+    yaml = _yolo_segments(tmp_path / "ds")
+    (tmp_path / "ds" / "labels" / "train" / "seg.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    _, ds = _load_yolo(yaml)
+    assert not has_masks(ds) and ds.features == features()
+    (tmp_path / "ds" / "labels" / "train" / "seg.txt").write_text(SEGMENT_ROWS + "0 0.5 0.5 0.2 0.2\n")  # mixed
+    from common.detection.sources import _image_size
+    from common.detection.yolo_txt import load_split
+
+    ds, _, _, unusable = load_split(yaml, "train", lambda p: _image_size({"path": p}, p))
+    assert [Path(p).name for p in unusable] == ["seg.jpg"] and "mixes polygon and box rows" in next(
+        iter(unusable.values())
+    )
+    assert not has_masks(ds)  # the only segment file is left out: nothing has a mask
+
+
+def test_segment_rows_read_as_ultralytics_reads_them(tmp_path):
+    """Where Ultralytics is installed (its own environment: /tmp/ulvenv/bin/python -m pytest ...): its
+    verify_image_label's segments, scaled by the image's size, are the polygons here, row for row."""
+    ultralytics = pytest.importorskip("ultralytics")
+    if tuple(int(v) for v in ultralytics.__version__.split(".")[:3]) < (8, 4, 183):
+        pytest.skip(f"ultralytics {ultralytics.__version__}: its label rules predate 8.4.183")
+    from ultralytics.data.utils import verify_image_label
+
+    rows, _ = _load_yolo(_yolo_segments(tmp_path / "ds"))
+    image = tmp_path / "ds" / "images" / "train" / "seg.jpg"
+    label = tmp_path / "ds" / "labels" / "train" / "seg.txt"
+    answer = verify_image_label((str(image), str(label), "", False, 2, 0, 0, False))
+    classes, segments = answer[1][:, 0], answer[3]
+    objects = rows["seg"]["objects"]
+    assert objects["category"] == classes.astype(int).tolist()
+    for segmentation, theirs in zip(objects["segmentation"], segments):
+        ours = np.reshape(json.loads(segmentation)[0], (-1, 2))
+        np.testing.assert_allclose(ours, (theirs * [80, 40]).clip(0, [80, 40]), atol=1e-4)

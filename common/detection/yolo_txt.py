@@ -12,8 +12,9 @@
 - ``names``: a list, or a mapping ``{id: name}`` with ids 0..n-1; ``nc`` alone names the classes ``class_<i>``.
   Class index i is category id i.
 - The label file of an image: the last ``/images/`` of its path replaced by ``/labels/``, the suffix by ``.txt``.
-  Rows ``class cx cy w h`` normalised 0..1; polygon rows ``class x1 y1 x2 y2 ...`` (more than 6 values) read as
-  their bounding boxes. A missing or empty file, or one of blank lines: no objects. Ultralytics' checks
+  Rows ``class cx cy w h`` normalised 0..1; polygon rows ``class x1 y1 x2 y2 ...`` (more than 6 values,
+  Ultralytics' segment labels) read as their bounding boxes, each keeping its polygon as the object's mask
+  (:func:`polygon_json`). A missing or empty file, or one of blank lines: no objects. Ultralytics' checks
   (``verify_image_label`` of ultralytics 8.4.183 and later), with its tolerance: class an integer in 0..nc-1, every
   box value <= 1.01, the least value >= 0, or >= -0.01 with the sides >= 0 (a centre may lie 1 % outside, a side
   is never negative); a file that fails one (or mixes polygon and box rows, or holds a malformed line) leaves its
@@ -22,6 +23,10 @@
   this project's: a sixth value on a box row, a confidence as ``--predict --predict_scores`` writes, is ignored
   where Ultralytics refuses the file, so that a model's label files read back as its detections.
 - Boxes become COCO ``[x, y, w, h]`` in pixels of the image as displayed (EXIF orientation applied), clipped to it.
+- Masks: a split with a usable file of segment rows has masks (``objects.segmentation``): each polygon in pixels,
+  clipped as the boxes are, its area the polygon's; the objects of files of box rows have none (``""``). Decided
+  per file, which is this project's rule: Ultralytics' detection training drops every polygon of a split that
+  mixes such files (a warning), and its segmentation training refuses the split.
 """
 
 from __future__ import annotations
@@ -180,42 +185,69 @@ def split_images(root: Path, value: str | list, split: str, file: Path) -> list[
 
 def read_labels(label_file: str, num_classes: int) -> tuple[np.ndarray, str]:
     """The rows ``[class, cx, cy, w, h]`` (float64, normalised) of one label file, and '' or why the file cannot be
-    used (:func:`_check`); a missing or empty file has no rows."""
+    used (:func:`_check`); a missing or empty file has no rows. Polygons: :func:`read_segments`."""
+    rows, _, why = read_segments(label_file, num_classes)
+    return rows, why
+
+
+def read_segments(label_file: str, num_classes: int) -> tuple[np.ndarray, list[np.ndarray] | None, str]:
+    """One label file as :func:`read_labels` reads it, with the polygons of a file of segment rows: per row its
+    points ``[K, 2]`` (x, y normalised 0..1, as written; K >= 3), in the order of the rows; None for a file of box
+    rows, an empty or a missing one, or one that cannot be used."""
+    none = np.zeros((0, 5))
     try:
         text = Path(label_file).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
-        return np.zeros((0, 5)), ""
+        return none, None, ""
     except (OSError, ValueError) as e:
-        return np.zeros((0, 5)), f"{type(e).__name__}: {e}"
+        return none, None, f"{type(e).__name__}: {e}"
     name = Path(label_file).name
     lines = [(n, line.split()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     segments = any(len(x) > 6 for _, x in lines)
     if segments and any(len(x) == 5 for _, x in lines):
-        return np.zeros((0, 5)), f"{name} mixes polygon and box rows"
-    rows, seen = [], set()
+        return none, None, f"{name} mixes polygon and box rows"
+    rows, polygons, seen = [], [], set()
     for n, values in lines:
         try:
             numbers = np.array(values, np.float64)
         except ValueError:
-            return np.zeros((0, 5)), f"{name} line {n}: not numbers: {' '.join(values)[:60]!r}"
+            return none, None, f"{name} line {n}: not numbers: {' '.join(values)[:60]!r}"
         key = tuple(numbers[: len(numbers) if segments else 5].astype(np.float32).tolist())
+        points = None
         if segments:
             if len(numbers) < 3 or len(numbers) % 2 == 0:
-                return np.zeros(
-                    (0, 5)
-                ), f"{name} line {n}: a polygon needs class and x y pairs, found {len(values)} values"
-            x, y = numbers[1::2], numbers[2::2]
+                return none, None, f"{name} line {n}: a polygon needs class and x y pairs, found {len(values)} values"
+            points = numbers[1:].reshape(-1, 2)
+            x, y = points[:, 0], points[:, 1]
             box = [(x.min() + x.max()) / 2, (y.min() + y.max()) / 2, x.max() - x.min(), y.max() - y.min()]
             numbers = np.array([numbers[0], *box])
         elif len(numbers) not in (5, 6):
-            return np.zeros((0, 5)), f"{name} line {n}: {len(values)} values; expected class cx cy w h"
+            return none, None, f"{name} line {n}: {len(values)} values; expected class cx cy w h"
         why = _check(numbers[:5], num_classes)
         if why:
-            return np.zeros((0, 5)), f"{name} line {n}: {why}"
+            return none, None, f"{name} line {n}: {why}"
         if key not in seen:  # repeated rows count once (Ultralytics removes duplicates)
             seen.add(key)
             rows.append(numbers[:5])
-    return (np.array(rows, np.float64).reshape(-1, 5), "")
+            polygons.append(points)
+    return np.array(rows, np.float64).reshape(-1, 5), (polygons if segments else None), ""
+
+
+def polygon_json(points: np.ndarray, size: tuple[int, int]) -> tuple[str, float]:
+    """A segment row's polygon ``[K, 2]`` (normalised) as the schema's segmentation, one COCO polygon in pixels of
+    the image of ``size`` (width, height), clipped to it as its box is, and its area in px^2 (the polygon's own, by
+    the shoelace formula, as COCO's polygon areas; rasterising every polygon to count pixels would cost minutes on
+    a COCO-sized set); ``("", 0.0)`` for a polygon of no area (its points on one line), which masks nothing."""
+    import json
+
+    width, height = size
+    xy = (points * np.array([width, height], np.float64)).clip(0, [width, height])
+    x, y = xy[:, 0], xy[:, 1]
+    area = abs(float(np.dot(x, np.roll(y, 1)) - np.dot(y, np.roll(x, 1)))) / 2
+    if area == 0:
+        return "", 0.0
+    # 1e-4 px is far below a pixel and keeps the JSON short (float64 products print 17 digits)
+    return json.dumps([[round(float(v), 4) for v in xy.reshape(-1)]]), area
 
 
 def _check(row: np.ndarray, num_classes: int) -> str:
@@ -251,20 +283,24 @@ def load_split(
     images = split_images(root, data[split], split, file)
     unusable: dict[str, str] = {}
     table: dict[str, list] = {"image": [], "image_id": [], "width": [], "height": [], "objects": []}
+    masks = False  # whether a usable label file holds segment rows: then the split has masks
     for i, image in enumerate(images):
-        rows, why = read_labels(img2label_path(image), len(names))
+        rows, polygons, why = read_segments(img2label_path(image), len(names))
         try:
             width, height = size_of(image)
         except UserError as e:
             width, height, why = 0, 0, why or str(e)
         if why:
             unusable[image] = why
-            rows = np.zeros((0, 5))
+            rows, polygons = np.zeros((0, 5)), None
         x0 = np.clip((rows[:, 1] - rows[:, 3] / 2) * width, 0, width)
         y0 = np.clip((rows[:, 2] - rows[:, 4] / 2) * height, 0, height)
         x1 = np.clip((rows[:, 1] + rows[:, 3] / 2) * width, 0, width)
         y1 = np.clip((rows[:, 2] + rows[:, 4] / 2) * height, 0, height)
         boxes = np.stack([x0, y0, x1 - x0, y1 - y0], 1).tolist()
+        # a file of box rows in a split with segment files: its objects have no mask ("")
+        shapes = [polygon_json(p, (width, height)) for p in polygons] if polygons else [("", 0.0)] * len(boxes)
+        masks = masks or polygons is not None
         table["image"].append({"path": image, "bytes": None})
         table["image_id"].append(i)
         table["width"].append(width)
@@ -273,11 +309,16 @@ def load_split(
             {
                 "bbox": boxes,
                 "category": rows[:, 0].astype(np.int64).tolist(),
-                "area": [b[2] * b[3] for b in boxes],
+                "area": [area if shape else b[2] * b[3] for b, (shape, area) in zip(boxes, shapes)],
                 "iscrowd": [0] * len(boxes),
+                "segmentation": [shape for shape, _ in shapes],
             }
         )
-    return datasets.Dataset.from_dict(table, features=features()), names, list(range(len(names))), unusable
+    if not masks:  # box rows only: the schema without masks
+        for objects in table["objects"]:
+            del objects["segmentation"]
+    ds = datasets.Dataset.from_dict(table, features=features(masks=masks))
+    return ds, names, list(range(len(names))), unusable
 
 
 def splits(file: Path) -> list[str]:
