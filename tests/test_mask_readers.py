@@ -292,3 +292,157 @@ def test_segment_rows_read_as_ultralytics_reads_them(tmp_path):
     for segmentation, theirs in zip(objects["segmentation"], segments):
         ours = np.reshape(json.loads(segmentation)[0], (-1, 2))
         np.testing.assert_allclose(ours, (theirs * [80, 40]).clip(0, [80, 40]), atol=1e-4)
+
+
+# ---- Pascal VOC segmentation -----------------------------------------------------------------------------------
+def _voc_palette() -> list[int]:
+    """The devkit's colour map (VOClabelcolormap.m): index i's colour from its bits, 255 the void colour."""
+    palette = []
+    for i in range(256):
+        r = g = b = 0
+        c = i
+        for j in range(8):
+            r |= ((c >> 0) & 1) << (7 - j)
+            g |= ((c >> 1) & 1) << (7 - j)
+            b |= ((c >> 2) & 1) << (7 - j)
+            c >>= 3
+        palette += [r, g, b]
+    return palette
+
+
+def _voc_year(root: Path, seed: int, ids: list[str], segmented: list[str]) -> dict[str, np.ndarray]:
+    """One VOC year: 48 x 40 images of 2-3 objects (dog, cat, person) as drawn rectangles; for the ``segmented``
+    ids their object PNG (value i = the XML's i-th object, a void band of 255 around each, the last object of
+    the first image hidden: no pixels) and class PNG. Main lists: train = every id but the last, val = the last;
+    Segmentation lists: train = the first segmented, val = the rest. Returns each segmented id's object PNG."""
+    rng = np.random.default_rng(seed)
+    names = ["dog", "cat", "person"]
+    for folder in ("Annotations", "JPEGImages", "ImageSets/Main", "ImageSets/Segmentation", "SegmentationObject"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    (root / "SegmentationClass").mkdir(exist_ok=True)
+    pngs = {}
+    for image_id in ids:
+        width, height = 48, 40
+        pixels = np.full((height, width, 3), 20, np.uint8)
+        label = np.zeros((height, width), np.uint8)
+        classes = np.zeros((height, width), np.uint8)
+        parts = []
+        count = int(rng.integers(2, 4))
+        for n in range(1, count + 1):
+            x0, y0 = int(rng.integers(1, 30)), int(rng.integers(1, 24))
+            x1, y1 = x0 + int(rng.integers(6, 18)), y0 + int(rng.integers(6, 16))
+            name = names[int(rng.integers(3))]
+            hidden = image_id == segmented[0] and n == count  # an object without pixels (wholly covered)
+            if not hidden:
+                label[y0 - 1 : y1, x0 - 1 : x1] = 255  # the void band: the outline's pixels
+                label[y0 : y1 - 1, x0 : x1 - 1] = n
+                classes[y0 : y1 - 1, x0 : x1 - 1] = 1 + names.index(name)
+                pixels[y0 - 1 : y1, x0 - 1 : x1] = 60 + 50 * n
+            parts.append(
+                f"<object><name>{name}</name><difficult>{int(n == 2)}</difficult><bndbox><xmin>{x0}</xmin>"
+                f"<ymin>{y0}</ymin><xmax>{x1}</xmax><ymax>{y1}</ymax></bndbox></object>"
+            )
+        Image.fromarray(pixels).save(root / "JPEGImages" / f"{image_id}.jpg")
+        (root / "Annotations" / f"{image_id}.xml").write_text(
+            f"<annotation><filename>{image_id}.jpg</filename><size><width>{width}</width><height>{height}</height>"
+            f"<depth>3</depth></size><segmented>{int(image_id in segmented)}</segmented>{''.join(parts)}</annotation>"
+        )
+        if image_id in segmented:
+            for folder, values in (("SegmentationObject", label), ("SegmentationClass", classes)):
+                png = Image.fromarray(values, mode="P")
+                png.putpalette(_voc_palette())
+                png.save(root / folder / f"{image_id}.png")
+            pngs[image_id] = label
+    lists = {
+        "Main/train": ids[:-1],
+        "Main/val": ids[-1:],
+        "Segmentation/train": segmented[:1],
+        "Segmentation/val": segmented[1:],
+    }
+    for name, listed in lists.items():
+        (root / "ImageSets" / f"{name}.txt").write_text("".join(f"{i}\n" for i in listed))
+    return pngs
+
+
+def test_voc_segmentation_lists_read_each_objects_pixels(tmp_path):
+    from common.detection.data import load_detection
+    from common.detection.masks import masks_of
+
+    year = tmp_path / "VOCdevkit" / "VOC2012"
+    ids = ["2008_000002", "2008_000003", "2008_000007", "2008_000008"]
+    pngs = _voc_year(year, 0, ids, segmented=["2008_000003", "2008_000008"])
+    data = load_detection(str(year), "Segmentation/train")  # evaluated on Segmentation/val
+    assert has_masks(data.train) and has_masks(data.eval) and data.train.features == features(masks=True)
+    assert data.train["image_id"] == [2008000003] and data.eval["image_id"] == [2008000008]
+    for row in (data.train[0], data.eval[0]):
+        label = pngs[f"{row['image_id'] // 10**6}_{row['image_id'] % 10**6:06d}"]
+        objects = row["objects"]
+        masks = masks_of(objects["segmentation"], row["height"], row["width"])
+        for n, (segmentation, mask, area, box) in enumerate(
+            zip(objects["segmentation"], masks, objects["area"], objects["bbox"]), 1
+        ):
+            np.testing.assert_array_equal(mask, label == n)  # value n: the n-th object; the void band in none
+            if segmentation:
+                assert area == mask.sum() and mask[label == 255].sum() == 0
+            else:  # no pixels: no mask, and the box's area
+                assert not (label == n).any() and area == box[2] * box[3]
+        assert objects["iscrowd"][1] == 1  # difficult objects keep their masks, still never targets
+    assert "" in data.train[0]["objects"]["segmentation"]
+
+    boxes = load_detection(str(year), "train", "val")  # Main lists: decided per split, by its own images
+    assert boxes.train.features == features()  # one of its 3 images has a PNG: boxes only, and a line says so
+    assert has_masks(boxes.eval)  # its one image has its PNG
+    (line,) = boxes.notes
+    assert "'train': 1 of 3 images with objects have SegmentationObject PNGs: read as boxes only" in line
+    assert "(Segmentation/train, Segmentation/val list the images with masks)" in line
+
+
+def test_voc_segmentation_lists_over_several_years_and_a_png_that_does_not_fit(tmp_path):
+    from common.detection.data import load_detection
+
+    devkit = tmp_path / "VOCdevkit"
+    _voc_year(devkit / "VOC2007", 1, ["000005", "000007", "000009"], segmented=["000005", "000009"])
+    _voc_year(devkit / "VOC2012", 2, ["2008_000002", "2008_000003"], segmented=["2008_000002", "2008_000003"])
+    one = load_detection(str(devkit), "VOC2012/Segmentation/train")
+    assert one.train["image_id"] == [2008000002] and one.eval["image_id"] == [2008000003]
+    both = load_detection(str(devkit), "Segmentation/train")  # the plain name: every year's list of that name
+    assert sorted(both.train["image_id"]) == [5, 2008000002] and sorted(both.eval["image_id"]) == [9, 2008000003]
+    assert has_masks(both.train) and has_masks(both.eval)
+    assert load_detection(str(devkit), "VOC2007/train").eval["image_id"] == [9]  # Main lists as before
+
+    Image.new("P", (20, 20)).save(devkit / "VOC2012" / "SegmentationObject" / "2008_000003.png")
+    data = load_detection(str(devkit), "VOC2012/Segmentation/train")
+    ((path, why),) = data.unusable.items()
+    assert Path(path).name == "2008_000003.jpg" and "is 20 x 20, its image 48 x 40" in why
+    assert data.eval[0]["objects"]["bbox"] == []  # left out, listed, as a broken XML is
+
+
+def test_voc_object_pngs_of_a_photo_stored_turned_are_turned_with_its_boxes(tmp_path):
+    """A photo stored 40 x 30 with EXIF orientation 6 (shown 30 x 40) whose XML <size> and PNG are the stored
+    picture's: the mask turns with the picture, as the box does, and stays inside that box."""
+    from common.detection.sources import _image_size
+    from common.detection.voc import VocSource
+
+    root = tmp_path / "labelled"
+    for folder in ("Annotations", "JPEGImages", "SegmentationObject"):
+        (root / folder).mkdir(parents=True)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.new("RGB", (40, 30), (80, 80, 80)).save(root / "JPEGImages" / "p.jpg", exif=exif)
+    label = np.zeros((30, 40), np.uint8)
+    label[4:12, 20:36] = 1  # stored pixels: rows 5..12, columns 21..36 (1-based, as the box below)
+    Image.fromarray(label, mode="P").save(root / "SegmentationObject" / "p.png")
+    (root / "Annotations" / "p.xml").write_text(
+        "<annotation><filename>p.jpg</filename><size><width>40</width><height>30</height></size><object>"
+        "<name>tag</name><bndbox><xmin>21</xmin><ymin>5</ymin><xmax>36</xmax><ymax>12</ymax></bndbox></object>"
+        "</annotation>"
+    )
+    ds, _, _, unusable = VocSource(root).load("train", lambda p: _image_size({"path": p}, p))
+    assert not unusable and has_masks(ds)
+    row = ds[0]
+    assert (row["width"], row["height"]) == (30, 40)
+    mask = mask_of(row["objects"]["segmentation"][0], 40, 30)
+    np.testing.assert_array_equal(mask, np.asarray(Image.fromarray(label).transpose(Image.Transpose.ROTATE_270)))
+    x, y, w, h = row["objects"]["bbox"][0]
+    ys, xs = np.nonzero(mask)
+    assert (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1) == (x, y, x + w, y + h)

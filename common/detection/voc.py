@@ -117,12 +117,10 @@ def voc_roots(path: Path) -> dict[str, Path]:
     return {}
 
 
-def split_lists(root: Path) -> dict[str, list[str]]:
-    """Split name -> image ids, from ``ImageSets/Main/<split>.txt`` (the folder names in any case; a class's
-    ``<class>_<split>.txt`` left out); without them every annotation is the ``train`` split."""
-    sets = sub_folder(root, ("imagesets",))
-    main = sub_folder(sets, ("main",)) if sets else None
-    files = sorted(main.glob("*.txt")) if main else []
+def _image_lists(folder: Path | None) -> dict[str, list[str]]:
+    """List name -> image ids of the ``<split>.txt`` files in ``folder`` (the first word of each line; a class's
+    ``<class>_<split>.txt`` left out); empty for None."""
+    files = sorted(folder.glob("*.txt")) if folder else []
     stems = {f.stem for f in files}
     lists = {}
     for f in files:
@@ -130,8 +128,25 @@ def split_lists(root: Path) -> dict[str, list[str]]:
         if head and tail in stems:
             continue
         lists[f.stem] = [line.split()[0] for line in f.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
-    annotations = sub_folder(root, ANNOTATIONS)
-    return lists or {"train": [p.stem for p in xml_files(annotations)] if annotations else []}
+    return lists
+
+
+#: The name that the lists of ``ImageSets/Segmentation/`` (the images with segmentation PNGs) carry before theirs.
+SEGMENTATION = "Segmentation/"
+
+
+def split_lists(root: Path) -> dict[str, list[str]]:
+    """Split name -> image ids, from ``ImageSets/Main/<split>.txt`` (the folder names in any case; a class's
+    ``<class>_<split>.txt`` left out); without them every annotation is the ``train`` split. The lists of
+    ``ImageSets/Segmentation/`` (VOC2012's 1,464 ``train`` and 1,449 ``val`` images with object masks) are the
+    splits ``Segmentation/<split>``."""
+    sets = sub_folder(root, ("imagesets",))
+    lists = _image_lists(sub_folder(sets, ("main",)) if sets else None)
+    if not lists:
+        annotations = sub_folder(root, ANNOTATIONS)
+        lists = {"train": [p.stem for p in xml_files(annotations)] if annotations else []}
+    segmentation = _image_lists(sub_folder(sets, ("segmentation",)) if sets else None)
+    return lists | {f"{SEGMENTATION}{name}": ids for name, ids in segmentation.items()}
 
 
 def parse_xml(xml: Path) -> tuple[dict[str, Any], str]:
@@ -180,14 +195,18 @@ class VocSource:
             )
             for name, root in self.roots.items()
         }
+        # each root's object masks (SegmentationObject/<id>.png), where it has them
+        self._masks = {name: sub_folder(root, ("segmentationobject",)) for name, root in self.roots.items()}
         self.lists: dict[str, list[tuple[str, str]]] = {}
+        self._list_of: dict[str, tuple[str, str]] = {}  # split name of one root's list -> (root, list name)
         for name, root in self.roots.items():
             for split, ids in split_lists(root).items():
-                self.lists[f"{name}/{split}" if name else split] = [(name, i) for i in ids]
+                self.lists[self._key(name, split)] = [(name, i) for i in ids]
+                self._list_of[self._key(name, split)] = (name, split)
         if len(self.roots) > 1:  # a plain name: that list of every root that has one
-            for split in sorted({s.rpartition("/")[2] for s in self.lists}):
+            for split in sorted({name for _, name in self._list_of.values()}):
                 self.lists[split] = [
-                    k for s in sorted(self.lists) if s.rpartition("/")[2] == split for k in self.lists[s]
+                    k for s in sorted(self._list_of) if self._list_of[s][1] == split for k in self.lists[s]
                 ]
         self._parsed: dict[tuple[str, str], tuple[dict[str, Any], str]] = {}
         self._classes: list[str] | None = None
@@ -219,9 +238,8 @@ class VocSource:
     def _reads(self, split: str) -> list[tuple[str, str]]:
         """``(root, list name)`` of each list that the split name ``split`` reads: ``VOC2007/train`` that one, a
         plain ``train`` that list of every root that has one."""
-        root, _, name = split.rpartition("/")
-        if root and root in self.roots:
-            return [(root, name)]
+        if split in self._list_of:
+            return [self._list_of[split]]
         return [(r, split) for r in self.roots if self._key(r, split) in self.lists]
 
     def eval_split(self, train_split: str) -> str:
@@ -230,16 +248,19 @@ class VocSource:
         there (VOC's ``val`` is part of ``trainval``), joined with ``+``; '' where no year has one (then a seeded
         share of the training split is held out). ``VOC2007/train`` evaluates on ``VOC2007/val`` alone,
         ``VOC2007/trainval+VOC2012/trainval`` on ``VOC2007/test`` (VOC2012 has no test list), a plain ``train``
-        over several years on each year's ``val``."""
+        over several years on each year's ``val``. A segmentation list is evaluated on a segmentation list
+        (``Segmentation/train`` on ``Segmentation/val``), whose images have masks too."""
         read: dict[str, list[str]] = {}  # root -> the lists of it that the training split reads
         for part in train_split.split("+"):
             for root, name in self._reads(same_split(part, self.lists)):
                 read.setdefault(root, []).append(name)
         chosen = []
         for root, names in read.items():
-            listed = [s for s in EVAL_SPLITS if self._key(root, s) in self.lists]
-            split = next((s for s in listed if not any(s in name for name in names)), "")
-            chosen += [self._key(root, split)] if split else []
+            folder = SEGMENTATION if names[0].startswith(SEGMENTATION) else ""
+            bare = [name.removeprefix(folder) for name in names]
+            listed = [s for s in EVAL_SPLITS if self._key(root, folder + s) in self.lists]
+            split = next((s for s in listed if not any(s in name for name in bare)), "")
+            chosen += [self._key(root, folder + split)] if split else []
         return "+".join(chosen)
 
     def _image_ids(self) -> Callable[[tuple[str, str]], int]:
@@ -262,6 +283,61 @@ class VocSource:
         found = [p for p in sorted(folder.glob(f"{glob.escape(key[1])}.*")) if p.suffix.lower() in _IMAGE_SUFFIXES]
         return str(found[0] if found else folder / f"{key[1]}.jpg")
 
+    def _mask_file(self, key: tuple[str, str]) -> Path | None:
+        """The image's ``SegmentationObject/<id>.png``, or None."""
+        folder = self._masks[key[0]]
+        path = folder / f"{key[1]}.png" if folder else None
+        return path if path is not None and path.is_file() else None
+
+    def _with_masks(self, split: str) -> bool:
+        """Whether every image of ``split`` with objects has its object PNG (then the split has masks); where only
+        some have, :attr:`notes` says so, and the split is read as boxes."""
+        keys = [k for k in self.lists[split] if self._annotation(k)[0].get("objects")]
+        found = sum(self._mask_file(k) is not None for k in keys)
+        if 0 < found < len(keys):
+            lists = sorted(s for s in self.lists if SEGMENTATION in s)
+            self.notes.append(
+                f"Pascal VOC '{split}': {found} of {len(keys)} images with objects have SegmentationObject PNGs: "
+                "read as boxes only, as masks need one for every image"
+                + (f" ({', '.join(lists)} list the images with masks)" if lists else "")
+            )
+        return bool(keys) and found == len(keys)
+
+    def _object_masks(
+        self, key: tuple[str, str], count: int, size: tuple[int, int], turn: tuple[int, tuple[int, int]] | None
+    ) -> tuple[list[str], list[int], str]:
+        """The masks of an image's ``count`` objects from its ``SegmentationObject`` PNG, whose pixel value i is the
+        i-th object of the XML (from 1; 0 background, 255 the void band along the outlines, in no mask): each as
+        COCO's compressed RLE in JSON and its pixel count, ``""`` and 0 for an object without pixels; or why the PNG
+        cannot be read. ``size``: the image's (width, height) as displayed; a PNG of the stored picture's size is
+        turned with it (``turn``, :func:`frame`)."""
+        import json
+
+        import numpy as np
+        from PIL import Image
+
+        from common.detection.masks import rle_of
+
+        path = self._mask_file(key)
+        name = f"{path.parent.name}/{path.name}" if path else f"SegmentationObject/{key[1]}.png"
+        try:
+            with Image.open(path) as png:
+                if png.mode not in ("P", "L", "I", "I;16"):  # a palette's indices; colours say nothing of objects
+                    return [], [], f"{name} is {png.mode}, not object numbers (a palette or grey PNG)"
+                if png.size != size and turn and png.size == turn[1]:  # drawn on the stored picture: turned with it
+                    png = png.transpose(Image.Transpose[_TRANSPOSE[turn[0]]])
+                values = np.asarray(png)
+        except Exception as e:
+            return [], [], f"{name}: {type(e).__name__}: {e}"
+        if values.shape[::-1] != size:
+            return [], [], f"{name} is {values.shape[1]} x {values.shape[0]}, its image {size[0]} x {size[1]}"
+        shapes, areas = [], []
+        for i in range(1, count + 1):
+            mask = values == i
+            areas.append(int(mask.sum()))
+            shapes.append(json.dumps(rle_of(mask)) if areas[-1] else "")
+        return shapes, areas, ""
+
     def load(self, split: str, size_of: Callable[[str], tuple[int, int]]) -> tuple[Any, list[str], list[int], dict]:
         """One split as a normalised ``datasets.Dataset``, the class names, their ids (the class indices) and the
         images left out with why (image path -> reason; their rows stay, without objects, for
@@ -278,6 +354,7 @@ class VocSource:
         image_id = self._image_ids()
         unusable: dict[str, str] = {}
         frames: dict[str, int] = {}
+        masks = self._with_masks(split)
         table: dict[str, list] = {"image": [], "image_id": [], "width": [], "height": [], "objects": []}
         for key in self.lists[split]:
             record, why = self._annotation(key)
@@ -289,6 +366,9 @@ class VocSource:
                     frames[read_as] = frames.get(read_as, 0) + 1
                 except UserError as e:
                     why = str(e)
+            shapes, areas = [], []
+            if masks and not why and record["objects"]:
+                shapes, areas, why = self._object_masks(key, len(record["objects"]), (width, height), turn)
             objects: dict[str, list] = {"bbox": [], "category": [], "area": [], "iscrowd": []}
             if why:
                 unusable[path] = why
@@ -301,6 +381,9 @@ class VocSource:
                 objects["category"].append(index[name])
                 objects["area"].append((x1 - x0) * (y1 - y0))
                 objects["iscrowd"].append(int(difficult > 0))
+            if masks:  # an object's area is its mask's pixels, as COCO's; its box's where it has none
+                objects["segmentation"] = shapes
+                objects["area"] = [a or box for a, box in zip(areas, objects["area"])]
             table["image"].append({"path": path, "bytes": None})
             table["image_id"].append(image_id(key))
             table["width"].append(width)
@@ -308,7 +391,21 @@ class VocSource:
             table["objects"].append(objects)
         if line := frames_line(split, frames, len(self.lists[split])):
             self.notes.append(line)
-        return datasets.Dataset.from_dict(table, features=features()), classes, list(range(len(classes))), unusable
+        ds = datasets.Dataset.from_dict(table, features=features(masks=masks))
+        return ds, classes, list(range(len(classes))), unusable
+
+
+#: EXIF orientation -> the PIL transpose (``Image.Transpose``) that shows the stored picture upright, as
+#: ``PIL.ImageOps.exif_transpose`` turns it.
+_TRANSPOSE = {
+    2: "FLIP_LEFT_RIGHT",
+    3: "ROTATE_180",
+    4: "FLIP_TOP_BOTTOM",
+    5: "TRANSPOSE",
+    6: "ROTATE_270",
+    7: "TRANSVERSE",
+    8: "ROTATE_90",
+}
 
 
 # How the boxes of an image were read (:func:`frame`): as written, for an image stored upright; for one stored turned,
