@@ -11,7 +11,14 @@ their Python port ``voc_eval.py``), into the normalised schema of :mod:`common.d
   ``train`` split, and with no evaluation split :func:`common.detection.data.load_detection` holds out its seeded
   10 %, as for every form without one. Over several roots a split is named ``<root>/<split>`` (``VOC2007/test``), and
   the plain name reads every root's list of that name; ``+`` joins splits (``VOC2007/trainval+VOC2012/trainval``,
-  :func:`common.detection.data.load_detection`).
+  :func:`common.detection.data.load_detection`). The lists of ``ImageSets/Segmentation/`` (the images with object
+  masks) are the splits ``Segmentation/<split>`` (``VOC2012/Segmentation/train`` over several roots).
+- Masks: where every image of a split that has objects has its ``SegmentationObject/<id>.png`` (a palette PNG whose
+  value i is the XML's i-th object, from 1; 0 background; 255 the void band along outlines, in no mask), each object
+  keeps its pixels (``objects.segmentation``, COCO's compressed RLE; ``""`` for one without pixels) and its area is
+  their count. Where only some have one (VOC2012's ``Main`` lists), the split is read as boxes and a line says so.
+  ``SegmentationClass/`` is not read: each object's class is its XML's. A PNG that is not object numbers or does not
+  fit its image leaves the image out, listed as a malformed XML does.
 - Classes: the 20 VOC classes in the devkit's order (``VOCinit.m``, alphabetical: the order of Ultralytics'
   ``VOC.yaml``) when the folder is a VOC year (``VOC20xx``, or under ``VOCdevkit``) and every ``<name>`` is one of
   them; otherwise the distinct ``<name>`` values of the split lists' XMLs, sorted. Category id = class index.
