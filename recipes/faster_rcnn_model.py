@@ -62,9 +62,8 @@ TIMM_BUDGETS = {
     "rpn_batch_size_per_image": 128,
     "box_batch_size_per_image": 32,
 }
-# The losses as torchvision names them -> as this recipe names and logs them (loss_weights names them without
-# "loss_"); the mask term only with --masks. Each is already a mean over the sampled anchors, proposals or mask
-# pixels (definitions: docs/faster_rcnn.md)
+# The losses as torchvision names them -> as this recipe logs them (loss_weights: without "loss_"; mask only with
+# --masks). Each is already a mean over the sampled anchors, proposals or mask pixels (docs/faster_rcnn.md)
 LOSS_NAMES = {
     "loss_objectness": "loss_rpn_objectness",
     "loss_rpn_box_reg": "loss_rpn_box",

@@ -24,7 +24,7 @@ from common.detection.sources import features
 
 def test_registry_names_every_builtin_set():
     assert list(CLASSIFICATION) == ["digits", "digits_ssl", "digits_det_crops"]
-    assert list(DETECTION) == ["digits_det"]
+    assert list(DETECTION) == ["digits_det", "shapes_seg"]
 
 
 def test_digits_has_hub_schema_and_fixed_split():
@@ -292,3 +292,22 @@ def test_digits_det_boxes_are_tight_around_the_digits():
 
 # --------------------------------------------------------------------------------------------
 # Sources: a COCO-json folder (two layouts) and a hub-schema dataset give the same rows
+
+
+def test_shapes_seg_scenes_are_drawn_from_their_polygons_which_never_share_a_pixel():
+    """``shapes_seg``: each shape's pixels are its polygon as pycocotools rasterises it (the masks are exact up
+    to anti-aliased edges), no two shapes overlap, and a scene is a function of its seed."""
+    import numpy as np
+    from pycocotools import mask as coco_mask
+
+    from common.data.builtin.shapes_seg import SEG_CLASSES, SEG_SIZE, _coverage, _scene
+
+    for i in range(8):
+        image, polygons, classes = _scene(np.random.default_rng([0, 1, i]))
+        again, _, _ = _scene(np.random.default_rng([0, 1, i]))
+        assert np.array_equal(image, again) and 1 <= len(polygons) <= 5 and set(classes) <= set(range(len(SEG_CLASSES)))
+        masks = [coco_mask.decode(coco_mask.frPyObjects([p], SEG_SIZE, SEG_SIZE))[..., 0] for p in polygons]
+        assert sum(m.astype(int) for m in masks).max() <= 1 if masks else True  # disjoint
+        for polygon, mask in zip(polygons, masks):
+            drawn = _coverage(np.asarray(polygon).reshape(-1, 2)) >= 0.5
+            assert np.logical_and(drawn, mask).sum() / np.logical_or(drawn, mask).sum() >= 0.9

@@ -105,6 +105,12 @@ def _classification(
     return str(folder)
 
 
+def _diamond(box: list[float]) -> list[float]:
+    """The polygon of the diamond inscribed in a COCO box [x, y, w, h]: x1, y1, x2, y2, ... in pixels."""
+    x, y, w, h = box
+    return [x + w / 2, y, x + w, y + h / 2, x + w / 2, y + h, x, y + h / 2]
+
+
 def _coco_folder(folder: Path, splits: dict[str, int], size: tuple[int, int], category_ids: list[int]) -> str:
     """annotations/instances_<split>.json and <split>/ images, categories with the given (odd) ids."""
     rng = np.random.default_rng(0)
@@ -124,8 +130,10 @@ def _coco_folder(folder: Path, splits: dict[str, int], size: tuple[int, int], ca
                         "id": next_id,
                         "image_id": image_id,
                         "bbox": box,
-                        "area": box[2] * box[3],
+                        "area": box[2] * box[3] / 2,
                         "iscrowd": 0,
+                        # COCO's instances json has each object's polygon: here the diamond in its box
+                        "segmentation": [_diamond(box)],
                         "category_id": int(rng.choice(category_ids[:5])),
                     }
                 )
@@ -260,6 +268,8 @@ def stand_in(data: str, root: Path, recipe: str = "") -> tuple[str, list[str]]:
         return _classification(root / data, "image", 10, {"train": 8, "validation": 4}, (32, 32)), []
     if data == "digits_det":  # enough boxes for DETR's backbone pre-training: 64 box crops per process
         return _coco_folder(root / data, {"train": 80, "val": 2}, (96, 96), list(range(10))), []
+    if data == "shapes_seg":
+        return _coco_folder(root / data, {"train": 16, "val": 2}, (96, 96), [1, 2, 3, 4]), []
     if data == "uoft-cs/cifar10":
         return _classification(root / "cifar10", "img", 10, {"train": 8, "test": 4}, (32, 32)), []
     if data == "ILSVRC/imagenet-1k":

@@ -16,7 +16,9 @@ A detector's outputs are compared as a user reads them (:class:`Detections`): ea
 from the file are paired with eager's (same class, IoU at least 0.5, best first), paired boxes must agree
 within 0.5 px and scores within 1e-3, and every detection must have its pair, except one scoring within
 1e-3 of the lowest score read (the model's score floor, or the last score kept where an image reaches the
-model's detection limit): a tie at the threshold may fall on either side of it. Otherwise nothing is kept
+model's detection limit): a tie at the threshold may fall on either side of it. A segmenting detector's paired
+masks (its fourth output, ``[K, M, M]`` probabilities over each box) are pasted into the input's size as the
+recipe pastes them and must overlap with IoU at least :data:`MASK_IOU`. Otherwise nothing is kept
 and the export is refused in one line naming the input (its shapes), the output and the difference.
 """
 
@@ -38,6 +40,8 @@ TOLERANCES = {"px": 0.5, "probability": 1e-3, "relative": 1e-3}
 #: The photo sizes (height, width) a detector's export is checked on: small photos the graph upscales,
 #: large ones it reduces, a tall and a wide one (odd aspect ratios), from 60 x 45 to 1000 x 750.
 CHECK_SIZES = ((45, 60), (183, 245), (400, 120), (180, 640), (480, 640), (750, 1000))
+#: A segmenting detector's export: each paired detection's masks, pasted and cut at 0.5, overlap at least this much.
+MASK_IOU = 0.99
 
 
 def tensors(outputs: Any) -> list[torch.Tensor]:
@@ -135,14 +139,34 @@ def _elementwise(name: str, kind: str, got: torch.Tensor, expected: torch.Tensor
     return diff, None
 
 
+def _mask_iou(
+    got: torch.Tensor, got_box: torch.Tensor, expected: torch.Tensor, expected_box: torch.Tensor, size: Sequence[int]
+) -> float:
+    """IoU of two detections' masks (probabilities [M, M] over their XYXY boxes) pasted into an image of ``size``
+    (h, w) as torchvision's Mask R-CNN pastes them and cut at 0.5; 1 where both are empty."""
+    from torchvision.models.detection.roi_heads import paste_masks_in_image
+
+    probs = torch.stack([got, expected]).float()[:, None]
+    pasted = paste_masks_in_image(probs, torch.stack([got_box, expected_box]).float(), tuple(int(v) for v in size))
+    a, b = pasted[0, 0] > 0.5, pasted[1, 0] > 0.5
+    union = int((a | b).sum())
+    return float((a & b).sum()) / union if union else 1.0
+
+
 def detections_agree(
-    got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], spec: Detections, file: str
+    got: tuple[torch.Tensor, ...],
+    expected: tuple[torch.Tensor, ...],
+    spec: Detections,
+    file: str,
+    size: Sequence[int] | None = None,
 ) -> tuple[float, float, str | None]:
     """One image's detections from the file against eager's: (the largest box difference in px over the
-    pairs, the largest score difference, what is wrong or None); the rule is the module docstring's."""
+    pairs, the largest score difference, what is wrong or None); the rule is the module docstring's. ``size``: the
+    input image's (h, w), where a segmenting detector's masks are pasted."""
     from torchvision.ops import box_iou
 
-    (gb, gs, gl), (eb, es, el) = ((t.detach().cpu() for t in d) for d in (got, expected))
+    (gb, gs, gl), (eb, es, el) = ((t.detach().cpu() for t in d[:3]) for d in (got, expected))
+    masks = (got[3].detach().cpu(), expected[3].detach().cpu()) if len(got) > 3 and len(expected) > 3 else None
     gb, gs, eb, es = gb.double(), gs.double(), eb.double(), es.double()
     # the lowest score read: the model's floor, or the last score kept where an image reached the limit
     low = spec.floor
@@ -169,6 +193,17 @@ def detections_agree(
         if max(es[i], gs[j]) > loose:
             box_diff = max(box_diff, float((eb[i] - gb[j]).abs().max()))
             score_diff = max(score_diff, float((es[i] - gs[j]).abs()))
+            if masks is not None and size is not None:
+                overlap = _mask_iou(masks[0][j], gb[j], masks[1][i], eb[i], size)
+                if overlap < MASK_IOU:
+                    return (
+                        box_diff,
+                        score_diff,
+                        (
+                            f"the mask of eager's detection of class {int(el[i])} and {file}'s overlap with IoU "
+                            f"{overlap:.4f} (at least {MASK_IOU})"
+                        ),
+                    )
     for j in (~paired).nonzero().flatten().tolist():
         if gs[j] > loose:
             return (
@@ -201,8 +236,9 @@ def checked(
         found: dict[str, float] = {}
         wrong = None
         if detections is not None:
+            size = next(iter(inputs.values())).shape[-2:]  # one image [3, H, W]: where masks are pasted
             for g, e in zip(detections.read(got), detections.read(expected)):
-                boxes, scores, wrong = detections_agree(g, e, detections, file)
+                boxes, scores, wrong = detections_agree(g, e, detections, file, size)
                 found = {"boxes": max(found.get("boxes", 0.0), boxes), "scores": max(found.get("scores", 0.0), scores)}
                 if wrong:
                     break

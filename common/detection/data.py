@@ -36,6 +36,7 @@ from common.data.folders import EVAL_SPLITS, load_saved_or_hub, same_split
 from common.data.images import image_files, readable_images
 from common.detection import yolo_txt
 from common.detection.forms import FORMS, detection_form, no_known_form
+from common.detection.masks import has_masks, with_empty_masks
 from common.detection.sources import _image_size, coco_splits, image_table, load_coco_split, normalise
 from common.detection.voc import VocSource
 from common.loaders import eval_loader_for, sample_seed, seeded
@@ -151,7 +152,10 @@ def _joined(loaded: list[tuple[Any, Any, Any, dict[str, str]]], name: str) -> tu
     for _, names, ids, _ in loaded[1:]:
         if (names, ids) != first[1:3]:
             raise UserError(f"the splits joined in '{name}' have different classes ({first[1]} and {names})")
-    table = datasets.concatenate_datasets([ds for ds, *_ in loaded])
+    tables = [ds for ds, *_ in loaded]
+    if any(has_masks(ds) for ds in tables):  # a box-only split joined with one with masks: its objects get none
+        tables = [ds if has_masks(ds) else with_empty_masks(ds) for ds in tables]
+    table = datasets.concatenate_datasets(tables)
     if len(set(table["image_id"])) < len(table):
         table = table.map(lambda _, i: {"image_id": i}, with_indices=True, features=table.features)
     return table, first[1], first[2], {k: v for *_, unusable in loaded for k, v in unusable.items()}

@@ -26,6 +26,17 @@ def has_masks(ds: Any) -> bool:
     return isinstance(objects, dict) and "segmentation" in objects
 
 
+def with_empty_masks(ds: Any) -> Any:
+    """A box-only normalised split in the schema with masks, every object's segmentation ``""`` (to join it with
+    a split that has masks)."""
+    from common.detection.sources import features
+
+    def add(row: dict[str, Any]) -> dict[str, Any]:
+        return {"objects": {**row["objects"], "segmentation": [""] * len(row["objects"]["bbox"])}}
+
+    return ds.map(add, features=features(masks=True))
+
+
 def objects_with_masks(ds: Any) -> tuple[int, int]:
     """(objects with a segmentation, objects) of a normalised split, crowd regions included."""
     if not has_masks(ds):

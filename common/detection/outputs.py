@@ -300,12 +300,13 @@ def _below(value: float, threshold: float) -> str:
 
 
 def check_classes(weights: str, meta: Mapping[str, Any], data: Any) -> None:
-    """``--eval_only``: the weights' classes and category ids (``meta``, :func:`common.weights.read_metadata`)
-    must be those of ``data`` (:class:`common.detection.data.DetectionData`; None: nothing to check);
-    otherwise one :class:`common.UserError`."""
+    """``--eval_only``: the weights' classes (``meta``, :func:`common.weights.read_metadata`) must be those of
+    ``data`` (:class:`common.detection.data.DetectionData`; None: nothing to check), by name and in order;
+    otherwise one :class:`common.UserError`. Their ids may differ (a COCO json numbers them from 1, an Ultralytics
+    export of the same set from 0): the evaluation writes the data's."""
     if data is None:
         return
-    if list(meta["classes"]) != list(data.classes) or list(meta["category_ids"]) != list(data.category_ids):
+    if list(meta["classes"]) != list(data.classes):
 
         def pairs(names: Sequence[str], ids: Sequence[int]) -> str:
             return ", ".join(f"{i}:{n}" for i, n in list(zip(ids, names))[:5])
