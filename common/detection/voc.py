@@ -27,7 +27,7 @@ their Python port ``voc_eval.py``), into the normalised schema of :mod:`common.d
   clipped to the image. IoU of such boxes equals the devkit's IoU of the original corners.
 - ``<difficult>1</difficult>`` boxes are crowd-like regions (``iscrowd`` 1): never training targets, and ignored in
   evaluation as the devkit ignores them (neither true nor false positives:
-  :func:`common.detection.coco_eval.voc07_ap50`).
+  :func:`common.detection.voc07.voc07_ap50`).
   ``truncated`` / ``occluded`` boxes are ordinary boxes, as in the devkit.
 - Evaluation: without a split named, the one that follows the training split's years (:meth:`VocSource.eval_split`).
 - Image ids: the VOC ids as numbers where every id is digits with at most one ``_`` and no two ids give one number
