@@ -200,3 +200,12 @@ def test_segment_rows_are_the_masks_outlines_normalised():
     assert inter / union >= 0.9
     assert second == ["0", "0.01", "0.04", "0.03", "0.04", "0.03", "0.08", "0.01", "0.08"]
     assert len(polygons_of(mask)) == 1
+    # two pieces, one with a hole: one row, which rasterises back to exactly the mask
+    mask = np.zeros((50, 60), np.uint8)
+    mask[5:20, 5:20] = 1
+    mask[30:45, 30:55] = 1
+    mask[35:40, 35:40] = 0
+    (row,) = (r.split() for r in segment_lines([rle_of(mask)], [[5, 5, 55, 45]], [1]).splitlines())
+    xy = np.array(row[1:], np.float64).reshape(-1, 2) * [60, 50]
+    assert len(polygons_of(mask)) == 3
+    assert np.array_equal(coco_mask.decode(coco_mask.frPyObjects([xy.reshape(-1).tolist()], 50, 60))[..., 0], mask)

@@ -218,7 +218,7 @@ MASK_ALPHA = 0.45  # a predicted mask's fill: this much of its class colour over
 
 def _with_masks(picture: Image.Image, masks: Sequence[dict[str, Any]], labels: Sequence[int]) -> Image.Image:
     """``picture`` (the image resized for drawing) with each mask (COCO RLE at the original size) filled in its
-    class's colour at MASK_ALPHA, resized to the picture by nearest neighbour."""
+    class's colour at MASK_ALPHA and edged in it, resized to the picture by nearest neighbour."""
     from common.detection.masks import mask_of
 
     out = np.asarray(picture.convert("RGB"), np.float32).copy()
@@ -226,7 +226,11 @@ def _with_masks(picture: Image.Image, masks: Sequence[dict[str, Any]], labels: S
         h, w = rle["size"]
         inside = mask_of(json.dumps(rle), h, w)
         inside = np.asarray(Image.fromarray(inside * 255).resize(picture.size, Image.NEAREST)) > 127
-        out[inside] = (1 - MASK_ALPHA) * out[inside] + MASK_ALPHA * np.asarray(class_colour(c), np.float32)
+        colour = np.asarray(class_colour(c), np.float32)
+        out[inside] = (1 - MASK_ALPHA) * out[inside] + MASK_ALPHA * colour
+        padded = np.pad(inside, 1)  # its edge, opaque: pixels inside with a neighbour outside
+        edge = inside & ~(padded[:-2, 1:-1] & padded[2:, 1:-1] & padded[1:-1, :-2] & padded[1:-1, 2:])
+        out[edge] = colour
     return Image.fromarray(np.rint(out).astype(np.uint8))
 
 

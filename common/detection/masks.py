@@ -142,6 +142,21 @@ def polygons_of(mask: np.ndarray, min_points: int = 3) -> list[np.ndarray]:
     return sorted(polygons, key=area, reverse=True)
 
 
+def joined(pieces: Sequence[np.ndarray]) -> np.ndarray:
+    """Outlines ``[P_i, 2]`` (a mask's pieces and holes, :func:`polygons_of`) as one polygon, for formats that hold one
+    per object: each next outline is reached from the nearest point of those joined so far, walked round and left
+    the same way, so that the bridges have no area and a rasteriser that fills by crossings (pycocotools')
+    fills the pieces and leaves the holes out."""
+    path = np.asarray(pieces[0], np.float64)
+    for piece in pieces[1:]:
+        piece = np.asarray(piece, np.float64)
+        distance = ((path[:, None, :] - piece[None, :, :]) ** 2).sum(-1)  # [len(path), len(piece)]
+        i, j = np.unravel_index(int(distance.argmin()), distance.shape)
+        loop = np.concatenate([piece[j:], piece[: j + 1]])  # round the piece, back to where it was entered
+        path = np.concatenate([path[: i + 1], loop, path[i:]])
+    return path
+
+
 def segment_lines(
     masks: Sequence[dict[str, Any]],
     boxes: Sequence[Sequence[float]],
@@ -149,7 +164,8 @@ def segment_lines(
     scores: Sequence[float] | None = None,
 ) -> str:
     """Detections with masks as an Ultralytics segment label file: per row ``class x1 y1 x2 y2 ...``, the class index
-    and the outline of the mask's largest piece (:func:`polygons_of`) normalised by the image's size (the RLE's);
+    and the outline of the mask, its pieces joined into one polygon (:func:`joined`), normalised by the image's
+    size (the RLE's);
     a mask with no piece of three points gives its box's corners (XYXY ``boxes`` in pixels). With ``scores`` each
     row ends with its score (Ultralytics' ``save_conf`` form, for labelling tools; not a training label)."""
     out = []
@@ -157,7 +173,7 @@ def segment_lines(
         height, width = rle["size"]
         pieces = polygons_of(mask_of(json.dumps(rle), height, width))
         x0, y0, x1, y1 = box
-        points = pieces[0] if pieces else np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], np.float64)
+        points = joined(pieces) if pieces else np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], np.float64)
         values = (points / np.array([width, height], np.float64)).clip(0, 1).reshape(-1).tolist()
         values += [] if scores is None else [scores[n]]
         out.append(" ".join([str(int(c))] + [f"{float(v):.6g}" for v in values]) + "\n")

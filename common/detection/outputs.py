@@ -201,7 +201,7 @@ def save_predictions(
     rows = table.select_columns(["image", "image_id", "width", "height"])[:]
     files = {int(i): Path(v["path"]) for i, v in zip(rows["image_id"], rows["image"])}
     sizes = {int(i): (int(w), int(h)) for i, w, h in zip(rows["image_id"], rows["width"], rows["height"])}
-    entries, seen, lower = [], set(), []
+    entries, seen, lower, segmented = [], set(), [], False
     if accelerator.is_main_process:  # the label files' class names, so that Ultralytics and the reader take them
         (run.dir / LABELS).mkdir(parents=True, exist_ok=True)
         (run.dir / DATA_YAML).write_text(data_yaml(classes), encoding="utf-8")
@@ -255,6 +255,7 @@ def save_predictions(
                 if masks is None:
                     label.write_text(label_lines(boxes.tolist(), labels.tolist(), (w, h), shown))
                 else:  # Ultralytics' segment rows: each mask's outline
+                    segmented = True
                     label.write_text(segment_lines(masks, boxes.tolist(), labels.tolist(), shown))
                     if mask_pngs:
                         save_mask_png(masks, (h, w), (run.dir / "masks" / relative).with_suffix(".png"))
@@ -275,10 +276,11 @@ def save_predictions(
             scoring += f" ({field}: the model drops lower scores; --predict_score {score_threshold} is below it)"
         elif floor > 0:
             scoring += f" (predict_score; the model drops scores below {floor}, {field})"
-        found = counted(int(totals["detections"]), "detection")
+        found = counted(int(totals["detections"]), "detection") + " with masks" * segmented
         run.print(
             f"{counted(len(entries), 'image')}, {found} {scoring}: {run.dir / DETECTIONS}, pictures in {folder}, "
-            f"YOLO label files in {run.dir / LABELS} (class indices of {run.dir / DATA_YAML}"
+            f"{'segment label' if segmented else 'YOLO label'} files in {run.dir / LABELS} "
+            f"(class indices of {run.dir / DATA_YAML}"
             f"{', then the score' if with_scores else ''})"
         )
         below = np.concatenate(lower) if lower else np.zeros(0)
