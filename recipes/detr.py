@@ -95,8 +95,9 @@ with own_files("detr_"):  # DETR's own files, beside this one: python -m common.
     from detr_model import DETR, HungarianMatcher, SetCriterion, detect  # DETR's model, loss and detections
     from detr_pretrain import pretrain_backbone  # the backbone pre-training on box crops
 
-# The three weighted loss terms, in the order of loss_weights (and, for the costs, of matcher_costs).
+# The three weighted loss terms (loss_weights names them without "loss_"; matcher_costs follows this order).
 LOSS_TERMS = ("loss_ce", "loss_bbox", "loss_giou")
+LOSS_WEIGHTS = {"ce": 2.0, "bbox": 5.0, "giou": 2.0}  # the demo's; DETR's are 1, 5, 2
 
 
 # ============================================================================================
@@ -164,8 +165,8 @@ class Config(RunConfig):
     # loss
     matcher_costs: list[float] = arg([2.0, 5.0, 2.0], "Hungarian matching cost weights: class, L1, GIoU (DETR: 1, 5, "
         "2; Deformable DETR weighs the class 2, which teaches the demo its classes sooner)")
-    loss_weights: list[float] = arg([2.0, 5.0, 2.0], "loss weights: CE, L1, GIoU (DETR: 1, 5, 2; the "
-        "class 2 as in the costs)")
+    loss_weights: dict = arg(dict(LOSS_WEIGHTS), "each loss term's weight by name: ce, bbox (L1), "
+        "giou (those not given: the default's; DETR: 1, 5, 2; the class 2 as in the costs)")
     eos_coef: float = arg(0.1, "cross-entropy weight of the no-object class (DETR: 0.1)", ge=0, le=1)
     # optimization
     epochs: int = arg(12, "training epochs (after pretrain_crops_epochs)")
@@ -262,14 +263,19 @@ def create_backbone(cfg: Config, notes: list[str] | None = None) -> nn.Module:
 # Loss: Hungarian matching, then cross-entropy (no-object down-weighted), L1 and GIoU per layer
 # (HungarianMatcher and SetCriterion: recipes/detr_model.py)
 # ============================================================================================
+def loss_weights(cfg: Config) -> list[float]:
+    """The weights of LOSS_TERMS, in their order: the config's by name over the defaults."""
+    given = {**LOSS_WEIGHTS, **cfg.loss_weights}
+    return [float(given[k.removeprefix("loss_")]) for k in LOSS_TERMS]
+
+
 def create_criterion(cfg: Config, num_classes: int) -> SetCriterion:
     """The matcher and criterion with this config's costs and weights (auxiliary layers weighted alike)."""
     matcher = HungarianMatcher(*cfg.matcher_costs)
-    weight_dict = dict(zip(LOSS_TERMS, cfg.loss_weights))
+    weights = loss_weights(cfg)
+    weight_dict = dict(zip(LOSS_TERMS, weights))
     if cfg.aux_loss:
-        weight_dict.update(
-            {f"{k}_{i}": w for i in range(cfg.dec_layers - 1) for k, w in zip(LOSS_TERMS, cfg.loss_weights)}
-        )
+        weight_dict.update({f"{k}_{i}": w for i in range(cfg.dec_layers - 1) for k, w in zip(LOSS_TERMS, weights)})
     return SetCriterion(num_classes, matcher, weight_dict, cfg.eos_coef, ["labels", "boxes", "cardinality"])
 
 
@@ -312,8 +318,14 @@ MODEL_FIELDS = (
 # ============================================================================================
 def check_config(cfg: Config) -> None:
     """Values that would fail deep inside the model or the loss, as one clear error before anything is made."""
-    if len(cfg.loss_weights) != 3 or any(w < 0 for w in cfg.loss_weights):
-        raise UserError(f"loss_weights must be 3 non-negative numbers (CE, L1, GIoU), got {cfg.loss_weights}")
+    names = [k.removeprefix("loss_") for k in LOSS_TERMS]
+    if set(cfg.loss_weights) - set(names) or not all(
+        isinstance(w, (int, float)) and w >= 0 for w in cfg.loss_weights.values()
+    ):
+        raise UserError(
+            f"loss_weights names non-negative weights of {', '.join(names)} (ce: the class cross-entropy, bbox: L1, "
+            f"giou), e.g. --loss_weights '{{ce: 1}}'; got {cfg.loss_weights}"
+        )
     if len(cfg.matcher_costs) != 3 or any(w < 0 for w in cfg.matcher_costs):
         raise UserError(f"matcher_costs must be 3 non-negative numbers (class, L1, GIoU), got {cfg.matcher_costs}")
     if not cfg.scales:  # their values, and the other numbers' ranges, were checked while parsing

@@ -321,7 +321,7 @@ def test_run_writes_its_outputs(short_run):
     assert train
     for k in ("loss_ce", "loss_bbox", "loss_giou", "loss_ce_0", "loss_giou_1", "class_error", "cardinality_error"):
         assert f"train/{k}" in train[-1], k
-    weights = dict(zip(detr.LOSS_TERMS, detr.Config().loss_weights))
+    weights = {f"loss_{k}": w for k, w in detr.Config().loss_weights.items()}
     for r in train:  # the logged total is the weighted sum of the logged terms, auxiliary ones included
         scaled = sum(weights[k] * r[f"train/{k}{s}"] for k in detr.LOSS_TERMS for s in ("", "_0", "_1"))
         assert r["train/loss"] == pytest.approx(scaled, rel=1e-4)
@@ -413,7 +413,7 @@ def test_init_backbone_loads_a_classifiers_weights_and_refuses_a_mismatch(tmp_pa
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--loss_weights", "1,1"], "loss_weights must be 3 non-negative numbers"),
+        (["--loss_weights", "{ce: 1, l1: 5}"], "loss_weights names non-negative weights of ce, bbox, giou"),
         (["--matcher_costs", "1,-1,1"], "matcher_costs must be 3 non-negative numbers"),
         (["--d_model", "100"], "must be a multiple of 4 and of nheads"),
         (["--crop_size", "96,64"], "crop_size must be"),
