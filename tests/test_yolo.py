@@ -295,7 +295,7 @@ def test_each_evaluation_scores_its_own_model():
     from accelerate import Accelerator
 
     split = load_detection("digits_det").eval.select(range(8))
-    assert set(vars(CocoEvaluator(split))) == {"gt", "image_ids", "stoppable"}  # nothing about predictions
+    assert set(vars(CocoEvaluator(split))) == {"gt", "image_ids", "stoppable", "masks"}  # nothing about predictions
     loader = torch.utils.data.DataLoader(
         DetectionDataset(split, yolo.detection_transforms(False, 96)), batch_size=4, collate_fn=collate
     )
