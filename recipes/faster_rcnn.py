@@ -60,7 +60,7 @@ from common.data.image_cache import image_caches
 from common.data.scan import without_unreadable
 from common.detection.coco_eval import CocoEvaluator, EvalDetails
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD, DetectionDataset, load_detection
-from common.detection.masks import objects_with_masks
+from common.detection.masks import has_masks, objects_with_masks
 from common.detection.outputs import ap_per_class_line, report_evaluation
 from common.loaders import eval_loader_for, loader_kwargs
 from common.loop import Loop
@@ -201,6 +201,8 @@ def evaluate(
 def mask_line(data: Any, masks: bool, name: str) -> str:
     """The banner line about masks: with ``masks``, how many objects of each split have one (an object without one
     learns its box as its mask); the error where a split has none; without, a hint where the data has them."""
+    if not masks and not (has_masks(data.train) or has_masks(data.eval)):  # box-only data: nothing to count
+        return ""
     counts = {split: objects_with_masks(getattr(data, split)) for split in ("train", "eval")}
     if not masks:
         have = sum(n for n, _ in counts.values())

@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import timm
 import torch
 import torchvision
@@ -35,6 +34,7 @@ from common import UserError
 from common.artifacts.export import OnnxModel
 from common.detection.boxes import rescale_boxes, without_tiny
 from common.detection.data import IMAGENET_MEAN, IMAGENET_STD
+from common.detection.masks import rles_of
 from common.models import create_timm_model, freeze_stages, hub_offline, reachable
 from common.weights import load_backbone
 
@@ -339,15 +339,11 @@ def pasted_masks(probs: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]
     """Each detection's mask in an image of ``size`` (h, w) as COCO's compressed RLE: its ``probs`` [K, 28, 28]
     placed over its box (``boxes`` [K, 4] XYXY in that image's pixels) as torchvision's Mask R-CNN places them,
     then cut at 0.5. Pasted and encoded a few at a time, so that a photo's hundred masks are never all in memory."""
-    from pycocotools import mask as coco_mask
-
     per_chunk = max(1, PASTE_PIXELS // max(size[0] * size[1], 1))
     out: list[dict[str, Any]] = []
     for k in range(0, len(probs), per_chunk):
         pasted = paste_masks_in_image(probs[k : k + per_chunk, None].float(), boxes[k : k + per_chunk].float(), size)
-        inside = np.asfortranarray((pasted[:, 0] > 0.5).permute(1, 2, 0).cpu().numpy().astype(np.uint8))  # [h, w, n]
-        for rle in coco_mask.encode(inside):
-            out.append({"size": [int(v) for v in rle["size"]], "counts": rle["counts"].decode()})
+        out += rles_of((pasted[:, 0] > 0.5).cpu().numpy())
     return out
 
 

@@ -9,7 +9,6 @@ photo reduced, so that labels are equally legible on both.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -219,12 +218,12 @@ MASK_ALPHA = 0.45  # a predicted mask's fill: this much of its class colour over
 def _with_masks(picture: Image.Image, masks: Sequence[dict[str, Any]], labels: Sequence[int]) -> Image.Image:
     """``picture`` (the image resized for drawing) with each mask (COCO RLE at the original size) filled in its
     class's colour at MASK_ALPHA and edged in it, resized to the picture by nearest neighbour."""
-    from common.detection.masks import mask_of
+    from common.detection.masks import decoded
 
     out = np.asarray(picture.convert("RGB"), np.float32).copy()
     for rle, c in zip(masks, labels):
         h, w = rle["size"]
-        inside = mask_of(json.dumps(rle), h, w)
+        inside = decoded(rle, h, w)
         inside = np.asarray(Image.fromarray(inside * 255).resize(picture.size, Image.NEAREST)) > 127
         colour = np.asarray(class_colour(c), np.float32)
         out[inside] = (1 - MASK_ALPHA) * out[inside] + MASK_ALPHA * colour

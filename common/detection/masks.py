@@ -74,11 +74,15 @@ def _rle(segmentation: Any, height: int, width: int) -> dict[str, Any]:
 def mask_of(segmentation: str, height: int, width: int) -> np.ndarray:
     """The uint8 mask ``[height, width]`` (1 inside) of a schema string at the original image's size; zeros for
     ``""``. Polygons are rasterised as COCO rasterises them (pycocotools' ``frPyObjects``)."""
+    value = coco_segmentation(segmentation, height, width)
+    return np.zeros((height, width), np.uint8) if value is None else decoded(value, height, width)
+
+
+def decoded(value: Any, height: int, width: int) -> np.ndarray:
+    """The uint8 mask ``[height, width]`` of a COCO segmentation value (polygons, or an RLE dict such as
+    :func:`rle_of` gives), as pycocotools decodes it."""
     from pycocotools import mask as coco_mask
 
-    value = coco_segmentation(segmentation, height, width)
-    if value is None:
-        return np.zeros((height, width), np.uint8)
     rle = _rle(value, height, width)
     if list(rle["size"]) != [height, width]:
         raise ValueError(f"a mask of size {rle['size']} on an image of {height} x {width}")
@@ -97,9 +101,9 @@ def masks_of(segmentations: Sequence[str], height: int, width: int, out: tuple[i
         if isinstance(value, list) and (h, w) != (height, width):  # polygons: scaled, then rasterised at out
             sx, sy = w / width, h / height
             value = [[c * (sx if k % 2 == 0 else sy) for k, c in enumerate(p)] for p in value]
-            masks[i] = mask_of(json.dumps(value), h, w)
+            masks[i] = decoded(value, h, w)
             continue
-        full = mask_of(segmentation, height, width)
+        full = decoded(value, height, width)
         if (h, w) != (height, width):
             rows = (np.arange(h) * height // h).clip(0, height - 1)
             cols = (np.arange(w) * width // w).clip(0, width - 1)
@@ -110,17 +114,15 @@ def masks_of(segmentations: Sequence[str], height: int, width: int, out: tuple[i
 
 def rle_of(mask: np.ndarray) -> dict[str, Any]:
     """COCO's compressed RLE of a boolean or 0/1 mask ``[H, W]``: ``{"size": [H, W], "counts": str}`` (JSON-ready)."""
+    return rles_of(mask[None])[0]
+
+
+def rles_of(masks: np.ndarray) -> list[dict[str, Any]]:
+    """:func:`rle_of` of each of ``masks`` ``[N, H, W]``, encoded by pycocotools in one call."""
     from pycocotools import mask as coco_mask
 
-    rle = coco_mask.encode(np.asfortranarray(mask.astype(np.uint8)))
-    return {"size": [int(v) for v in rle["size"]], "counts": rle["counts"].decode()}
-
-
-def rle_area(rle: dict[str, Any]) -> float:
-    """The pixels inside a compressed RLE (:func:`rle_of`)."""
-    from pycocotools import mask as coco_mask
-
-    return float(coco_mask.area({"size": rle["size"], "counts": rle["counts"].encode()}))
+    stacked = np.asfortranarray(np.moveaxis(masks.astype(np.uint8), 0, -1))  # [H, W, N], as pycocotools reads them
+    return [{"size": [int(v) for v in r["size"]], "counts": r["counts"].decode()} for r in coco_mask.encode(stacked)]
 
 
 def polygons_of(mask: np.ndarray, min_points: int = 3) -> list[np.ndarray]:
@@ -171,7 +173,7 @@ def segment_lines(
     out = []
     for n, (rle, box, c) in enumerate(zip(masks, boxes, labels)):
         height, width = rle["size"]
-        pieces = polygons_of(mask_of(json.dumps(rle), height, width))
+        pieces = polygons_of(decoded(rle, height, width))
         x0, y0, x1, y1 = box
         points = joined(pieces) if pieces else np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], np.float64)
         values = (points / np.array([width, height], np.float64)).clip(0, 1).reshape(-1).tolist()
@@ -190,6 +192,6 @@ def save_mask_png(masks: Sequence[dict[str, Any]], size: tuple[int, int], path: 
 
     label = np.zeros(size, np.uint16)
     for k, rle in reversed(list(enumerate(masks, start=1))):
-        label[mask_of(json.dumps(rle), *size).astype(bool)] = k
+        label[decoded(rle, *size).astype(bool)] = k
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(label.astype(np.uint8) if len(masks) < 256 else label).save(path)
