@@ -1,9 +1,9 @@
 """YOLO's model and loss, beside recipes/yolo.py (as recipes/yolo_data.py holds its data helpers):
 the YOLOv3 feature pyramid on a timm ``features_only`` backbone with its per-size tables and box
 decoding, the exported wrapper (images -> boxes, scores), GluonCV's target assignment and four
-losses, the NMS post-processing and ``detect`` (a model's detections on a loader, for the evaluation and
-``--predict``). recipes/yolo.py builds the model from its Config (``create_model``) and imports the rest;
-copy yolo.py and its yolo_*.py files together.
+losses, YOLOv5's target rule and three losses (``rule="yolov5"``), the NMS post-processing and ``detect``
+(a model's detections on a loader, for the evaluation and ``--predict``). recipes/yolo.py builds the model
+from its Config (``create_model``) and imports the rest; copy yolo.py and its yolo_*.py files together.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ from common.detection.boxes import rescale_boxes, without_tiny
 # are at every input size.
 COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
 LOSS_TERMS = ("loss_obj", "loss_center", "loss_scale", "loss_cls")  # what yolo_loss returns
+RULES = ("gluoncv", "yolov5")  # YOLOv3(rule=): whose box parametrisation, output-bias priors and loss go together
+YOLOV5_LOSS_TERMS = ("loss_box", "loss_obj", "loss_cls")  # what yolov5_loss returns
+# YOLOv5's hyp.scratch-low.yaml gains (box, obj, cls): the recipe's weight of each yolov5_loss term in the total
+YOLOV5_LOSS_WEIGHTS = {"loss_box": 0.05, "loss_obj": 1.0, "loss_cls": 0.5}
+YOLOV5_LEVEL_BALANCE = (4.0, 1.0, 0.4)  # objectness weight of each level, smallest stride first (YOLOv5's P3-P5)
 
 
 # ============================================================================================
@@ -47,10 +52,17 @@ def yolo_block(cin: int, c: int) -> nn.Sequential:
 class YOLOv3(nn.Module):
     """``forward(images [B, 3, H, W]) -> raw [B, N, 5 + C]``, N = sum over the 3 levels (large stride
     first) of H_l * W_l * A, ordered (level, y, x, anchor); the 5 are (tx, ty, tw, th, objectness).
-    ``anchors`` [3 * A, 2] px, small to large (A anchors per level, 3 in YOLOv3)."""
+    ``anchors`` [3 * A, 2] px, small to large (A anchors per level, 3 in YOLOv3). ``rule`` (see RULES): how
+    (tx, ty, tw, th) decode and how the output biases start, "gluoncv" (trained by yolo_loss) or "yolov5"
+    (trained by yolov5_loss)."""
 
-    def __init__(self, backbone: nn.Module, num_classes: int, anchors: torch.Tensor, neck_channels: int) -> None:
+    def __init__(
+        self, backbone: nn.Module, num_classes: int, anchors: torch.Tensor, neck_channels: int, rule: str = "gluoncv"
+    ) -> None:
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, not {rule!r}")
         super().__init__()
+        self.rule = rule
         self.backbone, self.num_classes = backbone, num_classes
         c3, c4, c5 = backbone.feature_info.channels()[-3:]
         self.strides = backbone.feature_info.reduction()[-3:][::-1]  # [32, 16, 8]: the order of the outputs
@@ -67,6 +79,11 @@ class YOLOv3(nn.Module):
             bias = out[-1].bias.view(a, 5 + num_classes)  # and class probabilities at the 1/C prior, so the
             nn.init.constant_(bias[:, 4], -4.6)  # first steps go to telling digits apart, not to learning the prior
             nn.init.constant_(bias[:, 5:], -math.log(max(num_classes - 1, 1)))
+        if rule == "yolov5":  # YOLOv5's priors instead (YOLOv5 adds them to the default init; here they are set):
+            for out, s in zip(self.outputs, self.strides):  # objectness: ~8 objects per 640 x 640 image over
+                bias = out[-1].bias.view(a, 5 + num_classes)  # a level's (640 / s)^2 cells; classes: ~0.6 / C
+                nn.init.constant_(bias[:, 4], math.log(8 / (640 / s) ** 2))
+                nn.init.constant_(bias[:, 5:], math.log(0.6 / (num_classes - 0.99)))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         c3, c4, c5 = self.backbone(images)[-3:]
@@ -117,9 +134,13 @@ class YOLOv3(nn.Module):
 
     def decode(self, raw: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """raw [B, N, 5 + C] -> boxes [B, N, 4] (xyxy px of the input) and scores [B, N, C]
-        (objectness x class probability)."""
+        (objectness x class probability). Rule "gluoncv": centre in the cell (offset sigmoid, 0..1 cells),
+        size anchor x exp; "yolov5": see yolov5_boxes."""
         t = self.tables(height, width, raw.device)
         raw = raw.float()
+        if self.rule == "yolov5":
+            boxes = yolov5_boxes(raw[..., :4], t["cells"], t["strides"], t["anchors"])
+            return boxes, raw[..., 4:5].sigmoid() * raw[..., 5:].sigmoid()
         xy = (raw[..., :2].sigmoid() + t["cells"]) * t["strides"]
         wh = raw[..., 2:4].clamp(max=8.0).exp() * t["anchors"]  # clamp: exp must not overflow early in training
         boxes = torch.cat([xy - wh / 2, xy + wh / 2], dim=-1)
@@ -238,6 +259,147 @@ def yolo_loss(
         "loss_scale": scale / batch,
         "loss_cls": cls / batch,
     }
+
+
+# ============================================================================================
+# Loss: YOLOv5's target rule (several cells, several anchors per box) and three losses
+# ============================================================================================
+def yolov5_boxes(
+    t: torch.Tensor, cells: torch.Tensor | float, strides: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:
+    """YOLOv5's box parametrisation: (tx, ty, tw, th) [..., 4] at cells [..., 2] (corner x, y in cells; 0 gives
+    the box relative to the cell's corner), strides [..., 1] px, anchors [..., 2] px -> xyxy [..., 4] px.
+    Centre (2 sigmoid - 0.5 + cell) x stride: -0.5..1.5 cells from the corner, so a neighbouring cell's
+    prediction can reach the box; size (2 sigmoid)^2 x anchor: 0..4 anchors, bounded (no exp to overflow)."""
+    xy = (t[..., :2].sigmoid() * 2 - 0.5 + cells) * strides
+    wh = (t[..., 2:4].sigmoid() * 2) ** 2 * anchors
+    return torch.cat([xy - wh / 2, xy + wh / 2], dim=-1)
+
+
+def box_ciou(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """Complete IoU of xyxy boxes a and b [..., 4], pair by pair -> [...]: IoU - (centre distance^2 /
+    enclosing diagonal^2) - alpha v, v the squared difference of the aspect angles (x 4 / pi^2), alpha =
+    v / (1 - IoU + v) held constant (Zheng et al. 2020). torchvision's complete_box_iou_loss is 1 - this on
+    proper boxes, but divides by the raw heights: a zero-height box (th -> -inf) gives NaN gradients."""
+    a, b = a.float(), b.float()
+    wa, ha = (a[..., 2] - a[..., 0]).clamp(min=0), (a[..., 3] - a[..., 1]).clamp(min=0)
+    wb, hb = (b[..., 2] - b[..., 0]).clamp(min=0), (b[..., 3] - b[..., 1]).clamp(min=0)
+    iw = (torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0])).clamp(min=0)
+    ih = (torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1])).clamp(min=0)
+    inter = iw * ih
+    iou = inter / (wa * ha + wb * hb - inter + eps)
+    cw = torch.maximum(a[..., 2], b[..., 2]) - torch.minimum(a[..., 0], b[..., 0])  # enclosing box
+    ch = torch.maximum(a[..., 3], b[..., 3]) - torch.minimum(a[..., 1], b[..., 1])
+    diagonal = cw**2 + ch**2 + eps
+    centres = (
+        (a[..., 0] + a[..., 2] - b[..., 0] - b[..., 2]) ** 2 + (a[..., 1] + a[..., 3] - b[..., 1] - b[..., 3]) ** 2
+    ) / 4
+    v = (4 / math.pi**2) * (torch.atan(wb / (hb + eps)) - torch.atan(wa / (ha + eps))) ** 2
+    with torch.no_grad():
+        alpha = v / (1 - iou + v + eps)
+    return iou - centres / diagonal - alpha * v
+
+
+@torch.no_grad()
+def assign_yolov5(
+    model: YOLOv3,
+    gt_boxes: torch.Tensor,
+    gt_labels: torch.Tensor,
+    gt_weights: torch.Tensor,
+    height: int,
+    width: int,
+    anchor_t: float = 4.0,
+) -> dict[str, torch.Tensor]:
+    """YOLOv5's rule: each ground truth -> every anchor (of all 3 * A, every level) whose shape is within
+    ``anchor_t`` of the box's (max over w and h of max(r, 1 / r), r = box / anchor, below anchor_t), each at up
+    to 3 cells of that anchor's level: the cell holding the centre, the horizontal neighbour on the side
+    nearer the centre (left if the centre's offset in the cell is < 0.5, right if > 0.5) and likewise the
+    vertical one, a neighbour only where it is inside the grid. gt_* [B, M(, 4)] (xyxy px), weight 0 = padding.
+
+    Returns dense candidates, [B, M, 3A, 3] (gt, anchor in model.anchors' order, cell: centre, horizontal
+    neighbour, vertical neighbour), shapes fixed by B, M and A (no host sync, no data-dependent shape):
+    ``index`` (into the N predictions; where not valid, a prediction index all the same, safe to gather),
+    ``valid`` (bool), ``box`` [..., 4] (the gt's xyxy px, broadcast: a view), ``cls``, ``weight`` (the gt's).
+    """
+    b, m = gt_labels.shape
+    a = model.num_anchors
+    device = gt_boxes.device
+    table = model.tables(height, width, device)
+    j = torch.arange(3 * a, device=device)
+    level, k = j // a, j % a  # [3A]: model.anchors.view(3A, 2) is level-major, large stride first
+    anchors = model.anchors.view(3 * a, 2)
+    stride = table["level_strides"][level]  # [3A] px
+    grid = torch.stack([table["level_w"][level], table["level_h"][level]], -1).float()  # [3A, 2] cells (x, y)
+    boxes = gt_boxes.float()  # fp32 whatever the caller hands over: a cell or a ratio near 4 is decided here
+    wh = (boxes[..., 2:] - boxes[..., :2]).clamp(min=0)  # [B, M, 2] px
+    r = wh[:, :, None, :] / anchors  # [B, M, 3A, 2]; a side 0 gives 1 / r = inf: no anchor
+    shape_ok = torch.maximum(r, 1 / r).amax(-1) < anchor_t  # [B, M, 3A]
+    centre = (boxes[..., :2] + boxes[..., 2:]) / 2
+    g = centre[:, :, None, :] / stride[:, None]  # [B, M, 3A, 2] centre in cells of each anchor's level
+    cell = torch.minimum(g.floor().clamp(min=0), grid - 1)  # a centre on the far edge stays in the last cell
+    frac = g - cell  # [B, M, 3A, 2] offset of the centre in its cell, 0..1
+    step = torch.where(frac < 0.5, -1.0, 1.0)  # towards the nearer neighbour (at exactly 0.5: none)
+    inside = torch.where(frac < 0.5, cell >= 1, (frac > 0.5) & (cell <= grid - 2))  # [B, M, 3A, 2]
+    shift = torch.diag_embed(step * inside)  # [B, M, 3A, 2 (neighbour: x, y), 2 (x, y)]; 0 where none
+    cells = torch.cat([cell[..., None, :], cell[..., None, :] + shift], dim=-2).long()  # [B, M, 3A, 3, 2]
+    width_l = table["level_w"][level][:, None]  # [3A, 1]
+    index = table["level_offsets"][level][:, None] + (cells[..., 1] * width_l + cells[..., 0]) * a + k[:, None]
+    matched = (gt_weights > 0)[..., None] & shape_ok  # [B, M, 3A]
+    valid = matched[..., None] & torch.cat([torch.ones_like(inside[..., :1]), inside], dim=-1)
+    shape = (b, m, 3 * a, 3)
+    return {
+        "index": index,
+        "valid": valid,
+        "box": boxes[:, :, None, None, :].expand(*shape, 4),
+        "cls": gt_labels[:, :, None, None].expand(shape),
+        "weight": gt_weights[:, :, None, None].expand(shape),
+    }
+
+
+def yolov5_loss(
+    model: YOLOv3, raw: torch.Tensor, targets: dict[str, torch.Tensor], height: int, width: int, anchor_t: float = 4.0
+) -> dict[str, torch.Tensor]:
+    """YOLOv5's three losses over assign_yolov5's candidates; raw [B, N, 5 + C] (any dtype: the geometry is
+    fp32); targets from the collate: boxes [B, M, 4] xyxy px, labels [B, M], weights [B, M] (mixup, 0 = padding).
+
+    ``loss_box``: the weighted sum of 1 - CIoU(decoded candidate, its gt) over valid candidates / their count;
+    ``loss_cls``: BCE of the candidates' class logits with the one-hot label, weighted, / (count x C);
+    ``loss_obj``: BCE of every prediction's objectness with a target of 0, or at a valid candidate its CIoU
+    (clamped at 0, held constant; where candidates share a prediction one of them wins, as in YOLOv5), the mean
+    over each level's predictions of all images x YOLOV5_LEVEL_BALANCE, summed over levels.
+    Not multiplied by the batch size, nor by YOLOV5_LOSS_WEIGHTS (the recipe applies those).
+    """
+    if model.rule != "yolov5":  # the loss decodes with YOLOv5's parametrisation: so must the model at inference
+        raise ValueError(f"yolov5_loss trains a YOLOv3 built with rule='yolov5', not {model.rule!r}")
+    t = assign_yolov5(model, targets["boxes"], targets["labels"], targets["weights"], height, width, anchor_t)
+    raw = raw.float()
+    b, n, d = raw.shape
+    table = model.tables(height, width, raw.device)
+    index, valid = t["index"].reshape(b, -1), t["valid"].reshape(b, -1)  # [B, K], K = M x 3A x 3 candidates
+    rows = raw.gather(1, index[..., None].expand(-1, -1, d))  # [B, K, 5 + C]
+    stride = table["strides"][index]  # [B, K, 1] px
+    # CIoU ignores translation: boxes relative to the candidate's cell corner keep fp32 digits that coordinates
+    # hundreds of px from 0 lose on small boxes
+    corner = table["cells"][index] * stride  # [B, K, 2] px
+    pred = yolov5_boxes(rows[..., :4], 0.0, stride, table["anchors"][index])  # [B, K, 4] px from the corner
+    ciou = box_ciou(pred, t["box"].reshape(b, -1, 4) - corner.repeat(1, 1, 2))  # [B, K]
+    weight = t["weight"].reshape(b, -1).float()
+    count = valid.sum().clamp(min=1)  # a tensor: no sync
+    zero = raw.new_zeros(())
+    loss_box = torch.where(valid, weight * (1 - ciou), zero).sum() / count  # where, not x valid: NaN-safe
+    num_classes = d - 5
+    onehot = (t["cls"].reshape(b, -1, 1) == torch.arange(num_classes, device=raw.device)).float()  # no range check
+    bce = F.binary_cross_entropy_with_logits(rows[..., 5:], onehot, reduction="none").sum(-1)  # [B, K]
+    loss_cls = torch.where(valid, weight * bce, zero).sum() / (count * num_classes)
+    spare = torch.where(valid, index, n)  # candidates that are not valid write to a spare column, dropped
+    obj_target = raw.new_zeros(b, n + 1).scatter_(1, spare, ciou.detach().clamp(min=0))[:, :n]  # [B, N]
+    balance = dict(zip(sorted(model.strides), YOLOV5_LEVEL_BALANCE))  # by stride: the demo's are 4, 8, 16
+    loss_obj, start = zero, 0
+    for (h, w), s in zip(model.level_shapes(height, width), model.strides):  # host ints: fixed slices
+        end = start + h * w * model.num_anchors
+        level = F.binary_cross_entropy_with_logits(raw[:, start:end, 4], obj_target[:, start:end])  # mean
+        loss_obj, start = loss_obj + balance[s] * level, end
+    return {"loss_box": loss_box, "loss_obj": loss_obj, "loss_cls": loss_cls}
 
 
 # ============================================================================================
