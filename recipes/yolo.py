@@ -80,8 +80,9 @@ with own_files("yolo_"):  # YOLO's own files, beside this one: python -m common.
         kmeans_anchors,
         training_transforms,
     )
+    from yolo_free import FREE_LOSS_WEIGHTS, SMALL_BACKBONES, YOLOFree, free_loss, small_backbone  # the free head
     from yolo_inference import export_files, predict, trained_model, write_model_folder  # what a run ships
-    from yolo_model import LOSS_TERMS, YOLOv3, detect, yolo_loss  # its model, loss and detections
+    from yolo_model import LOSS_TERMS, YOLOV5_LOSS_WEIGHTS, YOLOv3, detect, yolo_loss, yolov5_loss  # anchor head
 
 
 # ============================================================================================
@@ -115,17 +116,26 @@ class Config(RunConfig):
         ge=0, le=1)
     no_aug_epochs: int = arg(2, "mosaic and mixup are off for the last N epochs", ge=0, le=MAX_EPOCHS)
     # model
-    model: str = arg("cs3darknet_s", "any timm model with features_only (darknet53 / cspdarknet53 at scale)")
+    model: str = arg("cs3darknet_s", "any timm model with features_only (darknet53 / cspdarknet53 at scale), or "
+        "cs3darknet_xs (timm's CSPDarknet at half cs3darknet_s's width: with head free, yolov8n's compute or less)")
+    head: Literal["anchor", "free"] = arg("free", "anchor: YOLOv3's neck and anchor boxes (anchor_rule picks the "
+        "positives); free: a PAN neck and a decoupled anchor-free head (box sides as distributions, task-aligned "
+        "positives, CIoU + DFL + BCE: recipes/yolo_free.py), which learns faster where photos hold few objects")
+    anchor_rule: Literal["gluoncv", "yolov5"] = arg("gluoncv", "head anchor: gluoncv gives each box one positive, "
+        "the anchor of best shape in its centre's cell (centre BCE, scale L1); yolov5 gives it every anchor within "
+        "4x its shape, in its cell and the two nearest neighbours (CIoU box loss, IoU objectness targets)")
     model_kwargs: dict = arg({"out_indices": [1, 2, 3]}, "extra timm.create_model arguments; out_indices (1, 2, 3): "
         "strides 4, 8, 16, so that a 12-47 px digit spans 1.5-12 cells (None: timm's last three)")
     pretrained: bool = arg(False, "timm's ImageNet weights for the backbone (needs network)")
     init_backbone: str = arg("", "safetensors of the same timm model (classifier.py's best.safetensors, DINO's "
         "teacher_backbone.safetensors) for the backbone; the neck and heads stay new")
-    neck_channels: int = arg(128, "widest neck level (YOLOv3: 512); the others are 1/2 and 1/4", ge=4, le=MAX_COUNT)
-    anchors: list[list[float]] = arg([], "anchor boxes: 3 x A [w, h] pairs in px, small to large; empty: "
+    neck_channels: int = arg(128, "widest neck level (YOLOv3: 512; head free: 256 is yolov8n's); the others are 1/2 "
+        "and 1/4", ge=4, le=MAX_COUNT)
+    anchors: list[list[float]] = arg([], "head anchor: anchor boxes: 3 x A [w, h] pairs in px, small to large; empty: "
         "k-means on the training boxes", gt=0)
     anchors_per_level: int = arg(1, "A, anchors per cell at each level (YOLOv3: 3); k-means finds 3 x A", ge=1, le=64)
-    ignore_iou: float = arg(0.7, "predictions overlapping a ground truth above this get no objectness loss", ge=0, le=1)
+    ignore_iou: float = arg(0.7, "anchor_rule gluoncv: predictions overlapping a ground truth above this get no "
+        "objectness loss", ge=0, le=1)
     label_smoothing: bool = arg(False, "smooth the class targets by min(1/C, 1/40), as GluonCV")
     # optimization
     epochs: int = arg(8, "training epochs, the last no_aug_epochs included")
@@ -318,17 +328,37 @@ def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
     )
 
 
-def create_model(cfg: Config, num_classes: int, anchors: torch.Tensor, notes: list[str] | None = None) -> YOLOv3:
-    """The detector; the weights its backbone starts from (pretrained, init_backbone) are named in ``notes``."""
+def create_model(
+    cfg: Config, num_classes: int, anchors: torch.Tensor | None, notes: list[str] | None = None
+) -> YOLOv3 | YOLOFree:
+    """The detector (``anchors``: head anchor's, else None); the weights its backbone starts from
+    (pretrained, init_backbone) are named in ``notes``."""
     notes = [] if notes is None else notes
-    backbone = create_timm_model(
-        cfg.model, features_only=True, pretrained=cfg.pretrained, notes=notes, **cfg.model_kwargs
-    )
+    if cfg.model in SMALL_BACKBONES:
+        if cfg.pretrained:
+            raise UserError(f"'{cfg.model}' has no pretrained weights: leave out --pretrained (or use cs3darknet_s)")
+        backbone = small_backbone(cfg.model, **cfg.model_kwargs)
+    else:
+        backbone = create_timm_model(
+            cfg.model, features_only=True, pretrained=cfg.pretrained, notes=notes, **cfg.model_kwargs
+        )
     if cfg.init_backbone:
         notes.append(load_backbone(backbone, cfg.init_backbone))
     if len(backbone.feature_info.channels()) < 3:
         raise UserError(f"model '{cfg.model}' gives fewer than 3 feature levels; YOLO needs three (strides 8, 16, 32)")
-    return YOLOv3(backbone, num_classes, anchors, cfg.neck_channels)
+    if cfg.head == "free":
+        return YOLOFree(backbone, num_classes, cfg.neck_channels, prior_size=cfg.img_size)
+    return YOLOv3(backbone, num_classes, anchors, cfg.neck_channels, rule=cfg.anchor_rule)
+
+
+def loss_of(cfg: Config) -> tuple[Callable[..., dict[str, torch.Tensor]], dict[str, float]]:
+    """The head's loss ``(model, raw, targets, height, width) -> terms`` and each term's weight in the total."""
+    if cfg.head == "free":  # YOLOv8's gains
+        return free_loss, dict(FREE_LOSS_WEIGHTS)
+    if cfg.anchor_rule == "yolov5":  # YOLOv5's gains
+        return yolov5_loss, dict(YOLOV5_LOSS_WEIGHTS)
+    gluoncv = lambda m, raw, t, h, w: yolo_loss(m, raw, t, h, w, cfg.ignore_iou, cfg.label_smoothing)  # noqa: E731
+    return gluoncv, dict.fromkeys(LOSS_TERMS, 1.0)  # GluonCV: all equal
 
 
 # ============================================================================================
@@ -355,6 +385,8 @@ MODEL_FIELDS = (
     "model_kwargs",
     "img_size",
     "augment",
+    "head",
+    "anchor_rule",
     "neck_channels",
     "anchors_per_level",
     "conf_threshold",
@@ -436,9 +468,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_set, batch_sampler=sampler, collate_fn=train_collate, **loader_kwargs(cfg.num_workers)
     )
 
-    # ---- model: anchors from the config, or k-means on the training boxes at img_size -----------
-    anchors = anchors_for(cfg, data.train)
-    if not cfg.anchors:
+    # ---- model: head anchor's anchors from the config, or k-means on the training boxes at img_size ------
+    anchors = anchors_for(cfg, data.train) if cfg.head == "anchor" else None
+    if cfg.head == "anchor" and not cfg.anchors:
         run.print(
             "anchors (k-means on the training boxes, px at img_size): "
             + " ".join(f"{w:.0f}x{h:.0f}" for w, h in anchors.tolist())
@@ -475,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         lr = schedule(cfg.sched, peak, cfg.min_lr, length.steps, warmup, cfg.warmup_lr, milestones, cfg.decay_rate)
         return {"lr": lr}
 
-    weight_dict = dict.fromkeys(LOSS_TERMS, 1.0)  # the total loss: sum of weight x term (GluonCV: all equal)
+    loss_fn, weight_dict = loss_of(cfg)  # the head's loss; the total is the sum of weight x term
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, lay_out, len(eval_set), data.classes, train_set.base.replaced)
@@ -491,8 +523,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
             with accelerator.accumulate(model):
                 with accelerator.autocast():
-                    raw = model(images)  # [B, N, 5 + C]
-                losses = yolo_loss(unwrapped, raw, targets, height, width, cfg.ignore_iou, cfg.label_smoothing)
+                    raw = model(images)  # [B, N, 5 + C] (head anchor), [B, N, 4 * 16 + C] (head free)
+                losses = loss_fn(unwrapped, raw, targets, height, width)
                 loss = sum(losses[k] * w for k, w in weight_dict.items())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip_grad > 0:

@@ -26,7 +26,10 @@ from common.detection.outputs import check_classes, save_predictions
 from common.run import Run
 from common.weights import is_onnx, load_state, load_weights, read_metadata, weights_metadata
 from yolo_data import detection_transforms
+from yolo_free import YOLOFree
 from yolo_model import Exported, YOLOv3, detect, postprocess
+
+Detector = YOLOv3 | YOLOFree  # the anchor head (recipes/yolo_model.py) or the anchor-free one (yolo_free.py)
 
 
 class DetectorSettings(Protocol):
@@ -34,6 +37,7 @@ class DetectorSettings(Protocol):
     metadata and model card."""
 
     model: str  # the timm backbone's name
+    head: str  # anchor (YOLOv3's, whose anchors are in the weights) or free
     pretrained: bool  # cleared here, as init_backbone: the trained weights replace any start
     init_backbone: str
     weights: str  # the saved weights: safetensors, a model/ or checkpoint folder or (predict) an exported .onnx
@@ -50,19 +54,21 @@ class DetectorSettings(Protocol):
 
 
 def trained_model(
-    cfg: DetectorSettings, create_model: Callable[..., YOLOv3], data: Any = None
-) -> tuple[YOLOv3, dict[str, Any]]:
+    cfg: DetectorSettings, create_model: Callable[..., Detector], data: Any = None
+) -> tuple[Detector, dict[str, Any]]:
     """The YOLO of ``cfg.weights`` (eval mode), built by recipes/yolo.py's ``create_model(cfg, num_classes,
     anchors)`` without any starting weights, and the file's metadata (classes, category ids), which must be
     those of ``data`` (common.detection.data.DetectionData) when given."""
-    state, meta = load_weights(cfg.weights, "YOLO", tensors=["anchors"])
+    state, meta = load_weights(cfg.weights, "YOLO", tensors=["anchors"] if cfg.head == "anchor" else [])
     check_classes(cfg.weights, meta, data)
-    anchors = state["anchors"].flip(0).reshape(-1, 2)  # stored large-stride level first; create_model takes small first
+    anchors = None  # stored large-stride level first; create_model takes them small first
+    if cfg.head == "anchor":
+        anchors = state["anchors"].flip(0).reshape(-1, 2)
     model = create_model(dataclasses.replace(cfg, pretrained=False, init_backbone=""), len(meta["classes"]), anchors)
     return load_state(model, state, cfg.weights, meta["recipe"]).eval(), meta
 
 
-def predict(cfg: DetectorSettings, run: Run, create_model: Callable[..., YOLOv3]) -> dict[str, float]:
+def predict(cfg: DetectorSettings, run: Run, create_model: Callable[..., Detector]) -> dict[str, float]:
     """``--predict``: the detections of the ``--weights`` model (or ONNX file) on the images ``cfg.predict``
     names: ``detections.json`` and the pictures in the run folder; returns the counts it logged."""
     if is_onnx(cfg.weights):
@@ -80,7 +86,7 @@ def predict(cfg: DetectorSettings, run: Run, create_model: Callable[..., YOLOv3]
 
 
 def export_files(
-    model: YOLOv3, cfg: DetectorSettings, meta: dict[str, Any], folder: Path, recipe: str
+    model: Detector, cfg: DetectorSettings, meta: dict[str, Any], folder: Path, recipe: str
 ) -> dict[str, float]:
     """``model.onnx`` (and ``model.pt2``) in ``folder``: images [B, 3, S, S] (letterboxed to img_size,
     0..1, normalised with the ImageNet mean and std) -> boxes [B, N, 4] XYXY in those pixels and

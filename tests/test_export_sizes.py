@@ -25,15 +25,17 @@ ANCHORS = torch.tensor(
 
 
 def _demo(name: str):
-    """The recipe, its demo config and its model with seeded random weights."""
-    recipe = load_recipe(name)
-    cfg = recipe.Config()
+    """The recipe, its demo config and its model with seeded random weights (yolo_anchor: YOLO's anchor head)."""
+    recipe = load_recipe(name.removesuffix("_anchor"))
+    cfg = recipe.Config(head="anchor") if name == "yolo_anchor" else recipe.Config()
     torch.manual_seed(0)
-    if name == "yolo":  # its output layers start near zero with a low objectness prior: made to follow the image
-        model = recipe.create_model(cfg, 10, ANCHORS).eval()
+    if name.startswith("yolo"):  # its output layers start near zero with low class priors: made to follow the image
+        model = recipe.create_model(cfg, 10, ANCHORS if cfg.head == "anchor" else None).eval()
+        # the anchor head's 3 anchors x (4 + 1 + 10 classes); the free head's 10 classes and 4 x 16 distance bins
+        outputs = (45,) if cfg.head == "anchor" else (10, 64)
         with torch.no_grad():
-            for conv in (m for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.out_channels == 45):
-                conv.weight.mul_(3000.0), conv.bias.zero_()  # 3 anchors x (4 + 1 + 10 classes)
+            for conv in (m for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.out_channels in outputs):
+                conv.weight.mul_(3000.0 if conv.out_channels != 64 else 30.0), conv.bias.zero_()
         return recipe, cfg, model
     return recipe, cfg, recipe.create_model(cfg, 10).eval()
 
@@ -42,7 +44,7 @@ def _detect(recipe, name: str, cfg, model, accelerator) -> list[dict]:
     """Per photo of CHECK_SIZES, alone: the recipe's detect() (boxes in the photo's own pixels)."""
     if name == "faster_rcnn":
         transform, collate = recipe.data_transforms(False, 0.0, False), recipe.list_collate
-    elif name == "yolo":
+    elif name.startswith("yolo"):
         transform, collate = recipe.detection_transforms(False, cfg.img_size, preset=cfg.augment), recipe.collate
     else:
         transform, collate = recipe.data_transforms(cfg, False), recipe.detr_collate
@@ -50,15 +52,15 @@ def _detect(recipe, name: str, cfg, model, accelerator) -> list[dict]:
     for k, (image, target) in enumerate(prepared(transform, photos())):
         target.update(image_id=k, orig_size=CHECK_SIZES[k])
         batches = [collate([(image, target)])]
-        args = (cfg.conf_threshold, cfg.nms_iou, cfg.max_detections) if name == "yolo" else ()
+        args = (cfg.conf_threshold, cfg.nms_iou, cfg.max_detections) if name.startswith("yolo") else ()
         found += [d for batch in recipe.detect(model, batches, accelerator, *args) for d in batch]
     return found
 
 
-@pytest.mark.parametrize("name", ["faster_rcnn", "yolo", "detr"])
+@pytest.mark.parametrize("name", ["faster_rcnn", "yolo", "yolo_anchor", "detr"])
 def test_the_onnx_file_detects_what_eager_detects_on_six_photo_sizes(name, tmp_path):
     recipe, cfg, model = _demo(name)
-    diffs = recipe.export_files(model, cfg, META, tmp_path, name)
+    diffs = recipe.export_files(model, cfg, META, tmp_path, name.removesuffix("_anchor"))
     assert diffs["export/inputs"] >= 7 and diffs["export/onnx_boxes_px"] <= 0.5 and diffs["export/onnx_scores"] <= 1e-3
     accelerator = Accelerator(cpu=True)
     eager = _detect(recipe, name, cfg, model, accelerator)
@@ -66,6 +68,7 @@ def test_the_onnx_file_detects_what_eager_detects_on_six_photo_sizes(name, tmp_p
     floor, limit = {
         "faster_rcnn": lambda: (cfg.box_score_thresh, cfg.box_detections_per_img),
         "yolo": lambda: (cfg.conf_threshold, cfg.max_detections),
+        "yolo_anchor": lambda: (cfg.conf_threshold, cfg.max_detections),
         "detr": lambda: (0.0, 0),
     }[name]()
     for size, e, o in zip(CHECK_SIZES, eager, onnx):

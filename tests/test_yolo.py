@@ -45,7 +45,9 @@ ANCHORS = torch.tensor(
 
 def _model(num_classes: int = 10) -> YOLOv3:
     torch.manual_seed(0)
-    cfg = parse_config(yolo.Config, ["--neck_channels", "32", "--model_kwargs", "{}"])  # strides 8, 16, 32
+    cfg = parse_config(
+        yolo.Config, ["--head", "anchor", "--neck_channels", "32", "--model_kwargs", "{}"]
+    )  # strides 8, 16, 32
     return yolo.create_model(cfg, num_classes, ANCHORS).eval()
 
 
@@ -100,7 +102,9 @@ def test_target_assignment_by_hand():
 def test_one_anchor_per_level_at_strides_4_8_16():
     """The demo's layout: out_indices (1, 2, 3) gives strides 16, 8, 4; one anchor per level."""
     torch.manual_seed(0)
-    cfg = parse_config(yolo.Config, ["--neck_channels", "32", "--model_kwargs", '{"out_indices": [1, 2, 3]}'])
+    cfg = parse_config(
+        yolo.Config, ["--head", "anchor", "--neck_channels", "32", "--model_kwargs", '{"out_indices": [1, 2, 3]}']
+    )
     model = yolo.create_model(cfg, 10, torch.tensor([[8.0, 8.0], [16.0, 16.0], [32.0, 32.0]])).eval()
     assert model.strides == [16, 8, 4] and model.num_anchors == 1
     assert model(torch.zeros(1, 3, 96, 96)).shape == (1, 6 * 6 + 12 * 12 + 24 * 24, 15)
@@ -332,7 +336,7 @@ def test_short_run_learns_logs_losses_evaluates_and_exports(short_run):
     train = [r for r in records if "train/loss" in r]
     assert train and all(
         k in train[-1]
-        for k in ("train/loss_obj", "train/loss_center", "train/loss_scale", "train/loss_cls", "train/boxes_per_image")
+        for k in ("train/loss_box", "train/loss_dfl", "train/loss_cls", "train/boxes_per_image")  # the free head's
     )
     assert train[-1]["train/loss"] < 0.5 * train[0]["train/loss"]
     evals = [r for r in records if "eval/map_50" in r]
@@ -370,6 +374,8 @@ def test_export_round_trip(short_run):
         [
             "--model",
             config["model"],
+            "--head",
+            config["head"],
             "--neck_channels",
             str(config["neck_channels"]),
             "--model_kwargs",
@@ -377,7 +383,8 @@ def test_export_round_trip(short_run):
         ],
     )
     weights = safetensors.torch.load_file(str(short_run / "best.safetensors"))
-    model = yolo.create_model(cfg, len(meta["classes"]), weights["anchors"].flip(0).reshape(-1, 2))
+    anchors = weights["anchors"].flip(0).reshape(-1, 2) if cfg.head == "anchor" else None
+    model = yolo.create_model(cfg, len(meta["classes"]), anchors)
     model.load_state_dict(weights)
     images = torch.randn(3, 3, 96, 96)  # another batch size than the export's example
     with torch.no_grad():
