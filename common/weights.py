@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -180,13 +180,17 @@ def load_weights(
 EVALUATION_FIELDS = ("data", "train_split", "eval_split", "image_column", "label_column", "knn_data", "batch_size")
 
 
-def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequence[str]) -> C:
+def config_with_weights(
+    cls: type[C], argv: Sequence[str] | None, fields: Sequence[str], older: Mapping[str, Any] | None = None
+) -> C:
     """Parse ``cls`` from ``argv`` (:func:`common.config.parse_config`); when it names ``--weights``, the
     ``fields`` that define the model (name, size, classes...) default to the values saved in that file's
     metadata, so ``--eval_only --weights W`` rebuilds the trained model without repeating its flags (and
     with ``eval_only`` the :data:`EVALUATION_FIELDS` too).
-    A config file and flags still override them. ``eval_only`` or ``predict`` without ``weights``, and
-    weights another recipe saved (their config has fields ``cls`` lacks), are one :class:`UserError`."""
+    ``older``: the values of ``fields`` added since weights were first saved, for files whose config lacks them
+    (what those files were trained with). A config file and flags still override them. ``eval_only`` or
+    ``predict`` without ``weights``, and weights another recipe saved (their config has fields ``cls`` lacks), are
+    one :class:`UserError`."""
     cfg = parse_config(cls, argv)
     check_run(cfg, recipe_file(cls).stem)  # the packages this run uses (its tracker, ONNX), before any is imported
     if (cfg.eval_only or cfg.predict) and not cfg.weights:
@@ -204,7 +208,7 @@ def config_with_weights(cls: type[C], argv: Sequence[str] | None, fields: Sequen
         raise UserError(
             f"weights '{cfg.weights}' were saved by {meta['recipe']}.py and do not fit {this}.py, which needs its own"
         )
-    saved = meta["config"]
+    saved = {**(older or {}), **meta["config"]}
     restored = [*fields, *EVALUATION_FIELDS] if cfg.eval_only else list(fields)
     parsed = parse_config(cls, argv, base={k: saved[k] for k in restored if k in saved})
     return dataclasses.replace(parsed, weights=cfg.weights)  # a model folder's file

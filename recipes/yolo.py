@@ -395,11 +395,15 @@ MODEL_FIELDS = (
 )
 
 
+# weights saved before the recipe had a choice of heads are the anchor head's, trained with GluonCV's rule
+BEFORE_HEADS = {"head": "anchor", "anchor_rule": "gluoncv"}
+
+
 # ============================================================================================
 # Training
 # ============================================================================================
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    cfg = config_with_weights(Config, argv, MODEL_FIELDS)
+    cfg = config_with_weights(Config, argv, MODEL_FIELDS, older=BEFORE_HEADS)
     if any(s % 32 for s in [cfg.img_size, *cfg.multiscale]):
         raise UserError("img_size and every multiscale size must be multiples of 32 (the largest stride)")
     if cfg.anchors and (len(cfg.anchors) % 3 or any(len(a) != 2 for a in cfg.anchors)):

@@ -635,3 +635,52 @@ def test_each_config_peaks_at_its_lr_on_the_machine_it_is_written_for():
         assert cfg.lr_scale == ("linear" if cfg.opt == "sgd" else "sqrt"), name
     cfg = parse_config(yolo.Config, ["--batch_size", "4"])  # a quarter of the demo's batch: half its AdamW peak
     assert cfg.peak_lr(1) == pytest.approx(cfg.lr / 2)
+
+
+def test_weights_saved_before_the_heads_load_as_the_anchor_head(tmp_path):
+    """A weights file whose saved config has no ``head`` (written before the recipe had a choice of heads) is the
+    anchor head's with GluonCV's rule: --weights rebuilds that model, not the default free head."""
+    from safetensors import safe_open
+
+    from common.weights import config_with_weights, save_weights
+    from yolo_inference import trained_model
+
+    model = _model(3)
+    path = tmp_path / "old.safetensors"
+    cfg = parse_config(yolo.Config, ["--head", "anchor", "--neck_channels", "32", "--model_kwargs", "{}"])
+    save_weights(model.state_dict(), path, cfg, ["a", "b", "c"], "yolo", [1, 2, 3])
+    with safe_open(str(path), "pt") as f:  # the file as an older recipe wrote it: no head, no anchor_rule
+        meta = f.metadata()
+    config = {k: v for k, v in json.loads(meta["config"]).items() if k not in ("head", "anchor_rule")}
+    safetensors.torch.save_file(
+        safetensors.torch.load_file(str(path)), str(path), {**meta, "config": json.dumps(config)}
+    )
+    cfg = config_with_weights(yolo.Config, ["--weights", str(path), "--export"], yolo.MODEL_FIELDS, yolo.BEFORE_HEADS)
+    assert (cfg.head, cfg.anchor_rule) == ("anchor", "gluoncv")
+    loaded, _ = trained_model(cfg, yolo.create_model)
+    assert isinstance(loaded, YOLOv3) and loaded.rule == "gluoncv"
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+@pytest.mark.configs  # two short runs and two evaluations of 400 scenes: the second tier
+@pytest.mark.parametrize("head", [["--head", "anchor", "--anchor_rule", "yolov5"], ["--head", "free"]])
+def test_each_head_trains_evaluates_and_reloads_through_the_entry_point(tmp_path, head):
+    """A few steps of each head through the real entry point: finite losses of its own terms, an evaluation, and
+    --eval_only --weights rebuilding the same model from the file (the head and rule come from its config): the
+    same mAP as the run's final evaluation of those weights."""
+    run = tmp_path / "run"
+    args = ["--output_dir", str(run), "--report_to", "none", "--max_steps", "6", "--batch_size", "4"]
+    args += ["--plot_images", "0", "--export", "false", "--num_workers", "0"]
+    check(run_recipe("yolo", [*args, *head, "--train_fraction", "0.05"], timeout=300))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/loss" in r][-1]
+    terms = ("loss_box", "loss_obj", "loss_cls") if "yolov5" in head else ("loss_box", "loss_dfl", "loss_cls")
+    assert all(math.isfinite(train[f"train/{k}"]) for k in terms), train
+    final = [r for r in records if "eval/map_50" in r][-1]
+    again = tmp_path / "again"
+    check(run_recipe("yolo", ["--output_dir", str(again), "--report_to", "none", "--eval_only", "--plot_images", "0",
+                              "--weights", str(run / "final.safetensors")]))  # fmt: skip
+    evaluated = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in evaluated if "eval/map" in r][-1]["eval/map"] == pytest.approx(final["eval/map"], abs=1e-6)
+    assert read_metadata(run / "final.safetensors")["config"]["head"] == head[1]
