@@ -1,26 +1,28 @@
-"""YOLOv3-style single-stage detection with any timm backbone, on HuggingFace Accelerate.
+"""Single-stage YOLO detection with any timm backbone, on HuggingFace Accelerate.
 
-A timm ``features_only`` backbone feeds a YOLOv3 feature pyramid (top-down, upsample + concat)
-that predicts, at the backbone's last three levels (strides 8, 16 and 32 unless ``out_indices``
-says otherwise), A anchors per cell (3 in YOLOv3): box centre offsets, log box sizes relative to
-the anchor, objectness and per-class scores. Each ground-truth box is assigned to the one anchor
-(of all 3 * A) whose shape fits it best, in the cell that holds its centre; predictions
-that already overlap a ground truth (IoU > ``ignore_iou``) are not punished for objectness. The
-four losses are GluonCV's: objectness BCE, centre BCE, scale L1 and class BCE, box terms weighted
-by ``2 - w*h`` (box area over image area) so small boxes count more.
-The model, the target assignment, the losses and NMS are in recipes/yolo_model.py; the transforms,
-the multi-scale sampler and k-means anchors in recipes/yolo_data.py; loading a trained model back,
-prediction, export and the model folder in recipes/yolo_inference.py.
+A timm ``features_only`` backbone's last three levels (strides 8, 16 and 32 unless ``out_indices`` says
+otherwise) feed one of two heads (``--head``):
 
-Training as GluonCV trains YOLOv3: warmup then cosine (or step) learning rate per step, SGD with
-momentum or AdamW, no weight decay on biases and norms, model EMA, mosaic and mixup that switch
-off for the last epochs, multi-scale batches, gradient accumulation, fp16/bf16, clipping.
-Evaluation is COCO mAP (common/detection/coco_eval.py); the best weights by mAP are kept, and they are what is
-exported with ``torch.export`` and to ONNX, both checked against the eager model.
+- ``free`` (the default; recipes/yolo_free.py): a path-aggregation neck and, per level, a box branch that
+  predicts each side's distance from the cell's centre as a distribution over 16 bins and a class branch.
+  Each box takes the 10 cells inside it whose predictions align best (score^0.5 x IoU^6, TOOD's task-aligned
+  assignment); losses: CIoU and distribution focal loss on the boxes, BCE against IoU-aware soft class targets.
+- ``anchor`` (recipes/yolo_model.py): YOLOv3's feature pyramid with A anchors per cell (3 in YOLOv3). With
+  ``anchor_rule gluoncv`` each box goes to the one anchor of best shape in its centre's cell (GluonCV's
+  objectness, centre, scale and class losses, predictions overlapping a box above ``ignore_iou`` not punished);
+  with ``yolov5`` to every anchor within 4x its shape in that cell and its two nearest neighbours (CIoU box
+  loss, IoU objectness targets).
 
-Launch (defaults = the built-in ``digits_det`` scenes, cs3darknet_s at 96 px, strides 4/8/16, one
-anchor per level: digits of 12-47 px are 1-3 cells at strides 8/16/32, too coarse for a cell's
-features to say which digit sits in it; see the README):
+Beside it: yolo_data.py (transforms, multi-scale sampler, k-means anchors), yolo_inference.py (the trained model
+loaded back, prediction, export, the model folder).
+
+Training as GluonCV trains YOLOv3: per-step warmup then cosine (or step) learning rate, SGD or AdamW, no weight
+decay on biases and norms, model EMA, mosaic and mixup off for the last epochs, multi-scale batches, gradient
+accumulation, fp16/bf16, clipping. Evaluation is COCO mAP (common/detection/coco_eval.py); the best weights by
+mAP are kept and exported (``torch.export``, ONNX), both checked against the eager model.
+
+Launch (defaults = the built-in ``digits_det`` scenes, cs3darknet_s at 96 px, the free head at strides 4/8/16:
+at 8/16/32 a 12-47 px digit is 1-3 cells, too coarse to tell digits apart; docs/yolo.md):
 
     accelerate launch recipes/yolo.py
     accelerate launch --config_file configs/accelerate/multi_gpu_bf16.yaml recipes/yolo.py \\
@@ -311,7 +313,7 @@ def train_collate(batch):
 
 
 # ============================================================================================
-# Model: YOLOv3 (recipes/yolo_model.py) on a timm backbone; anchors from the config or k-means
+# Model: either head on a timm backbone; head anchor's anchors from the config or k-means
 # ============================================================================================
 def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
     """[3 * A, 2] anchor (w, h) in pixels at img_size, small to large: the config's, or k-means on
@@ -334,10 +336,8 @@ def create_model(
     """The detector (``anchors``: head anchor's, else None); the weights its backbone starts from
     (pretrained, init_backbone) are named in ``notes``."""
     notes = [] if notes is None else notes
-    if cfg.model in SMALL_BACKBONES:
-        if cfg.pretrained:
-            raise UserError(f"'{cfg.model}' has no pretrained weights: leave out --pretrained (or use cs3darknet_s)")
-        backbone = small_backbone(cfg.model, **cfg.model_kwargs)
+    if cfg.model in SMALL_BACKBONES:  # built here from timm's blocks; no pretrained weights exist
+        backbone = small_backbone(cfg.model, pretrained=cfg.pretrained, **cfg.model_kwargs)
     else:
         backbone = create_timm_model(
             cfg.model, features_only=True, pretrained=cfg.pretrained, notes=notes, **cfg.model_kwargs

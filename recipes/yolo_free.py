@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import complete_box_iou_loss
 
+from common import UserError
+
 FREE_LOSS_TERMS = ("loss_box", "loss_dfl", "loss_cls")  # what free_loss returns
 # YOLOv8's gains (box 7.5, dfl 1.5, cls 0.5): each term is already a mean over the assigned score mass
 FREE_LOSS_WEIGHTS = {"loss_box": 7.5, "loss_dfl": 1.5, "loss_cls": 0.5}
@@ -52,8 +54,9 @@ def small_backbone(name: str, **kwargs) -> nn.Module:
         ),
         act_layer="silu",
     )
+    if kwargs.pop("pretrained", False):
+        raise UserError(f"'{name}' has no pretrained weights: leave out --pretrained (or take cs3darknet_s)")
     out_indices = kwargs.pop("out_indices", (2, 3, 4))
-    kwargs.pop("pretrained", None)
     return build_model_with_cfg(
         CspNet,
         "cs3darknet_s",  # timm's nearest entry, for its (unused) pretrained settings
