@@ -12,7 +12,11 @@ ultralytics   ``YOLO("yolov8n.yaml").train(time=<budget in hours>, ...)`` in its
               (conf 0.001, at most 100 per image) scored by this project's evaluator on the same ground truth.
 
 Each side's wall time is measured from its process's start to its end. Output: one table row per budget, and
-``<out>/results.json``. Ultralytics needs no network here (the yaml builds the model; ``amp`` is off on a CPU).
+``<out>/results.json`` with each side's curve: mAP@0.5 at each evaluation against the wall time since the start
+(ours: its lines stamped as they arrive; Ultralytics: its ``results.csv`` epoch times, shifted so that its last
+epoch ends when its best.pt was written). ``--plot PNG`` draws the curves of every ``--out`` folder given
+(``--plot_only`` runs nothing). Ultralytics needs no network here (the yaml builds the model; ``amp`` is off on
+a CPU).
 
     HF_HUB_OFFLINE=1 WANDB_MODE=offline python benchmarks/ultralytics_time.py --voc /data/BCCD \\
         --ul_python /tmp/ulvenv/bin/python --budgets 5m 10m 25m --out /tmp/ulbench
@@ -21,10 +25,13 @@ Each side's wall time is measured from its process's start to its end. Output: o
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,6 +113,58 @@ def score(data: object, detections: list[dict]) -> dict[str, float]:
     return CocoEvaluator(data.eval, data.classes).evaluate([batch])
 
 
+def stamped(proc: subprocess.Popen, log, started: float) -> threading.Thread:
+    """Copy ``proc``'s output to ``log``, each line behind the seconds since ``started`` at its arrival."""
+
+    def copy() -> None:
+        for line in proc.stdout:
+            log.write(f"[{time.time() - started:8.1f}] {line}")
+            log.flush()
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread
+
+
+def our_curve(log: Path) -> list[tuple[float, float]]:
+    """(seconds since the start, mAP@0.5) of each of our evaluations, from the stamped log."""
+    found = re.findall(r"^\[\s*([\d.]+)\] step \d+: .*?eval/map_50 ([\d.]+)", log.read_text(), re.M)
+    return [(float(t), float(m)) for t, m in found]
+
+
+def their_curve(run: Path, trained_s: float) -> list[tuple[float, float]]:
+    """(seconds since the start, mAP@0.5) of each Ultralytics epoch's validation: results.csv's training time,
+    shifted so that the last epoch ends when its best.pt was written."""
+    with open(run / "results.csv") as f:
+        rows = [{k.strip(): v for k, v in row.items()} for row in csv.DictReader(f)]
+    shift = trained_s - float(rows[-1]["time"])
+    return [(float(r["time"]) + shift, float(r["metrics/mAP50(B)"])) for r in rows]
+
+
+def plot(folders: list[Path], png: Path) -> None:
+    """One panel per folder and budget: both sides' mAP@0.5 against wall minutes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(f, b, r) for f in folders for b, r in json.loads((f / "results.json").read_text()).items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (folder, budget, row) in zip(axes[0], panels):
+        sides = (("ours_curve", "YOLO recipe", "tab:blue"), ("ultralytics_curve", "yolov8n", "tab:orange"))
+        for key, label, colour in sides:
+            points = row.get(key, [])
+            ax.plot([t / 60 for t, _ in points], [m for _, m in points], "o-", ms=3, label=label, color=colour)
+        ax.set_title(f"{folder.name.removeprefix('ulb_')}, {budget}")
+        ax.set_xlabel("wall time (min)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mAP@0.5 (held-out photos)")
+    axes[0][0].legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def last_eval(run: Path) -> dict[str, float]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "eval/map_50" in r][-1]
@@ -113,7 +172,10 @@ def last_eval(run: Path) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--voc", required=True, help="a Pascal VOC folder with ImageSets/Main/{train,val}.txt")
+    parser.add_argument("--voc", help="a Pascal VOC folder with ImageSets/Main/{train,val}.txt")
+    parser.add_argument("--plot", help="draw the curves of --out and --also into this PNG")
+    parser.add_argument("--also", nargs="*", default=[], help="more --out folders to draw beside it")
+    parser.add_argument("--plot_only", action="store_true", help="only draw --plot from results already there")
     parser.add_argument("--ul_python", default="/tmp/ulvenv/bin/python", help="a Python with ultralytics installed")
     parser.add_argument("--budgets", nargs="+", default=["5m", "10m", "25m"])
     parser.add_argument("--config", default=str(ROOT / "configs/yolo/own_photos.yaml"))
@@ -124,8 +186,14 @@ def main() -> None:
     parser.add_argument("ours", nargs=argparse.REMAINDER, help="-- then more flags for recipes/yolo.py")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.plot_only:
+        return plot([out, *map(Path, args.also)], Path(args.plot))
+    if not args.voc:
+        parser.error("--voc is needed to run the race")
     data_yaml, data = yolo_copy(Path(args.voc), out / "yolo_txt")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env.setdefault("YOLO_CONFIG_DIR", str(out / "ultralytics_settings"))  # its settings file, not in $HOME
+    unbuffered = {**env, "PYTHONUNBUFFERED": "1"}
     (out / "ul_train.py").write_text(UL_SCRIPT)
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
     extra = [a for a in args.ours if a != "--"]
@@ -138,10 +206,14 @@ def main() -> None:
                   str(seconds(budget) / 3600), str(ul_dir), str(args.imgsz), str(args.batch)]  # fmt: skip
         started = time.time()
         with open(out / f"ours_{budget}.log", "w") as a, open(out / f"ultralytics_{budget}.log", "w") as b:
-            ours = subprocess.Popen(ours_cmd, stdout=a, stderr=subprocess.STDOUT, env=env)
+            ours = subprocess.Popen(
+                ours_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=unbuffered
+            )
+            copying = stamped(ours, a, started)
             ul = subprocess.Popen(ul_cmd, stdout=b, stderr=subprocess.STDOUT, env=env, cwd=out)
             ours.wait()
             ours_s = time.time() - started
+            copying.join()
             ul.wait()
         if ours.returncode or ul.returncode:
             codes = f"ours exit {ours.returncode}, ultralytics exit {ul.returncode}"
@@ -154,6 +226,8 @@ def main() -> None:
             "ultralytics_train_wall_s": theirs["trained_at"] - started,
             "ultralytics_own_map_50": theirs["map_50"],
             "ultralytics_map_50_our_scoring": score(data, theirs["detections"])["map_50"],
+            "ours_curve": our_curve(out / f"ours_{budget}.log"),
+            "ultralytics_curve": their_curve(ul_dir, theirs["trained_at"] - started),
         }
         results[budget] = row
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -163,6 +237,9 @@ def main() -> None:
             f"in {row['ultralytics_train_wall_s'] / 60:.1f} min to its best.pt",
             flush=True,
         )
+
+    if args.plot:
+        plot([out, *map(Path, args.also)], Path(args.plot))
 
 
 if __name__ == "__main__":

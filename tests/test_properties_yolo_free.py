@@ -187,7 +187,7 @@ def test_free_losses_at_a_perfect_prediction(model):
     assert float(losses["loss_box"].detach()) < 1e-5 and float(losses["loss_cls"].detach()) < 1e-6
     frac = (true - true.floor())[inside]
     entropy = -(frac * frac.clamp(min=1e-12).log() + (1 - frac) * (1 - frac).clamp(min=1e-12).log()).mean(-1)
-    assert float(losses["loss_dfl"]) == pytest.approx(float(entropy.mean()), abs=1e-4)
+    assert float(losses["loss_dfl"].detach()) == pytest.approx(float(entropy.mean()), abs=1e-4)
     (grad,) = torch.autograd.grad(losses["loss_dfl"], raw)
     assert float(grad.abs().max()) < 1e-4
 
