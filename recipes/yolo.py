@@ -120,9 +120,8 @@ class Config(RunConfig):
     # model
     model: str = arg("cs3darknet_s", "any timm model with features_only (darknet53 / cspdarknet53 at scale), or "
         "cs3darknet_xs (timm's CSPDarknet at half cs3darknet_s's width: with head free, yolov8n's compute or less)")
-    head: Literal["anchor", "free"] = arg("free", "anchor: YOLOv3's neck and anchor boxes (anchor_rule picks the "
-        "positives); free: a PAN neck and a decoupled anchor-free head (box sides as distributions, task-aligned "
-        "positives, CIoU + DFL + BCE: recipes/yolo_free.py), which learns faster where photos hold few objects")
+    head: Literal["anchor", "free"] = arg("free", "free: a PAN neck, an anchor-free head (box sides as distributions, "
+        "task-aligned positives; yolo_free.py), fast on few objects per photo; anchor: YOLOv3's (anchor_rule)")
     anchor_rule: Literal["gluoncv", "yolov5"] = arg("gluoncv", "head anchor: gluoncv gives each box one positive, "
         "the anchor of best shape in its centre's cell (centre BCE, scale L1); yolov5 gives it every anchor within "
         "4x its shape, in its cell and the two nearest neighbours (CIoU box loss, IoU objectness targets)")
@@ -351,10 +350,11 @@ def create_model(
     return YOLOv3(backbone, num_classes, anchors, cfg.neck_channels, rule=cfg.anchor_rule)
 
 
-def loss_of(cfg: Config) -> tuple[Callable[..., dict[str, torch.Tensor]], dict[str, float]]:
+def loss_of(cfg: Config, accelerator) -> tuple[Callable[..., dict[str, torch.Tensor]], dict[str, float]]:
     """The head's loss ``(model, raw, targets, height, width) -> terms`` and each term's weight in the total."""
-    if cfg.head == "free":  # YOLOv8's gains
-        return free_loss, dict(FREE_LOSS_WEIGHTS)
+    if cfg.head == "free":  # YOLOv8's gains; the loss's normaliser averaged over the processes
+        mean = lambda x: accelerator.reduce(x, "mean")  # noqa: E731
+        return lambda m, raw, t, h, w: free_loss(m, raw, t, h, w, mean), dict(FREE_LOSS_WEIGHTS)
     if cfg.anchor_rule == "yolov5":  # YOLOv5's gains
         return yolov5_loss, dict(YOLOV5_LOSS_WEIGHTS)
     gluoncv = lambda m, raw, t, h, w: yolo_loss(m, raw, t, h, w, cfg.ignore_iou, cfg.label_smoothing)  # noqa: E731
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         lr = schedule(cfg.sched, peak, cfg.min_lr, length.steps, warmup, cfg.warmup_lr, milestones, cfg.decay_rate)
         return {"lr": lr}
 
-    loss_fn, weight_dict = loss_of(cfg)  # the head's loss; the total is the sum of weight x term
+    loss_fn, weight_dict = loss_of(cfg, accelerator)  # the head's loss; the total is the sum of weight x term
 
     # ---- training loop (resumes where a checkpoint left off) -----------------------------------
     loop = Loop(run, train_loader, lay_out, len(eval_set), data.classes, train_set.base.replaced)

@@ -12,6 +12,7 @@ image, with this neck and head, is at most yolov8n's: equal time means at least 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -238,9 +239,18 @@ def assign_aligned(
     }
 
 
-def free_loss(model: YOLOFree, raw: torch.Tensor, targets: dict[str, torch.Tensor], height: int, width: int):
+def free_loss(
+    model: YOLOFree,
+    raw: torch.Tensor,
+    targets: dict[str, torch.Tensor],
+    height: int,
+    width: int,
+    mean_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """The anchor-free head's three losses, each a sum over predictions divided by the total soft target mass
-    (the sum of the assigned class scores over the batch, at least 1), as YOLOv8 normalises them:
+    (the sum of the assigned class scores over the batch, at least 1), as YOLOv8 normalises them; with several
+    processes the mass is their mean (``mean_over_processes``, an all-reduce), so that the gradient DDP averages
+    is that of one process on the whole global batch:
 
     - ``loss_box``: 1 - CIoU of the predicted and assigned boxes, weighted by the soft target;
     - ``loss_dfl``: GFL's distribution focal loss, the cross-entropy of each side's bins with the two integer
@@ -261,7 +271,8 @@ def free_loss(model: YOLOFree, raw: torch.Tensor, targets: dict[str, torch.Tenso
         targets["labels"],
         targets["weights"].float(),
     )
-    mass = a["scores"].sum().clamp(min=1.0)
+    mass = a["scores"].sum()
+    mass = (mean_over_processes(mass) if mean_over_processes is not None else mass).clamp(min=1.0)
     weight = a["scores"].sum(-1)  # [B, N]: 0 at negatives
     box_term = complete_box_iou_loss(boxes, a["boxes"], reduction="none")  # [B, N]
     # the true distances in strides, just inside the last bin so that both neighbours exist

@@ -378,8 +378,7 @@ def yolov5_loss(
     index, valid = t["index"].reshape(b, -1), t["valid"].reshape(b, -1)  # [B, K], K = M x 3A x 3 candidates
     rows = raw.gather(1, index[..., None].expand(-1, -1, d))  # [B, K, 5 + C]
     stride = table["strides"][index]  # [B, K, 1] px
-    # CIoU ignores translation: boxes relative to the candidate's cell corner keep fp32 digits that coordinates
-    # hundreds of px from 0 lose on small boxes
+    # CIoU ignores translation: boxes from the cell's corner keep fp32 digits lost hundreds of px from 0
     corner = table["cells"][index] * stride  # [B, K, 2] px
     pred = yolov5_boxes(rows[..., :4], 0.0, stride, table["anchors"][index])  # [B, K, 4] px from the corner
     ciou = box_ciou(pred, t["box"].reshape(b, -1, 4) - corner.repeat(1, 1, 2))  # [B, K]

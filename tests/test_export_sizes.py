@@ -32,9 +32,12 @@ def _demo(name: str):
     if name.startswith("yolo"):  # its output layers start near zero with low class priors: made to follow the image
         model = recipe.create_model(cfg, 10, ANCHORS if cfg.head == "anchor" else None).eval()
         # the anchor head's 3 anchors x (4 + 1 + 10 classes); the free head's 10 classes and 4 x 16 distance bins
-        outputs = (45,) if cfg.head == "anchor" else (10, 64)
+        if cfg.head == "anchor":
+            outputs = [m[-1] for m in model.outputs]
+        else:
+            outputs = [m[-1] for m in [*model.cls_branches, *model.box_branches]]
         with torch.no_grad():
-            for conv in (m for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.out_channels in outputs):
+            for conv in outputs:
                 conv.weight.mul_(3000.0 if conv.out_channels != 64 else 30.0), conv.bias.zero_()
         return recipe, cfg, model
     return recipe, cfg, recipe.create_model(cfg, 10).eval()

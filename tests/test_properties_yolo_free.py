@@ -246,3 +246,19 @@ def test_cs3darknet_xs_is_half_cs3darknet_s_width_at_strides_8_16_32():
     assert backbone.feature_info.reduction() == [8, 16, 32]
     s = timm.create_model("cs3darknet_s", features_only=True, out_indices=(2, 3, 4))
     assert [2 * c for c in backbone.feature_info.channels()] == s.feature_info.channels()
+
+
+def test_free_losses_are_normalised_by_the_mass_averaged_over_processes(model):
+    """With several processes each loss is divided by the processes' mean soft-target mass (an all-reduce; at
+    least 1), so that DDP's averaged gradient is one process's on the global batch."""
+    h = w = 64
+    gen = torch.Generator().manual_seed(5)
+    raw = torch.randn(1, sum(a * b for a, b in model.level_shapes(h, w)), 4 * BINS + NUM_CLASSES, generator=gen)
+    t = _targets([[4.0, 6.0, 50.0, 40.0], [30.0, 30.0, 60.0, 62.0]], [0, 2], [1.0, 1.0])
+    alone = free_loss(model, raw, t, h, w)
+    seen = []
+    larger = free_loss(model, raw, t, h, w, lambda mass: seen.append(float(mass)) or 4 * mass)
+    assert len(seen) == 1 and seen[0] > 0  # the two boxes' soft targets on this random prediction
+    ratio = max(seen[0], 1.0) / max(4 * seen[0], 1.0)
+    for k in FREE_LOSS_TERMS:
+        assert float(larger[k]) == pytest.approx(float(alone[k]) * ratio, rel=1e-5), k

@@ -244,14 +244,14 @@ def test_sigusr1_to_the_training_process_is_a_stop(tmp_path):
 
 @pytest.mark.slow
 def test_group_sigterm_under_accelerate_launch(tmp_path):
-    """`accelerate launch` (one process) in the signalled group: accelerate's launcher has no handler and dies of
-    the SIGTERM itself (status -15, nothing printed); the training process, in the same group, still stops
-    cleanly and its lines end the output."""
+    """`accelerate launch` (one process) in the signalled group: accelerate's launcher dies of the SIGTERM itself
+    (status -15, nothing printed; from accelerate 1.16 it exits 143, 128 + SIGTERM, as a shell reports that death);
+    the training process, in the same group, still stops cleanly and its lines end the output."""
     folder = tmp_path / "run"
     proc, out = stop_once_stepped(
         [*ACCELERATE_LAUNCH, str(SCRIPT), *ARGS, "--output_dir", str(folder)], tmp_path, recipe_env()
     )
-    assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in out, out[-4000:]
+    assert proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM) and "Traceback" not in out, out[-4000:]
     stopped_cleanly(out, folder, launcher=("accelerate", "launch"))
 
 
