@@ -135,8 +135,7 @@ class Config(RunConfig):
     anchors: list[list[float]] = arg([], "head anchor: anchor boxes: 3 x A [w, h] pairs in px, small to large; empty: "
         "k-means on the training boxes", gt=0)
     anchors_per_level: int = arg(1, "A, anchors per cell at each level (YOLOv3: 3); k-means finds 3 x A", ge=1, le=64)
-    ignore_iou: float = arg(0.7, "anchor_rule gluoncv: predictions overlapping a ground truth above this get no "
-        "objectness loss", ge=0, le=1)
+    ignore_iou: float = arg(0.7, "gluoncv: predictions above this IoU with a truth get no objectness loss", ge=0, le=1)
     label_smoothing: bool = arg(False, "smooth the class targets by min(1/C, 1/40), as GluonCV")
     # optimization
     epochs: int = arg(8, "training epochs, the last no_aug_epochs included")
@@ -393,8 +392,6 @@ MODEL_FIELDS = (
     "nms_iou",
     "max_detections",
 )
-
-
 # weights saved before the recipe had a choice of heads are the anchor head's, trained with GluonCV's rule
 BEFORE_HEADS = {"head": "anchor", "anchor_rule": "gluoncv"}
 
@@ -406,6 +403,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cfg = config_with_weights(Config, argv, MODEL_FIELDS, older=BEFORE_HEADS)
     if any(s % 32 for s in [cfg.img_size, *cfg.multiscale]):
         raise UserError("img_size and every multiscale size must be multiples of 32 (the largest stride)")
+    if cfg.anchors and cfg.head == "free":
+        raise UserError("anchors are the anchor head's (--head anchor); the free head predicts boxes without them")
     if cfg.anchors and (len(cfg.anchors) % 3 or any(len(a) != 2 for a in cfg.anchors)):
         raise UserError(
             "anchors must be 3 x A [w, h] pairs in pixels (A per level), small to large (or empty: k-means)"

@@ -20,6 +20,7 @@ from torch import nn
 from torchvision.ops import complete_box_iou_loss
 
 from common import UserError
+from yolo_model import batch_iou
 
 FREE_LOSS_TERMS = ("loss_box", "loss_dfl", "loss_cls")  # what free_loss returns
 # YOLOv8's gains (box 7.5, dfl 1.5, cls 0.5): each term is already a mean over the assigned score mass
@@ -176,16 +177,6 @@ class YOLOFree(nn.Module):
 # ============================================================================================
 # Loss: task-aligned assignment (TOOD), then CIoU, distribution focal and class BCE losses
 # ============================================================================================
-def pairwise_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """IoU of xyxy boxes a [B, M, 4] and b [B, N, 4] -> [B, M, N]."""
-    lt = torch.maximum(a[:, :, None, :2], b[:, None, :, :2])
-    rb = torch.minimum(a[:, :, None, 2:], b[:, None, :, 2:])
-    inter = (rb - lt).clamp(min=0).prod(-1)
-    area_a = (a[..., 2:] - a[..., :2]).clamp(min=0).prod(-1)
-    area_b = (b[..., 2:] - b[..., :2]).clamp(min=0).prod(-1)
-    return inter / (area_a[:, :, None] + area_b[:, None, :] - inter).clamp(min=1e-9)
-
-
 @torch.no_grad()
 def assign_aligned(
     scores: torch.Tensor,
@@ -214,7 +205,7 @@ def assign_aligned(
     real = gt_weights > 0  # [B, M]
     sides = torch.cat([points - gt_boxes[..., None, :2], gt_boxes[..., None, 2:] - points], dim=-1)  # [B, M, N, 4]
     inside = (sides.amin(-1) > eps) & real[..., None]  # [B, M, N]
-    iou = pairwise_iou(gt_boxes, boxes) * inside
+    iou = batch_iou(gt_boxes, boxes) * inside
     class_score = scores.gather(-1, gt_labels[:, None, :].expand(-1, scores.shape[1], -1)).transpose(1, 2)
     metric = class_score.pow(alpha) * iou.pow(beta) * inside  # [B, M, N]
     top = metric.topk(min(topk, metric.shape[-1]), dim=-1).indices

@@ -17,7 +17,8 @@ import pytest
 import timm
 import torch
 
-from yolo_free import BINS, FREE_LOSS_TERMS, YOLOFree, assign_aligned, free_loss, pairwise_iou, small_backbone
+from yolo_free import BINS, FREE_LOSS_TERMS, YOLOFree, assign_aligned, free_loss, small_backbone
+from yolo_model import batch_iou
 
 NUM_CLASSES = 3
 
@@ -127,7 +128,7 @@ def test_free_a_lone_box_takes_its_topk_best_aligned_candidates(model):
         a = _assign(points, scores, pred, t, topk=5)
         box, label = t["boxes"][0, 0], int(t["labels"][0, 0])
         inside = (points > box[:2]).all(-1) & (points < box[2:]).all(-1)
-        iou = pairwise_iou(box[None, None], pred)[0, 0]
+        iou = batch_iou(box[None, None], pred)[0, 0]
         metric = scores[0, :, label].sqrt() * iou**6 * inside
         expected = set(metric.topk(5).indices[: min(5, int((metric > 0).sum()))].tolist())
         assert set(a["positive"][0].nonzero()[:, 0].tolist()) == expected
@@ -145,7 +146,7 @@ def test_free_a_prediction_two_boxes_take_goes_to_the_one_it_overlaps_most(model
         points, scores, pred, t = _scene(gen, model, 4, padding=0)
         a = _assign(points, scores, pred, t)
         alone = [_assign(points, scores, pred, {k: v[:, i : i + 1] for k, v in t.items()}) for i in range(4)]
-        iou = pairwise_iou(t["boxes"], pred)[0]  # [4, N]
+        iou = batch_iou(t["boxes"], pred)[0]  # [4, N]
         for n in range(len(points)):
             takers = [i for i in range(4) if alone[i]["positive"][0, n]]
             if len(takers) > 1:

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torchvision.ops import complete_box_iou_loss
 
+from test_properties_yolo import _scene  # the same random scenes as the GluonCV rule's tests
 from yolo_model import (  # the model beside the recipe
     COCO_ANCHORS,
     YOLOV5_LOSS_TERMS,
@@ -61,25 +62,6 @@ def _build(name: str, rule: str = "yolov5") -> tuple[YOLOv3, torch.Tensor]:
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def layout(request) -> tuple[YOLOv3, torch.Tensor, str]:
     return (*_build(request.param), request.param)
-
-
-def _scene(gen: torch.Generator, boxes: int, padding: int = 0) -> tuple[int, int, dict[str, torch.Tensor]]:
-    """One image of a random size (multiples of 32, 64..192 px) with ``boxes`` random boxes inside it (sides
-    log-uniform from 2 px to the image's side) and ``padding`` padding rows: (H, W, targets with a batch of 1)."""
-    h, w = (32 * int(torch.randint(2, 7, (1,), generator=gen)) for _ in range(2))
-    side = torch.exp(torch.rand(boxes, 2, generator=gen) * math.log(min(h, w) / 2)) * 2  # 2 .. min side px
-    side = torch.minimum(side, torch.tensor([w, h], dtype=torch.float32))
-    x0 = torch.rand(boxes, generator=gen) * (w - side[:, 0])
-    y0 = torch.rand(boxes, generator=gen) * (h - side[:, 1])
-    real = torch.stack([x0, y0, x0 + side[:, 0], y0 + side[:, 1]], -1)
-    pad = torch.rand(padding, 4, generator=gen) * 64
-    pad[:, 2:] += pad[:, :2] + 2  # garbage boxes that must be ignored
-    targets = {
-        "boxes": torch.cat([real, pad])[None],
-        "labels": torch.randint(NUM_CLASSES, (1, boxes + padding), generator=gen),
-        "weights": torch.cat([torch.rand(boxes, generator=gen) * 0.9 + 0.1, torch.zeros(padding)])[None],
-    }
-    return h, w, targets
 
 
 def _assign(model: YOLOv3, h: int, w: int, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

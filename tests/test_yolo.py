@@ -414,7 +414,8 @@ def test_predictions_through_onnx_are_those_of_the_weights(short_run, tmp_path):
     "args, message",
     [
         (["--img_size", "100"], "img_size and every multiscale size must be multiples of 32"),
-        (["--anchors", "[[1, 2]]"], "anchors must be 3 x A [w, h] pairs"),
+        (["--anchors", "[[1, 2]]", "--head", "anchor"], "anchors must be 3 x A [w, h] pairs"),
+        (["--anchors", "[[1, 2], [3, 4], [5, 6]]"], "anchors are the anchor head's (--head anchor)"),
         (["--anchors_per_level", "0"], "anchors_per_level must be at least 1"),
         (["--model", "no_such_net", "--data", "digits_det"], "unknown timm model 'no_such_net'"),
     ],
