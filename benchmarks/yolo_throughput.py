@@ -1,8 +1,8 @@
 """YOLO: recipes/yolo.py against a bare PyTorch loop, side by side.
 
 bare    the loop the usual YOLO training scripts write, on the recipe's model (``create_model`` with the
-        same anchors and initial weights), data (``training_transforms`` of recipes/yolo_data.py,
-        ``YoloTrainSet``, ``train_collate``), loss (``yolo_loss`` of recipes/yolo_model.py, terms summed),
+        same head, anchors and initial weights), data (``training_transforms`` of recipes/yolo_data.py,
+        ``YoloTrainSet``, ``train_collate``), loss (the head's, ``loss_of`` of recipes/yolo.py, terms weighted),
         parameter groups, peak lr and schedule: ``AdamW`` (or SGD), the lr written every step,
         ``clip_grad_norm_``, the same ``ModelEma``, fp32, and ``loss.item()`` every step.
 recipe  its ``main()``: Accelerate, the config's precision and multi-scale (the bare side trains at
@@ -33,7 +33,6 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     from common.loaders import train_loader_for
     from common.schedules import schedule, weight_decay_groups
     from yolo_data import decode_side, training_transforms  # beside the recipe (timing puts recipes/ on sys.path)
-    from yolo_model import yolo_loss
 
     device = torch.device(args.device)
     data = load_detection(cfg.data, cfg.train_split, cfg.eval_split, seed=cfg.seed)
@@ -50,7 +49,9 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     )
     loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1, collate_fn=recipe.train_collate)
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
-    model = recipe.create_model(cfg, len(data.classes), recipe.anchors_for(cfg, data.train)).to(device).train()
+    anchors = recipe.anchors_for(cfg, data.train) if cfg.head == "anchor" else None
+    model = recipe.create_model(cfg, len(data.classes), anchors).to(device).train()
+    loss_fn, weight_dict = recipe.loss_of(cfg)  # the head's loss and its terms' weights, one process
     groups = weight_decay_groups(model, cfg.weight_decay)
     peak = cfg.peak_lr(1)  # as the recipe: lr carried from lr_batch images to the batch
     optimizer = (
@@ -76,10 +77,8 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
         targets = {k: batch[1][k].to(device, non_blocking=True) for k in ("boxes", "labels", "weights")}
         for group in optimizer.param_groups:
             group["lr"] = float(lr[step])
-        losses = yolo_loss(
-            model, model(images), targets, cfg.img_size, cfg.img_size, cfg.ignore_iou, cfg.label_smoothing
-        )
-        loss = sum(losses.values())
+        losses = loss_fn(model, model(images), targets, cfg.img_size, cfg.img_size)
+        loss = sum(losses[k] * w for k, w in weight_dict.items())
         optimizer.zero_grad()
         loss.backward()
         if cfg.clip_grad > 0:
@@ -105,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         show=(
             "model",
             "model_kwargs",
+            "head",
             "neck_channels",
             "anchors_per_level",
             "img_size",

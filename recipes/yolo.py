@@ -349,10 +349,10 @@ def create_model(
     return YOLOv3(backbone, num_classes, anchors, cfg.neck_channels, rule=cfg.anchor_rule)
 
 
-def loss_of(cfg: Config, accelerator) -> tuple[Callable[..., dict[str, torch.Tensor]], dict[str, float]]:
+def loss_of(cfg: Config, accelerator=None) -> tuple[Callable[..., dict[str, torch.Tensor]], dict[str, float]]:
     """The head's loss ``(model, raw, targets, height, width) -> terms`` and each term's weight in the total."""
     if cfg.head == "free":  # YOLOv8's gains; the loss's normaliser averaged over the processes
-        mean = lambda x: accelerator.reduce(x, "mean")  # noqa: E731
+        mean = (lambda x: accelerator.reduce(x, "mean")) if accelerator is not None else None  # noqa: E731
         return lambda m, raw, t, h, w: free_loss(m, raw, t, h, w, mean), dict(FREE_LOSS_WEIGHTS)
     if cfg.anchor_rule == "yolov5":  # YOLOv5's gains
         return yolov5_loss, dict(YOLOV5_LOSS_WEIGHTS)
