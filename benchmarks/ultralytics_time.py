@@ -155,7 +155,7 @@ def plot(folders: list[Path], png: Path) -> None:
         for key, label, colour in sides:
             points = row.get(key, [])
             ax.plot([t / 60 for t, _ in points], [m for _, m in points], "o-", ms=3, label=label, color=colour)
-        ax.set_title(f"{folder.name.removeprefix('ulb_')}, {budget}")
+        ax.set_title(f"{row.get('set', folder.name.rsplit('_', 1)[-1])}, {budget}")
         ax.set_xlabel("wall time (min)")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
@@ -220,6 +220,7 @@ def main() -> None:
             raise SystemExit(f"{budget}: {codes}: see {out}/*.log")
         theirs = json.loads((ul_dir / "ours_scoring.json").read_text())
         row = {
+            "set": Path(args.voc).name,
             "budget_s": seconds(budget),
             "ours_wall_s": ours_s,
             "ours_map_50": last_eval(ours_dir)["eval/map_50"],
