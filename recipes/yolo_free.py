@@ -17,10 +17,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import complete_box_iou_loss
 
 from common import UserError
-from yolo_model import batch_iou
+from yolo_model import batch_iou, box_ciou
 
 FREE_LOSS_TERMS = ("loss_box", "loss_dfl", "loss_cls")  # what free_loss returns
 # YOLOv8's gains (box 7.5, dfl 1.5, cls 0.5): each term is already a mean over the assigned score mass
@@ -265,7 +264,7 @@ def free_loss(
     mass = a["scores"].sum()
     mass = (mean_over_processes(mass) if mean_over_processes is not None else mass).clamp(min=1.0)
     weight = a["scores"].sum(-1)  # [B, N]: 0 at negatives
-    box_term = complete_box_iou_loss(boxes, a["boxes"], reduction="none")  # [B, N]
+    box_term = 1 - box_ciou(boxes, a["boxes"])  # [B, N]; finite gradients on collapsed boxes too
     # the true distances in strides, just inside the last bin so that both neighbours exist
     true = torch.cat([t["points"] - a["boxes"][..., :2], a["boxes"][..., 2:] - t["points"]], -1) / t["strides"]
     true = true.clamp(0, BINS - 1 - 0.01)
