@@ -200,7 +200,10 @@ def test_each_detectors_checkpoint_evaluates_predicts_and_exports_as_its_weights
     one entry per image, and (Faster R-CNN's, the quickest) --export from it writes model.onnx."""
     module, data = load_recipe(recipe), ["--data", str(_scenes(tmp_path / "data"))]
     run = tmp_path / "run"
-    _main(module, TINY_RUNS[recipe] + NONE + data + ["--max_steps", "2", "--export", "false", "--output_dir", str(run)])
+    _main(
+        module,
+        TINY_RUNS[recipe] + NONE + data + args + ["--max_steps", "2", "--export", "false", "--output_dir", str(run)],
+    )
     last = _checkpoint(run, 2)
     assert read_metadata(last)["category_ids"] == read_metadata(run / "final.safetensors")["category_ids"]
     evaluated = []
