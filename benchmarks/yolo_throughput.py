@@ -49,8 +49,7 @@ def bare_run(args: argparse.Namespace, recipe, cfg) -> timing.Intervals:
     )
     loader = train_loader_for(train_set, cfg.batch_size, cfg.seed, cfg.num_workers, 1, collate_fn=recipe.train_collate)
     set_seed(cfg.seed)  # as the recipe's Run: the same initial weights
-    anchors = recipe.anchors_for(cfg, data.train) if cfg.head == "anchor" else None
-    model = recipe.create_model(cfg, len(data.classes), anchors).to(device).train()
+    model = recipe.create_model(cfg, len(data.classes), recipe.anchors_for(cfg, data.train)).to(device).train()
     loss_fn, weight_dict = recipe.loss_of(cfg)  # the head's loss and its terms' weights, one process
     groups = weight_decay_groups(model, cfg.weight_decay)
     peak = cfg.peak_lr(1)  # as the recipe: lr carried from lr_batch images to the batch

@@ -313,9 +313,11 @@ def train_collate(batch):
 # ============================================================================================
 # Model: either head on a timm backbone; head anchor's anchors from the config or k-means
 # ============================================================================================
-def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
-    """[3 * A, 2] anchor (w, h) in pixels at img_size, small to large: the config's, or k-means on
-    the training boxes (each image resized so that its longer side is img_size, as the transforms do)."""
+def anchors_for(cfg: Config, train: Any) -> torch.Tensor | None:
+    """[3 * A, 2] anchor (w, h) px at img_size, small to large: the config's, or k-means on the training boxes
+    (each image's longer side resized to img_size, as the transforms do); None for the free head."""
+    if cfg.head == "free":
+        return None
     if cfg.anchors:
         return torch.tensor(cfg.anchors, dtype=torch.float32)
     wh = [
@@ -323,9 +325,8 @@ def anchors_for(cfg: Config, train: Any) -> torch.Tensor:
         for objects, iw, ih in zip(train["objects"], train["width"], train["height"])
         for _, _, w, h in objects["bbox"]
     ]
-    return torch.tensor(
-        kmeans_anchors(np.array(wh, dtype=np.float64), 3 * cfg.anchors_per_level, seed=cfg.seed), dtype=torch.float32
-    )
+    found = kmeans_anchors(np.array(wh, dtype=np.float64), 3 * cfg.anchors_per_level, seed=cfg.seed)
+    return torch.tensor(found, dtype=torch.float32)
 
 
 def create_model(
@@ -472,8 +473,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     # ---- model: head anchor's anchors from the config, or k-means on the training boxes at img_size ------
-    anchors = anchors_for(cfg, data.train) if cfg.head == "anchor" else None
-    if cfg.head == "anchor" and not cfg.anchors:
+    anchors = anchors_for(cfg, data.train)
+    if anchors is not None and not cfg.anchors:
         run.print(
             "anchors (k-means on the training boxes, px at img_size): "
             + " ".join(f"{w:.0f}x{h:.0f}" for w, h in anchors.tolist())

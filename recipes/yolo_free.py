@@ -251,10 +251,10 @@ def free_loss(
     """
     raw = raw.float()  # geometry and the losses in fp32 under autocast
     t = model.tables(height, width, raw.device)
-    boxes, _ = model.decode(raw, height, width)
+    boxes, scores = model.decode(raw, height, width)
     cls_logits = raw[..., 4 * BINS :]
     a = assign_aligned(
-        cls_logits.detach().sigmoid(),
+        scores.detach(),
         boxes.detach(),
         t["points"],
         targets["boxes"].float(),
