@@ -77,24 +77,32 @@ def child_main(mode: str, nice: int, cache: str) -> None:
     json.dump(check_files(paths) if mode == "check" else scan_files(paths, cache=Path(cache)), sys.stdout)
 
 
-def scan_files(paths: Sequence[str], workers: int = 0, cache: Path | None = None) -> tuple[dict[str, str], bool]:
-    """Why each unreadable file of ``paths`` cannot be used (``{path: reason}``), and whether every answer
-    came from the cache. ``workers`` > 1: files are checked by that many processes (:func:`run_child`).
-    ``cache``: the cache file of ``paths`` (:func:`_cache_file`), where the caller knows it."""
-    cache = cache or _cache_file(paths)
+def _cached(paths: Sequence[str], cache: Path) -> tuple[dict[str, list], list[str]]:
+    """The cache file's answers (``{path: [size, mtime_ns, ctime_ns, reason]}``) and the paths to check again:
+    not in it, or changed since (a stat per file, no image read)."""
     known: dict[str, list] = {}
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         pass
-    stats = []
-    for path in paths:  # a stat per file: what changed since the cached answer is checked again
+    todo = []
+    for path in paths:
         try:
             stat = os.stat(path)
-            stats.append((stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+            now = (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
         except OSError:
-            stats.append((-1, -1, -1))
-    todo = [p for p, s in zip(paths, stats) if p not in known or tuple(known[p][:3]) != s or s[0] < 0]
+            now = None
+        if now is None or path not in known or tuple(known[path][:3]) != now:
+            todo.append(path)
+    return known, todo
+
+
+def scan_files(paths: Sequence[str], workers: int = 0, cache: Path | None = None) -> tuple[dict[str, str], bool]:
+    """Why each unreadable file of ``paths`` cannot be used (``{path: reason}``), and whether every answer
+    came from the cache. ``workers`` > 1: files are checked by that many processes (:func:`run_child`).
+    ``cache``: the cache file of ``paths`` (:func:`_cache_file`), where the caller knows it."""
+    cache = cache or _cache_file(paths)
+    known, todo = _cached(paths, cache)
     if todo:
         results = check_in_parallel(todo, workers)
         known.update({p: list(r) for p, r in zip(todo, results)})
@@ -136,7 +144,11 @@ def scan_table(
     bad, cached = {}, True
     if files and nice > 0:
         some = [paths[i] for i in files]
-        bad, cached = child_answer(run_child("scan", some, nice, str(_cache_file(some))))
+        known, todo = _cached(some, _cache_file(some))
+        if todo:  # a checking process only where some image must be read
+            bad, cached = child_answer(run_child("scan", some, nice, str(_cache_file(some))))
+        else:
+            bad = {p: known[p][3] for p in some if known[p][3]}
     elif files:
         bad, cached = scan_files([paths[i] for i in files], workers)
     found = [(i, paths[i], bad[paths[i]]) for i in files if paths[i] in bad]
