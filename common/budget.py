@@ -186,6 +186,9 @@ STRETCH = 1.1  # a run whose steps turned faster stretches its schedules' rest w
 END_S, END_SHARE, EXPORT_S = 5.0, 0.01, 20.0
 
 
+SKEW_VARIABLE = "CV_RECIPES_CLOCK_SKEW_S"
+
+
 class BudgetClock:
     """A budgeted run's clock: it times the first steps (:meth:`timed`), makes the :class:`Plan`
     (:meth:`plan`), follows the steps' speed afterwards and says how many steps still fit (:meth:`fit`), and how
@@ -194,14 +197,23 @@ class BudgetClock:
 
     def __init__(self, seconds: float, accelerator: Any) -> None:
         self.seconds, self.accelerator = seconds, accelerator
+        self.created = time.perf_counter()  # the first step's start, at the latest
         self.timed_ends: list[float] = []  # perf_counter() at the end of each step, until planned
         self.ends: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS + 1)  # and after it
+        self.recent_s: float | None = None  # seconds per step lately, kept across an evaluation's gap
         self.eval_s: float | None = None  # the last evaluation's seconds, this session
+        self.spent_before = 0.0  # seconds the sessions before this one spent (a resume's checkpoint says)
+        # fault injection for tests: the other processes' clocks this many seconds ahead of the main one's
+        self.skew_s = 0.0 if accelerator.is_main_process else float(os.environ.get(SKEW_VARIABLE, "0") or 0)
+
+    def spent(self) -> float:
+        """Seconds of the budget spent: the earlier sessions' and this process's since it started."""
+        return self.spent_before + time.time() - process_start() + self.skew_s
 
     def left(self) -> float:
-        return self.seconds - (time.time() - process_start())
+        return self.seconds - self.spent()
 
-    def _agreed(self, value: float) -> float:
+    def agreed(self, value: float) -> float:
         """The main process's ``value`` on every process."""
         if self.accelerator.num_processes == 1:
             return value
@@ -210,12 +222,21 @@ class BudgetClock:
 
         return float(broadcast(torch.tensor(value, device=self.accelerator.device, dtype=torch.float64)).item())
 
-    def timed(self) -> bool:
-        """After a step before the plan: whether enough steps are timed to plan (the same on every process)."""
+    def timed(self, max_steps: int = 0) -> bool:
+        """After a step before the plan: whether enough steps are timed to plan (the same on every process). A run
+        of ``max_steps`` plans after a quarter of them at the latest, so that most of it follows its schedule."""
         self.timed_ends.append(time.perf_counter())
         n, seconds = len(self.timed_ends) - 2, self.timed_ends[-1] - self.timed_ends[min(1, len(self.timed_ends) - 1)]
-        return bool(self._agreed(float(n >= TIMING_STEPS[0] and (seconds >= TIMING_SHARE * self.seconds
-                                                                  or n >= TIMING_STEPS[1]))))  # fmt: skip
+        enough = n >= TIMING_STEPS[0] and (seconds >= TIMING_SHARE * self.seconds or n >= TIMING_STEPS[1])
+        return bool(self.agreed(float(enough or 0 < max_steps <= 4 * len(self.timed_ends))))
+
+    def _timed_step_s(self) -> float:
+        """Seconds per step of the timing: from the third step's start on (workers and caches warm), or over
+        every step timed where a short run timed fewer."""
+        ends = self.timed_ends
+        if len(ends) >= 3:
+            return (ends[-1] - ends[1]) / (len(ends) - 2)
+        return (ends[-1] - self.created) / len(ends)
 
     def plan(self, cfg: Any, step: int, steps_per_epoch: int | Callable[[int], int], eval_images: int | None) -> Plan:
         """The plan after ``step`` timed steps (the main process's, on every process). An evaluation not yet
@@ -224,12 +245,11 @@ class BudgetClock:
         plan = None
         acc = self.accelerator
         if acc.is_main_process:
-            timed = len(self.timed_ends) - 2
-            step_s = (self.timed_ends[-1] - self.timed_ends[1]) / timed
+            step_s = self._timed_step_s()
             per_image = step_s / (cfg.batch_size * cfg.grad_accum_steps)
             eval_s = self.eval_s or 2.0 + 0.75 * per_image * (eval_images or 0) / acc.num_processes
-            end_s = END_S + END_SHARE * self.seconds + (EXPORT_S if getattr(cfg, "export", False) else 0.0)
-            elapsed = time.time() - process_start()
+            end_s = self.end_s(cfg)
+            elapsed = self.spent()
             evaluations = math.ceil(cfg.epochs / cfg.eval_every)
             plan = plan_budget(self.seconds, elapsed, step_s, EVAL_MARGIN * eval_s, end_s, step, steps_per_epoch,
                                evaluations, cfg.max_steps).as_dict()  # fmt: skip
@@ -239,28 +259,41 @@ class BudgetClock:
             plan = broadcast_object_list([plan])[0]
         return Plan(**plan)
 
+    def end_s(self, cfg: Any) -> float:
+        """Seconds kept for what follows the last evaluation (:data:`END_S`)."""
+        return END_S + END_SHARE * self.seconds + (EXPORT_S if getattr(cfg, "export", False) else 0.0)
+
     def step_s(self, timed: float) -> float:
         """Seconds per step lately: the median of the last :data:`RECENT_STEPS` steps' wall times, an evaluation's
-        interval left out (``timed``, the plan's, until there are 5)."""
+        interval left out; until there are 5 since the last evaluation, the median before it (``timed``, the
+        plan's, in a session that has none)."""
         ends = list(self.ends)
         recent = [b - a for a, b in zip(ends, ends[1:]) if b > a]
-        return float(np.median(recent)) if len(recent) >= 5 else timed
+        if len(recent) >= 5:
+            self.recent_s = float(np.median(recent))
+        return self.recent_s if self.recent_s is not None else timed
 
     def evaluated(self, seconds: float) -> None:
         self.eval_s = seconds
         self.ends.clear()  # the next step's interval holds the evaluation: not a step's time
 
-    def fit(self, step: int, total: int, plan: Plan, max_steps: int = 0) -> int:
-        """After a planned step: the run's last step so that the steps left at their recent speed, the final
-        evaluation and the end fit what is left of the budget: ``total`` while they do; fewer steps when they no
-        longer do; more when :data:`STRETCH` times as many steps fit (a machine that turned faster), at most
-        ``max_steps``. Checked every :data:`CHECK_EVERY` steps with several processes."""
+    def room(self, plan: Plan, evaluations: int) -> float:
+        """How many steps at their recent speed the budget's rest holds, after the ``evaluations`` still to come
+        (the final one included) and the end."""
+        eval_s = EVAL_MARGIN * self.eval_s if self.eval_s else plan.eval_s  # plan.eval_s has the margin in
+        return (self.left() - evaluations * eval_s - plan.end_s) / self.step_s(plan.step_s)
+
+    def fit(self, step: int, total: int, plan: Plan, evaluations: int = 1, max_steps: int = 0) -> int:
+        """After a planned step: the run's last step so that the steps left at their recent speed, the
+        ``evaluations`` still to come and the end fit what is left of the budget: ``total`` while they do; fewer
+        steps when they no longer do; more when :data:`STRETCH` times as many steps fit (a machine that turned
+        faster), at most ``max_steps``. Checked every :data:`CHECK_EVERY` steps with several processes, the main
+        process's answer on all."""
         self.ends.append(time.perf_counter())
         if step >= total or (self.accelerator.num_processes > 1 and step % CHECK_EVERY):
             return total
-        step_s = self.step_s(plan.step_s)
-        left = self.left() - (EVAL_MARGIN * self.eval_s if self.eval_s else plan.eval_s) - plan.end_s  # margin in
-        fits, need = step + max(math.floor(STEP_MARGIN * left / step_s), 1), (total - step) * step_s
-        if left < need or (len(self.ends) > RECENT_STEPS and fits > STRETCH * total):
+        room = self.room(plan, evaluations)
+        fits = step + max(math.floor(STEP_MARGIN * room), 1)  # a margin, so that noise does not refit it back
+        if step + room < total or (len(self.ends) > RECENT_STEPS and fits > STRETCH * total):
             total = min(fits, max_steps) if max_steps > 0 else fits
-        return int(self._agreed(float(total)))
+        return int(self.agreed(float(total)))

@@ -149,7 +149,9 @@ class Checkpoints:
             return  # already stopping (Slurm's SIGTERM at the time limit after its SIGUSR1 warning): said once
         self._stop_signal = signum
         self.print(f"{signal.Signals(signum).name} received: {self.STOP_PLANS[self.stop_phase]}")
-        if self._interruptible or self._loop_done:  # inside interruptible() or after the loop (saves are atomic): now
+        # inside interruptible(), or after the loop with one process (saves are atomic): now. With several, one
+        # process may be inside a collective: the next shared check (check_stop) stops them all
+        if self._interruptible or (self._loop_done and self.accelerator.num_processes == 1):
             raise RunStopped(self.stopped_text(self._interruptible[-1] if self._interruptible else ""))
 
     @contextlib.contextmanager
@@ -196,10 +198,12 @@ class Checkpoints:
     def loop_done(self: Any) -> None:
         """The training loop ended and its last checkpoint is written: from here on (the recipe's final weights, the
         model folder, the export; every file written under a temporary name and renamed) a stop signal ends the run
-        at once with :class:`RunStopped`, as does one that arrived since the last check."""
+        with :class:`RunStopped`: at once with one process, at the next shared check with several; as does one that
+        arrived since the last check (any process's, with several)."""
         self._loop_done = True
         self.stop_phase = "after"
-        if self._stop_signal is not None:
+        several = self.accelerator.num_processes > 1  # agreed, so that no process leaves the others' collectives
+        if self.should_stop() if several else self._stop_signal is not None:
             self.hand_back_signals()
             raise RunStopped(self.stopped_text(""))
 

@@ -296,7 +296,7 @@ class Loop(BudgetedLoop):
         next; marked finished after the last epoch (``--resume auto`` alone then looks for other runs)."""
         kept = {**self.extra, "schedule_steps": self.total_steps}
         if self.budget_s:  # a resume before the plan times the steps again; one without it was never budgeted
-            kept["max_time_s"] = self.budget_s
+            kept["max_time_s"], kept["spent_s"] = self.budget_s, self.clock.spent()
         kept.pop("next_lr", None)  # an earlier save's; a finished run plans no next step
         if self.lr is not None and self.step < len(self.lr):
             kept["next_lr"] = float(self.lr[self.step])
@@ -335,13 +335,13 @@ class Loop(BudgetedLoop):
 
     # -- evaluation and the best metric ----------------------------------------------------------------
     def _eval_at(self, epoch: int) -> bool:
-        every = self.plan.eval_every if self.plan is not None else self.cfg.eval_every
+        every = self.eval_every if self.plan is not None else self.cfg.eval_every
         return (epoch + 1) % every == 0 or epoch + 1 >= self.length.epochs
 
     def eval_due(self) -> bool:
-        """Every ``eval_every`` epochs (a budget: its plan's) and after the last. A budgeted run still timing
-        evaluates at its last epoch only; one whose steps ran slower than timed leaves out an evaluation before its
-        last that would not leave time for the rest (said once)."""
+        """Every ``eval_every`` epochs (a budget: its plan's evaluations spread over the run's epochs) and after the
+        last. A budgeted run still timing evaluates at its last epoch only; one whose steps ran slower than timed
+        leaves out an evaluation before its last that would not leave time for the rest (said once)."""
         if self.last_epoch:
             return True
         if self._unplanned or not self._eval_at(self.epoch):

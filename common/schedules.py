@@ -222,5 +222,6 @@ class LaidOut:
         for name, values in self.values.items():
             rest = values[at:was]
             if len(rest) > 1:
-                points = np.linspace(0, len(rest) - 1, max(total - at, 1))
+                n = max(total - at, 1)  # one step left: the curve's end
+                points = np.linspace(0, len(rest) - 1, n) if n > 1 else np.array([len(rest) - 1.0])
                 self.values[name] = np.concatenate([values[:at], np.interp(points, np.arange(len(rest)), rest)])

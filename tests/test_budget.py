@@ -15,6 +15,7 @@ import time
 import pytest
 
 import common.budget
+import common.budgeted
 import common.loop
 import common.run
 from common import UserError
@@ -24,7 +25,8 @@ from common.loaders import train_loader_for
 from common.loop import Loop
 from common.run import Run
 from common.schedules import LaidOut, schedule, schedule_warnings
-from conftest import ROOT, recipe_env
+from conftest import ROOT, recipe_env, run_recipe
+from test_classifier import TINY
 from test_loop import BATCH, Indices
 
 STEP_S, EVAL_S = 0.05, 0.2  # the harness's seconds per step and per evaluation
@@ -180,7 +182,9 @@ def test_a_budgeted_run_stopped_after_its_plan_resumes_the_same_schedule(tmp_pat
     capsys.readouterr()
     rest, resumed = budgeted(tmp_path / "run", monkeypatch, time.time(), max_time="12s", resume="auto")
     assert resumed.plan == plan and resumed.step == plan.steps  # not timed again: the checkpoint's plan
-    assert "resume: max_time's plan kept" in capsys.readouterr().out
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("resume: "))
+    fits = int(line.split("spent; ")[1].split(" steps fit")[0])  # the earlier session's time counts
+    assert line.startswith("resume: 0:00:0") and fits >= plan.steps and line.endswith(f"the plan had {plan.steps}")
     laid = schedule("cosine", 1.0, 0.0, plan.steps - plan.timing, round(0.1 * (plan.steps - plan.timing)))
     assert [rest[s] for s in range(41, plan.steps + 1)] == pytest.approx(list(laid[40 - plan.timing :]))
 
@@ -223,3 +227,68 @@ def test_a_budgeted_run_whose_steps_slow_down_squeezes_the_rest_of_its_schedule_
         again.refit(at, total, new)
         total = new
     assert list(again.values["lr"]) == pytest.approx(list(loop.schedules.values["lr"]))
+
+
+def test_a_resumed_budgeted_run_counts_the_time_its_earlier_sessions_spent(tmp_path, monkeypatch, capsys):
+    """A session resumed where the earlier ones spent most of the budget lays the schedule's rest over the steps
+    the rest holds (one line), runs the decay to its end and ends within what was left."""
+    started = time.time()
+    first, stopped = budgeted(tmp_path / "run", monkeypatch, started, stop_at=40, max_time="12s")
+    plan = stopped.plan
+    assert plan is not None and stopped.step == 40 < plan.steps
+    state_file = sorted((tmp_path / "run" / "checkpoints").glob("*/train_state.json"))[-1]
+    state = json.loads(state_file.read_text())
+    assert 0 < state["extra"]["spent_s"] < 12
+    state["extra"]["spent_s"] = 6.0  # as if the first session had started slowly
+    state_file.write_text(json.dumps(state))
+    capsys.readouterr()
+    again = time.time()
+    rest, resumed = budgeted(tmp_path / "run", monkeypatch, again, max_time="12s", resume="auto")
+    assert time.time() - again <= 6.0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("resume: "))
+    fits = int(line.split("spent; ")[1].split(" steps fit")[0])
+    assert line.startswith("resume: 0:00:06 of max_time 0:00:12 spent;") and 40 < fits < plan.steps
+    assert f"the plan had {plan.steps}: its rest laid over the steps to {fits}" in line
+    assert resumed.step == max(rest) <= fits and rest[resumed.step] == pytest.approx(0.0, abs=1e-12)
+    assert resumed.extra["refit"][0] == [40, fits]
+
+
+def test_a_budget_with_few_max_steps_runs_its_whole_schedule(tmp_path, monkeypatch):
+    """``--max_time 10m --max_steps 20``: the timing ends early enough for a warmup, the peak and a decay to
+    the schedule's end at step 20."""
+    lrs, loop = budgeted(tmp_path / "run", monkeypatch, time.time(), max_time="10m", max_steps=20)
+    assert loop.step == max(lrs) == 20 and loop.plan is not None and loop.plan.timing <= 5
+    assert max(lrs.values()) > 0.9 and lrs[20] == pytest.approx(0.0, abs=1e-12)
+    after = [lrs[s] for s in range(loop.plan.timing + 1, 21)]
+    peak = after.index(max(after))
+    assert after[peak:] == sorted(after[peak:], reverse=True) and peak < len(after) - 1
+
+
+def test_a_budget_spent_before_the_first_step_still_runs_a_whole_schedule(tmp_path, monkeypatch, capsys):
+    """30 s of start-up against ``--max_time 10s``: one warning line naming the budget and the time spent, then
+    a short run whose lr rises and decays to its end (never a run at the warmup's start value)."""
+    lrs, loop = budgeted(tmp_path / "run", monkeypatch, time.time() - 30, max_time="10s")
+    out = capsys.readouterr().out
+    warning = next(x for x in out.splitlines() if x.startswith("warning: max_time"))
+    assert "max_time 0:00:10 was spent before the first step (0:00:30 spent)" in warning
+    assert f"the run trains {loop.step} steps" in warning
+    assert loop.step == max(lrs) == common.budgeted.SHORT_RUN
+    assert max(lrs.values()) > 0.5 and lrs[loop.step] == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.slow
+def test_two_processes_whose_clocks_disagree_take_every_budget_decision_together(tmp_path):
+    """torchrun, 2 processes, the second's budget clock 12 s ahead of the first's (the fault-injection variable,
+    not a sleep race): alone it would plan, refit and leave out evaluations otherwise; every decision is the
+    main process's, so the run ends (no hang) within its budget, its decay run to its end, on both."""
+    run = tmp_path / "run"
+    args = TINY + ["--max_time", "60s", "--epochs", "40", "--eval_every", "1", "--log_every", "1"]
+    started = time.time()
+    out = run_recipe("classifier", args + ["--output_dir", str(run)], nproc=2, timeout=240,
+                     **{common.budget.SKEW_VARIABLE: "12"})  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert time.time() - started <= 60 + 15  # the budget counts each process from its own start; torchrun's too
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["train/lr"] for r in records if "train/lr" in r}
+    assert lr[max(lr)] <= 0.015 * max(lr.values())
+    assert any("eval/top1" in r for r in records if r["step"] == max(lr))
