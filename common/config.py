@@ -22,6 +22,7 @@ import ast
 import dataclasses
 import difflib
 import math
+import os
 import sys
 import types
 import typing
@@ -245,11 +246,23 @@ def _apply(cfg: Any, values: dict[str, Any], hints: dict[str, Any], source: str,
     for key, value in values.items():
         if key not in hints:
             raise ConfigError(f"unknown config key '{key}' in {source}{_closest(key, list(declared), ALIASES)}")
-        value = _coerce(key, value, hints[key], from_cli)
+        value = _coerce(key, _older_list(cfg, key, value), hints[key], from_cli)
         _check_choices(key, value, declared.get(key, {}).get("choices"))
         if key in ranges:
             _check_range(key, value, ranges[key])
         setattr(cfg, key, value)
+
+
+def _older_list(cfg: Any, key: str, value: Any) -> Any:
+    """A mapping field given as a list, as older versions wrote it (``loss_weights: [2.0, 5.0, 2.0]``): the
+    values in the order of the default's names, said in one line; anything else as it is."""
+    default = getattr(cfg, key, None)
+    if not isinstance(value, list) or not isinstance(default, dict) or not 0 < len(value) <= len(default):
+        return value
+    named = dict(zip(default, value))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {key} given as a list (an older config): read in its order as {named}", flush=True)
+    return named
 
 
 def _recipe_of(keys: Sequence[str], cls: type) -> str:

@@ -79,6 +79,29 @@ def test_mapping_fields():
         parse_config(Cfg, ["--model_kwargs", "[1, 2]"])
 
 
+@pytest.mark.parametrize(
+    ("recipe", "old", "named"),
+    [
+        ("detr", [1.0, 5.0, 2.0], {"ce": 1.0, "bbox": 5.0, "giou": 2.0}),
+        (
+            "faster_rcnn",
+            [1.0, 2.0, 1.0, 3.0],
+            {"rpn_objectness": 1.0, "rpn_box": 2.0, "roi_classifier": 1.0, "roi_box": 3.0, "mask": 1.0},
+        ),  # fmt: skip
+    ],
+)
+def test_an_older_config_with_a_list_of_loss_weights_loads_in_its_order(tmp_path, capsys, recipe, old, named):
+    """config.yaml of a run from before the weights were named: the list read in the names' order, one line."""
+    from conftest import load_recipe
+
+    config = load_recipe(recipe).Config
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"loss_weights": old}))
+    cfg = parse_config(config, ["--config", str(path)])
+    assert {**dict(config().loss_weights), **cfg.loss_weights} == named
+    assert capsys.readouterr().out.count("note: loss_weights given as a list (an older config)") == 1
+
+
 def test_unknown_flag_names_closest_key():
     with pytest.raises(ConfigError, match=r"unknown config key 'lrr' in the command line \(did you mean 'lr'\?\)"):
         parse_config(Cfg, ["--lrr", "0.1"])
