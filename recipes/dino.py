@@ -440,8 +440,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     peak = cfg.peak_lr(accelerator.num_processes)  # lr carried from lr_batch images to the global batch
 
     def lay_out(length: Length) -> dict[str, np.ndarray]:
-        """lr, weight decay and the teacher's momentum per step; the teacher temperature per epoch."""
-        dino_loss.set_epochs(round(length.in_epochs(cfg.warmup_teacher_temp_epochs)), length.epochs)
+        """lr, weight decay and the teacher's momentum per step (the teacher temperature: per epoch, below)."""
         return {
             "lr": schedule("cosine", peak, cfg.min_lr, length.steps, length.at(cfg.warmup_epochs)),
             "weight_decay": schedule("cosine", cfg.weight_decay, cfg.weight_decay_end, length.steps),
@@ -499,7 +498,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # ---- training loop ---------------------------------------------------------------------------
     teacher.train()
     for epoch in loop.epochs():
-        student.train()
+        student.train()  # the teacher temperature's warmup over the run's length now (a budget's refit changes it)
+        dino_loss.set_epochs(round(loop.length.in_epochs(cfg.warmup_teacher_temp_epochs)), loop.length.epochs)
         for crops, _ in loop.batches():
             lr, weight_decay, momentum = loop.value("lr"), loop.value("weight_decay"), loop.value("momentum")
             set_group_values(optimizer, "lr", lr)

@@ -80,6 +80,7 @@ with own_files("yolo_"):  # YOLO's own files, beside this one: python -m common.
         decode_side,
         detection_transforms,
         kmeans_anchors,
+        mosaic,
         training_transforms,
     )
     from yolo_free import FREE_LOSS_WEIGHTS, SMALL_BACKBONES, YOLOFree, free_loss, small_backbone  # the free head
@@ -114,6 +115,11 @@ class Config(RunConfig):
         "gluoncv: GluonCV's colour distortion")
     mosaic: float = arg(0.0, "probability that a training image is a 4-image mosaic (0.5 at scale; the "
         "demo's 8 epochs are too few)", ge=0, le=1)
+    mosaic_scale: list[float] = arg([0.5, 1.5], "zoom [low, high] of the mosaic's window (YOLOv5's affine scale): "
+        "below 1 whole large objects, smaller", gt=0, le=16)
+    min_visibility: float = arg(0.5, "a box cut by a crop or the mosaic's window to less than this share of its "
+        "area is dropped (0.1 for large objects: a part of an animal is still one; a half digit may be another)",
+        ge=0, le=1)
     mixup: float = arg(0.0, "probability that a training image is mixed with another (GluonCV: Beta(1.5, 1.5))",
         ge=0, le=1)
     no_aug_epochs: int = arg(2, "mosaic and mixup are off for the last N epochs", ge=0, le=MAX_EPOCHS)
@@ -195,9 +201,11 @@ class YoloTrainSet(KeyedDataset):
     ``transform_at(s)`` gives the training transforms at another size ``s``, over ``base``'s rows, decoded
     images and count of replaced images.
 
-    Every target gets per-box ``weights``: 1, or the mixup ratio of the image the box came from
-    (GluonCV weights the objectness and box losses of a mixed box by its ratio), and ``dropped``: the
-    boxes of all its pieces lost to their transforms or to the mosaic window, each counted once.
+    A mosaic (yolo_data.mosaic): the sample's image and three drawn from its seed, a window zoomed by
+    ``mosaic_scale``; boxes it cuts below ``min_visibility`` dropped. Every target gets per-box ``weights``:
+    1, or the mixup ratio of the image the box came from (GluonCV weights the objectness and box losses of a
+    mixed box by its ratio), and ``dropped``: the boxes of all its pieces lost to their transforms or to the
+    mosaic window, each counted once.
     """
 
     def __init__(
@@ -209,8 +217,11 @@ class YoloTrainSet(KeyedDataset):
         aug_epochs: int,
         seed: int,
         transform_at: Callable[[int], Callable] | None = None,
+        mosaic_scale: tuple[float, float] = (1.0, 1.0),
+        min_visibility: float = 0.5,
     ) -> None:
         self.base, self.size, self.mosaic, self.mixup = base, size, mosaic, mixup
+        self.zoom, self.visible = tuple(mosaic_scale), min_visibility  # the mosaic's window (yolo_data.mosaic)
         self.seed, self.transform_at = seed, transform_at
         # the epochs with mosaic and mixup: the run's length sets it (a budget's plan, after the workers started)
         self._aug_epochs = shared_count()
@@ -229,7 +240,7 @@ class YoloTrainSet(KeyedDataset):
         return len(self.base)
 
     def _item(self, epoch: int, index: int, size: int):
-        """One image decoded and transformed at ``size``: image, boxes, labels, weights (1), dropped."""
+        """One image decoded and transformed at ``size``: image, boxes, labels, weights (1), dropped, (h, w)."""
         if size not in self._at_size:
             if self.transform_at is None:
                 raise ValueError(f"input size {size} asked of a YoloTrainSet made for {self.size} only")
@@ -239,18 +250,19 @@ class YoloTrainSet(KeyedDataset):
             )
         image, target = self._at_size[size][(epoch, index)]
         boxes = target["boxes"].as_subclass(torch.Tensor).float()
-        return image, boxes, target["labels"], torch.ones(len(boxes)), target["dropped"]
+        return image, boxes, target["labels"], torch.ones(len(boxes)), target["dropped"], target["size"]
 
     def __getitem__(self, key: int | tuple[int, int] | tuple[int, int, int]):
         key = key if isinstance(key, tuple) else (0, key)
         epoch, index, size = key if len(key) == 3 else (*key, self.size)
         rng = random.Random(sample_seed(self.seed, epoch, index) + 1)  # a stream apart from the base transforms
         if epoch < self.aug_epochs and rng.random() < self.mosaic:  # the sample's image is the mosaic's first piece
-            image, boxes, labels, weights, dropped = self._mosaic(
-                epoch, [index] + [rng.randrange(len(self)) for _ in range(3)], size, rng
-            )
+            pieces = [self._item(epoch, i, size) for i in [index] + [rng.randrange(len(self)) for _ in range(3)]]
+            image, boxes, kept = mosaic([(p[0], p[1], p[5]) for p in pieces], size, rng, self.zoom, self.visible)
+            labels, weights = torch.cat([p[2] for p in pieces])[kept], torch.cat([p[3] for p in pieces])[kept]
+            boxes, dropped = boxes[kept], sum(p[4] for p in pieces) + int((~kept).sum())
         else:
-            image, boxes, labels, weights, dropped = self._item(epoch, index, size)
+            image, boxes, labels, weights, dropped, _ = self._item(epoch, index, size)
         if epoch < self.aug_epochs and rng.random() < self.mixup:
             other = self._item(epoch, rng.randrange(len(self)), size)
             ratio = float(np.random.default_rng(rng.randrange(2**32)).beta(1.5, 1.5))
@@ -259,31 +271,6 @@ class YoloTrainSet(KeyedDataset):
             weights = torch.cat([weights * ratio, other[3] * (1 - ratio)])
             dropped += other[4]
         return image, {"boxes": boxes, "labels": labels, "weights": weights, "dropped": dropped}
-
-    def _mosaic(self, epoch: int, indices: list[int], s: int, rng: random.Random):
-        """Four images at size s in the quadrants of a 2s x 2s canvas, then a random s x s window of it.
-        Boxes are clipped to the window; a box that keeps less than 40 % of its area is dropped (a digit
-        cut in half is no longer that digit)."""
-        canvas = torch.zeros(3, 2 * s, 2 * s)  # 0 = the mean colour after normalisation
-        all_boxes, all_labels, all_weights, dropped = [], [], [], 0
-        for q, i in enumerate(indices):
-            image, boxes, labels, weights, lost = self._item(epoch, i, s)
-            h, w = image.shape[-2:]
-            oy, ox = (q // 2) * s, (q % 2) * s
-            canvas[:, oy : oy + h, ox : ox + w] = image[:, :s, :s]
-            all_boxes.append(boxes + torch.tensor([ox, oy, ox, oy], dtype=boxes.dtype))
-            all_labels.append(labels)
-            all_weights.append(weights)
-            dropped += lost
-        x0, y0 = rng.randrange(s // 2, s + 1), rng.randrange(s // 2, s + 1)  # the window always meets all four
-        x0, y0 = x0 - s // 2, y0 - s // 2
-        boxes, labels, weights = torch.cat(all_boxes), torch.cat(all_labels), torch.cat(all_weights)
-        area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
-        boxes = (boxes - torch.tensor([x0, y0, x0, y0], dtype=boxes.dtype)).clamp(0, s)
-        kept = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]) >= 0.4 * area.clamp(min=1e-6)
-        kept &= (boxes[:, 2] - boxes[:, 0] >= 2) & (boxes[:, 3] - boxes[:, 1] >= 2)
-        dropped += int((~kept).sum())
-        return canvas[:, y0 : y0 + s, x0 : x0 + s].clone(), boxes[kept], labels[kept], weights[kept], dropped
 
 
 def train_collate(batch):
@@ -457,6 +444,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cfg.epochs - cfg.no_aug_epochs,
         cfg.seed,
         transform_at,
+        cfg.mosaic_scale,
+        cfg.min_visibility,
     )
     eval_set = DetectionDataset(data.eval, eval_tf, cfg.seed, cfg.img_size, eval_cache)  # reduced to the letterbox
     eval_loader = eval_loader_for(eval_set, cfg.batch_size, cfg.num_workers, collate_fn=collate)
@@ -503,10 +492,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     unwrapped = accelerator.unwrap_model(model)
 
     def lay_out(length: Length) -> dict[str, np.ndarray]:
-        """The learning rate per step over the run's length; the epochs with mosaic and mixup (the first of a
-        budgeted run keeps them: its batches were drawn before its plan)."""
-        no_aug = math.ceil(length.in_epochs(cfg.no_aug_epochs))
-        train_set.aug_epochs = max(length.epochs - no_aug, 1) if length.budgeted else cfg.epochs - cfg.no_aug_epochs
+        """The learning rate per step over the run's length."""
         warmup, milestones = length.at(cfg.warmup_epochs), [length.at(m) for m in cfg.decay_milestones]
         lr = schedule(cfg.sched, peak, cfg.min_lr, length.steps, warmup, cfg.warmup_lr, milestones, cfg.decay_rate)
         return {"lr": lr}
@@ -519,7 +505,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     loop.resume()  # model, optimizer, EMA, ... and the generators from --resume's checkpoint: where it stopped
     meters, results, details = loop.meters, {}, None
     for epoch in loop.epochs():
-        model.train()
+        model.train()  # mosaic and mixup until the run's last no_aug_epochs share (its length now: a budget's refit)
+        train_set.aug_epochs = loop.length.epochs - math.ceil(loop.length.in_epochs(cfg.no_aug_epochs))
         for images, targets in loop.batches():
             height, width = images.shape[-2:]  # this batch's multi-scale size (MultiScaleBatchSampler)
             lr = loop.value("lr")

@@ -147,6 +147,7 @@ def training_transforms(cfg: Any) -> Callable[[int], Callable]:
         scale_range=tuple(cfg.scale_range),
         hflip=cfg.hflip,
         color_jitter=cfg.color_jitter,
+        min_visibility=cfg.min_visibility,
         preset=cfg.augment,
     )
 
@@ -207,6 +208,41 @@ def gluoncv_transforms(train: bool, size: int, hflip: float = 0.5, color_jitter:
         v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
     ]
     return v2.Compose(steps)
+
+
+# ============================================================================================
+# Mosaic: four training samples around one point, a zoomed window of them
+# ============================================================================================
+def mosaic(
+    pieces: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]],
+    s: int,
+    rng: Any,
+    zoom: tuple[float, float] = (1.0, 1.0),
+    min_visibility: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """YOLOv4/v5's mosaic: four ``pieces`` (image [3, s, s] letterboxed top-left, XYXY boxes [N, 4] in its pixels,
+    the unpadded (h, w)) around the centre of a 2s x 2s canvas, each with a corner at the centre (no padding
+    between them), then a window of side s / z (``z`` drawn from ``zoom``; at most the canvas) whose centre lies
+    within s/2 of the canvas's, resized to s x s: z < 1 shows whole large objects smaller, z > 1 a closer part.
+
+    Returns the image [3, s, s], every piece's boxes moved into it [sum N, 4] and which of them are kept: a box the
+    window cuts to less than ``min_visibility`` of its area, or under 2 px, is dropped. ``rng``: ``random.Random``."""
+    canvas = torch.zeros(3, 2 * s, 2 * s)  # 0 = the mean colour after normalisation
+    moved = []
+    for q, (image, boxes, (h, w)) in enumerate(pieces):  # top-left, top-right, bottom-left, bottom-right
+        y, x = (s - h if q < 2 else s), (s - w if q % 2 == 0 else s)
+        canvas[:, y : y + h, x : x + w] = image[:, :h, :w]
+        moved.append(boxes + torch.tensor([x, y, x, y], dtype=boxes.dtype))
+    side = min(2 * s, round(s / (rng.uniform(*zoom) if zoom[0] < zoom[1] else zoom[0])))
+    x0, y0 = (min(max(0, round(s - side / 2 + rng.uniform(-s / 2, s / 2))), 2 * s - side) for _ in range(2))
+    boxes = torch.cat(moved)
+    before = areas(boxes) * (s / side) ** 2
+    boxes = (boxes - torch.tensor([x0, y0, x0, y0], dtype=boxes.dtype)).clamp(0, side) * (s / side)
+    kept = (areas(boxes) >= min_visibility * before.clamp(min=1e-6)) & (boxes[:, 2:] - boxes[:, :2] >= 2).all(1)
+    window = canvas[:, y0 : y0 + side, x0 : x0 + side]
+    if side != s:
+        window = torch.nn.functional.interpolate(window[None], (s, s), mode="bilinear", antialias=side > s)[0]
+    return window.contiguous(), boxes, kept
 
 
 # ============================================================================================

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import safetensors.torch
 import torch
 
 from common import UserError
+from common.budget import epochs_for
 from common.config import parse_config
 from common.detection.boxes import rescale_boxes
 from common.detection.coco_eval import CocoEvaluator
@@ -281,6 +283,36 @@ def test_mosaic_keeps_boxes_on_their_digits():
     plain_image, plain_target = train_set[(1, 3)]
     expected_image, expected_target = base[(1, 3)]
     assert torch.equal(plain_image, expected_image)
+
+
+class _Midpoint:
+    """A random.Random stand-in whose draws are the middle of their range."""
+
+    def uniform(self, low: float, high: float) -> float:
+        return (low + high) / 2
+
+
+def test_a_mosaic_meets_at_the_centre_and_its_window_zooms():
+    """Four pieces of different sizes touch the canvas's centre with a corner each; zoom 0.5 shows the whole
+    2s canvas at half size (every box whole, halved); zoom 1 cuts an s window around the centre, where a box
+    left with a quarter of its area is dropped at min_visibility 0.5 and kept at 0.1."""
+    s, sizes = 64, [(40, 64), (64, 30), (20, 50), (64, 64)]
+    pieces = []
+    for q, (h, w) in enumerate(sizes):
+        image = torch.zeros(3, s, s)
+        image[:, :h, :w] = q + 1
+        pieces.append((image, torch.tensor([[2.0, 2.0, w - 2.0, h - 2.0]]), (h, w)))
+    image, boxes, kept = yolo.mosaic(pieces, s, _Midpoint(), zoom=(0.5, 0.5))
+    corners = [(s - h if q < 2 else s, s - w if q % 2 == 0 else s) for q, (h, w) in enumerate(sizes)]  # on 2s
+    expected = [[x + 2, y + 2, x + w - 2, y + h - 2] for (y, x), (h, w) in zip(corners, sizes)]
+    assert image.shape == (3, s, s) and kept.all()
+    assert torch.allclose(boxes, 0.5 * torch.tensor(expected, dtype=torch.float32))
+    assert [float(image[0, 30, 30]), float(image[0, 30, 33]), float(image[0, 33, 30]), float(image[0, 33, 33])] == [
+        1.0, 2.0, 3.0, 4.0]  # fmt: skip
+    _, boxes, kept = yolo.mosaic(pieces, s, _Midpoint(), zoom=(1.0, 1.0), min_visibility=0.5)
+    assert boxes[3].tolist() == [34.0, 34.0, 64.0, 64.0] and not kept[3]  # 30 x 30 of its 60 x 60
+    _, _, kept = yolo.mosaic(pieces, s, _Midpoint(), zoom=(1.0, 1.0), min_visibility=0.1)
+    assert kept[3]
 
 
 class _Recording(CocoEvaluator):
@@ -685,3 +717,37 @@ def test_each_head_trains_evaluates_and_reloads_through_the_entry_point(tmp_path
     evaluated = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in evaluated if "eval/map" in r][-1]["eval/map"] == pytest.approx(final["eval/map"], abs=1e-6)
     assert read_metadata(run / "final.safetensors")["config"]["head"] == head[1]
+
+
+def test_a_squeezed_budgeted_run_switches_mosaic_off_for_its_last_share(tmp_path, monkeypatch):
+    """--max_time whose steps turn slower after the plan: the run is squeezed into fewer epochs (a refit), and
+    mosaic stops for the last no_aug_epochs share of the epochs it now has, not of the plan's."""
+    import common.loop
+
+    slow, seen = {"on": False}, []
+    apply, item, count = common.loop.Loop._apply, yolo.YoloTrainSet.__getitem__, yolo.YoloTrainSet.aug_epochs
+
+    def planned(self, plan):
+        apply(self, plan)
+        slow["on"] = True
+
+    def slower(self, key):
+        if slow["on"]:
+            time.sleep(0.06)
+        return item(self, key)
+
+    monkeypatch.setattr(common.loop.Loop, "_apply", planned)
+    monkeypatch.setattr(yolo.YoloTrainSet, "__getitem__", slower)
+    recorded = property(count.fget, lambda self, value: (seen.append(value), count.fset(self, value)))
+    monkeypatch.setattr(yolo.YoloTrainSet, "aug_epochs", recorded)
+    run = tmp_path / "run"
+    args = ["--model", "cs3darknet_xs", "--neck_channels", "64", "--img_size", "64", "--batch_size", "4"]
+    args += ["--mosaic", "1", "--plot_images", "0", "--num_workers", "0", "--train_fraction", "0.06"]
+    args += ["--report_to", "none", "--epochs", "8", "--no_aug_epochs", "2", "--max_time", "40s"]
+    yolo.main(args + ["--output_dir", str(run)])
+    state = json.loads(sorted((run / "checkpoints").glob("*/train_state.json"))[-1].read_text())
+    plan, refits = state["extra"]["plan"], state["extra"]["refit"]
+    spe = math.ceil(len(load_detection("digits_det").train) * 0.06 / 4)
+    epochs = epochs_for(refits[-1][1], spe)
+    assert epochs < plan["epochs"]  # squeezed
+    assert seen[-1] == epochs - math.ceil(2 * epochs / 8) != plan["epochs"] - math.ceil(2 * plan["epochs"] / 8)
