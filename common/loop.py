@@ -97,6 +97,7 @@ class Loop(BudgetedLoop):
         self.meters.pause()  # the clock of img/s runs inside the epochs' batches only
         self._in_epoch = self._epoch_done = False
         self._evaluating: dict[str, Any] | None = None  # in evaluation(): ``extra`` as it was when it started
+        self._evaluate = False  # eval_due(): decided when an epoch's batches end
         self._saved_step = -1  # the step of the newest checkpoint this session wrote or resumed from
         # the last epoch's final loader call (it found no batch), seconds; perf_counter() at the epochs' end
         self._tail_s: float | None = None
@@ -173,6 +174,7 @@ class Loop(BudgetedLoop):
         skip = self.batches_done
         if self.step >= self.total_steps or skip >= len(self.train_loader):  # resumed before an evaluation
             self._epoch_done = skip >= len(self.train_loader)
+            self._evaluate = self._evaluation_decided()
             return
         loader = self.accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
         self._in_epoch, restart, iterator, first, over = True, time.perf_counter(), iter(loader), True, False
@@ -196,6 +198,7 @@ class Loop(BudgetedLoop):
         self._in_epoch, self._epoch_done = False, over or self.batches_done == len(self.train_loader)
         if loader is not self.train_loader:  # a resumed epoch's own loader: its workers end with it
             shutdown_workers(loader)
+        self._evaluate = self._evaluation_decided()  # eval_due()'s answer, said where an evaluation is left out
 
     # -- a step ------------------------------------------------------------------------------------
     def record(self, loss: torch.Tensor, losses: Mapping[str, torch.Tensor], images: int, **counts: Any) -> None:
@@ -339,9 +342,13 @@ class Loop(BudgetedLoop):
         return (epoch + 1) % every == 0 or epoch + 1 >= self.length.epochs
 
     def eval_due(self) -> bool:
-        """Every ``eval_every`` epochs (a budget: its plan's evaluations spread over the run's epochs) and after the
-        last. A budgeted run still timing evaluates at its last epoch only; one whose steps ran slower than timed
-        leaves out an evaluation before its last that would not leave time for the rest (said once)."""
+        """Whether this epoch ends with an evaluation: every ``eval_every`` epochs (a budget: its plan's evaluations
+        spread over the run's epochs) and after the last. A budgeted run still timing evaluates at its last epoch
+        only; one whose steps ran slower than timed leaves out an evaluation before its last that would not leave
+        time for the rest. Decided (and a left-out evaluation said, once) when the epoch's batches end."""
+        return self._evaluate
+
+    def _evaluation_decided(self) -> bool:
         if self.last_epoch:
             return True
         if self._unplanned or not self._eval_at(self.epoch):
