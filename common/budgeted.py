@@ -128,6 +128,8 @@ class BudgetedLoop:
             for at, total in self.extra.get("refit", []):
                 self._refit(at, total)
             assert self.plan is not None
+            if self.plan.step_s <= 0:  # planned without timing: its few steps as they were
+                return
             fits = self.step + max(math.floor(STEP_MARGIN * self.clock.room(self.plan, self._evaluations_left())), 1)
             fits = int(self.clock.agreed(float(min(fits, self.cfg.max_steps or fits))))
             self.run.print(
@@ -135,7 +137,7 @@ class BudgetedLoop:
                 f"{fits:,} steps fit, the plan had {self.total_steps:,}"
                 + (f": its rest laid over the steps to {fits:,}" if fits < self.total_steps else "")
             )
-            if fits < self.total_steps and self.plan.step_s > 0:
+            if fits < self.total_steps:
                 self.extra.setdefault("refit", []).append([self.step, fits])
                 self._refit(self.step, fits)
         elif self.step > 0 and "max_time_s" not in self.extra:

@@ -274,6 +274,11 @@ def test_a_budget_spent_before_the_first_step_still_runs_a_whole_schedule(tmp_pa
     assert f"the run trains {loop.step} steps" in warning
     assert loop.step == max(lrs) == common.budgeted.SHORT_RUN
     assert max(lrs.values()) > 0.5 and lrs[loop.step] == pytest.approx(0.0, abs=1e-12)
+    # stopped at its third step and resumed (the budget still spent): the same short schedule to its end
+    _, stopped = budgeted(tmp_path / "again", monkeypatch, time.time() - 30, stop_at=3, max_time="10s")
+    rest, resumed = budgeted(tmp_path / "again", monkeypatch, time.time() - 30, max_time="10s", resume="auto")
+    assert stopped.step == 3 and resumed.step == max(rest) == loop.step
+    assert [rest[s] for s in range(4, loop.step + 1)] == pytest.approx([lrs[s] for s in range(4, loop.step + 1)])
 
 
 @pytest.mark.slow
