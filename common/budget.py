@@ -195,9 +195,11 @@ class BudgetClock:
     long is left (:meth:`left`). Decisions that change what every process does are the main process's, broadcast
     (``accelerator``), so that they agree."""
 
-    def __init__(self, seconds: float, accelerator: Any) -> None:
+    def __init__(self, seconds: float, accelerator: Any, started: float | None = None) -> None:
         self.seconds, self.accelerator = seconds, accelerator
         self.created = time.perf_counter()  # the first step's start, at the latest
+        # perf_counter() at the session's start (common.run.Run.started: the process's start for its first run)
+        self.started = started if started is not None else time.perf_counter() - (time.time() - process_start())
         self.timed_ends: list[float] = []  # perf_counter() at the end of each step, until planned
         self.ends: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS + 1)  # and after it
         self.recent_s: float | None = None  # seconds per step lately, kept across an evaluation's gap
@@ -207,8 +209,8 @@ class BudgetClock:
         self.skew_s = 0.0 if accelerator.is_main_process else float(os.environ.get(SKEW_VARIABLE, "0") or 0)
 
     def spent(self) -> float:
-        """Seconds of the budget spent: the earlier sessions' and this process's since it started."""
-        return self.spent_before + time.time() - process_start() + self.skew_s
+        """Seconds of the budget spent: the earlier sessions' and this one's since it started."""
+        return self.spent_before + time.perf_counter() - self.started + self.skew_s
 
     def left(self) -> float:
         return self.seconds - self.spent()

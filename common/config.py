@@ -140,11 +140,9 @@ def _choices_error(name: str, value: Any, allowed: Sequence[Any], source: str = 
 
 
 def _coerce(name: str, value: Any, hint: Any, from_cli: bool) -> Any:
-    """Convert ``value`` to the field type ``hint``; raise ConfigError when it does not fit.
-
-    YAML already typed file values; command-line values arrive as strings and are parsed
-    by the field's type, so ``--lr 3e-4`` is a float and ``--data 10`` stays a string.
-    """
+    """Convert ``value`` to the field type ``hint``; raise ConfigError when it does not fit. YAML already typed
+    file values; command-line values arrive as strings and are parsed by the field's type, so ``--lr 3e-4`` is a
+    float and ``--data 10`` stays a string."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):  # Optional[X]: None or X
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -259,10 +257,9 @@ def _older_list(cfg: Any, key: str, value: Any) -> Any:
     default = getattr(cfg, key, None)
     if not isinstance(value, list) or not isinstance(default, dict) or not 0 < len(value) <= len(default):
         return value
-    named = dict(zip(default, value))
     if os.environ.get("RANK", "0") == "0":
-        print(f"note: {key} given as a list (an older config): read in its order as {named}", flush=True)
-    return named
+        print(f"note: {key} given as a list (an older config): read in its order as {dict(zip(default, value))}")
+    return dict(zip(default, value))
 
 
 def _recipe_of(keys: Sequence[str], cls: type) -> str:

@@ -99,11 +99,10 @@ class Loop(BudgetedLoop):
         self._evaluating: dict[str, Any] | None = None  # in evaluation(): ``extra`` as it was when it started
         self._evaluate = False  # eval_due(): decided when an epoch's batches end
         self._saved_step = -1  # the step of the newest checkpoint this session wrote or resumed from
-        # the last epoch's final loader call (it found no batch), seconds; perf_counter() at the epochs' end
-        self._tail_s: float | None = None
-        self._loop_end: float | None = None
+        self._tail_s: float | None = None  # the last epoch's final loader call (it found no batch), seconds
+        self._loop_end: float | None = None  # perf_counter() at the epochs' end
         self._last_line, self._last_step = time.monotonic(), self.step  # the last step line (no progress bar)
-        self.clock = BudgetClock(self.budget_s, self.accelerator)  # a budget's timing, speed and time left
+        self.clock = BudgetClock(self.budget_s, self.accelerator, run.started)  # a budget's timing, speed, time left
         self._step_s, self._steps_timed = 0.0, 0  # the step clock's seconds and steps, this session (the eta)
         self._unit = ""  # the step line's speed unit, fixed by its first line
         self._first_step_s = 0.0  # seconds from the process's start to this session's first step's end
@@ -342,17 +341,14 @@ class Loop(BudgetedLoop):
         return (epoch + 1) % every == 0 or epoch + 1 >= self.length.epochs
 
     def eval_due(self) -> bool:
-        """Whether this epoch ends with an evaluation: every ``eval_every`` epochs (a budget: its plan's evaluations
-        spread over the run's epochs) and after the last. A budgeted run still timing evaluates at its last epoch
-        only; one whose steps ran slower than timed leaves out an evaluation before its last that would not leave
-        time for the rest. Decided (and a left-out evaluation said, once) when the epoch's batches end."""
+        """Whether this epoch ends with an evaluation: every ``eval_every`` epochs (a budget: its plan's, spread over
+        the run's epochs) and after the last; a budget still timing: the last only, and one behind its plan leaves out
+        an evaluation that would not leave time for the rest (said once, when the epoch's batches end)."""
         return self._evaluate
 
     def _evaluation_decided(self) -> bool:
-        if self.last_epoch:
-            return True
-        if self._unplanned or not self._eval_at(self.epoch):
-            return False
+        if self.last_epoch or self._unplanned or not self._eval_at(self.epoch):
+            return self.last_epoch
         return self.plan is None or self._evaluation_fits()
 
     @contextlib.contextmanager

@@ -131,6 +131,7 @@ def budgeted(folder, monkeypatch, started: float, stop_at: int = 0, **fields) ->
     cosine from 1 to 0 with 10 % warmup of its 10 epochs. Returns each step's lr and the finished loop."""
     for module in (common.loop, common.budget, common.run):  # the budget starts with the test
         monkeypatch.setattr(module, "process_start", lambda: started)
+    monkeypatch.setattr(common.run, "_runs_made", 0)  # the run counts from that start, as a process's first does
     cfg = RunConfig(output_dir=str(folder), report_to="none", num_workers=0, batch_size=BATCH, epochs=10, **fields)
     run = Run(cfg, "budget")
     loader = run.accelerator.prepare(train_loader_for(Indices(), BATCH, 0, 0, 1))

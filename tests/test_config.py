@@ -213,7 +213,7 @@ def test_another_recipes_config_names_the_recipe_it_is_for(tmp_path):
         parse_config(recipe("classifier").Config, ["--config", str(saved)])
     assert str(e.value) == (
         f"config file '{saved}' is for yolo.py, not classifier.py: "
-        "classifier.py has no 'multiscale', 'multiscale_every', 'augment' and 17 more"
+        "classifier.py has no 'multiscale', 'multiscale_every', 'augment' and 19 more"
     )
     from conftest import ROOT
 

@@ -722,8 +722,14 @@ def test_each_head_trains_evaluates_and_reloads_through_the_entry_point(tmp_path
 def test_a_squeezed_budgeted_run_switches_mosaic_off_for_its_last_share(tmp_path, monkeypatch):
     """--max_time whose steps turn slower after the plan: the run is squeezed into fewer epochs (a refit), and
     mosaic stops for the last no_aug_epochs share of the epochs it now has, not of the plan's."""
+    import common.budget
     import common.loop
+    import common.run
 
+    started = time.time()
+    for module in (common.loop, common.budget, common.run):  # the budget starts with the test, not with pytest
+        monkeypatch.setattr(module, "process_start", lambda: started)
+    monkeypatch.setattr(common.run, "_runs_made", 0)
     slow, seen = {"on": False}, []
     apply, item, count = common.loop.Loop._apply, yolo.YoloTrainSet.__getitem__, yolo.YoloTrainSet.aug_epochs
 
