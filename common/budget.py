@@ -285,6 +285,12 @@ class BudgetClock:
         eval_s = EVAL_MARGIN * self.eval_s if self.eval_s else plan.eval_s  # plan.eval_s has the margin in
         return (self.left() - evaluations * eval_s - plan.end_s) / self.step_s(plan.step_s)
 
+    def fitting(self, step: int, plan: Plan, evaluations: int, room: float | None = None) -> int:
+        """The last step to plan for after ``step``: :data:`STEP_MARGIN` of the :meth:`room`, so that noise in the
+        steps' speed does not refit it back, and at least one more step."""
+        room = self.room(plan, evaluations) if room is None else room
+        return step + max(math.floor(STEP_MARGIN * room), 1)
+
     def fit(self, step: int, total: int, plan: Plan, evaluations: int = 1, max_steps: int = 0) -> int:
         """After a planned step: the run's last step so that the steps left at their recent speed, the
         ``evaluations`` still to come and the end fit what is left of the budget: ``total`` while they do; fewer
@@ -295,7 +301,7 @@ class BudgetClock:
         if step >= total or (self.accelerator.num_processes > 1 and step % CHECK_EVERY):
             return total
         room = self.room(plan, evaluations)
-        fits = step + max(math.floor(STEP_MARGIN * room), 1)  # a margin, so that noise does not refit it back
+        fits = self.fitting(step, plan, evaluations, room)
         if step + room < total or (len(self.ends) > RECENT_STEPS and fits > STRETCH * total):
             total = min(fits, max_steps) if max_steps > 0 else fits
         return int(self.agreed(float(total)))

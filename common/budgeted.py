@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
-from common.budget import STEP_MARGIN, BudgetClock, Length, Plan, epochs_for
+from common.budget import BudgetClock, Length, Plan, epochs_for
 from common.meters import format_seconds
 from common.schedules import LaidOut, steps_total
 
@@ -130,7 +130,7 @@ class BudgetedLoop:
             assert self.plan is not None
             if self.plan.step_s <= 0:  # planned without timing: its few steps as they were
                 return
-            fits = self.step + max(math.floor(STEP_MARGIN * self.clock.room(self.plan, self._evaluations_left())), 1)
+            fits = self.clock.fitting(self.step, self.plan, self._evaluations_left())
             fits = int(self.clock.agreed(float(min(fits, self.cfg.max_steps or fits))))
             self.run.print(
                 f"resume: {format_seconds(self.clock.spent_before)} of max_time {format_seconds(self.budget_s)} spent; "
