@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import re
 import subprocess
@@ -149,8 +150,11 @@ def plot(folders: list[Path], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [(f, b, r) for f in folders for b, r in json.loads((f / "results.json").read_text()).items()]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (folder, budget, row) in zip(axes[0], panels):
+    cols, rows = min(len(panels), 3), math.ceil(len(panels) / 3)  # three panels a row: readable at page width
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (folder, budget, row) in zip(axes.flat, panels):
         sides = (("ours_curve", "YOLO recipe", "tab:blue"), ("ultralytics_curve", "yolov8n", "tab:orange"))
         for key, label, colour in sides:
             points = row.get(key, [])
@@ -159,7 +163,8 @@ def plot(folders: list[Path], png: Path) -> None:
         ax.set_xlabel("wall time (min)")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("mAP@0.5 (held-out photos)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("mAP@0.5 (held-out photos)")
     axes[0][0].legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
