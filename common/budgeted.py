@@ -149,9 +149,9 @@ class BudgetedLoop:
         elif self.step > 0:
             spent, budget = format_seconds(self.clock.spent_before), format_seconds(self.budget_s)
             self.run.print(f"resume: {spent} of max_time {budget} spent before the plan; the steps are timed again")
-        spent = self.clock.agreed(float(self.clock.left() <= 0))  # the main process's clock decides for all
-        if self._unplanned and (spent or 0 < self.cfg.max_steps - self.step <= SHORT_RUN):
-            self._plan_untimed(bool(spent))
+        spent_out = bool(self.clock.agreed(float(self.clock.left() <= 0)))  # the main process's clock decides
+        if self._unplanned and (spent_out or 0 < self.cfg.max_steps - self.step <= SHORT_RUN):
+            self._plan_untimed(spent_out)
 
     def _plan_untimed(self, spent_out: bool) -> None:
         """Plan before the first step, without timing: the budget is spent already (start-up took it), or

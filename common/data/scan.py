@@ -144,9 +144,9 @@ def scan_table(
     bad, cached = {}, True
     if files and nice > 0:
         some = [paths[i] for i in files]
-        known, todo = _cached(some, _cache_file(some))
+        known, todo = _cached(some, cache_file := _cache_file(some))
         if todo:  # a checking process only where some image must be read
-            bad, cached = child_answer(run_child("scan", some, nice, str(_cache_file(some))))
+            bad, cached = child_answer(run_child("scan", some, nice, str(cache_file)))
         else:
             bad = {p: known[p][3] for p in some if known[p][3]}
     elif files:
